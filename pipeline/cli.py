@@ -1,0 +1,156 @@
+"""`kiln`: one typer app, one command per stage (what dvc.yaml runs) plus tools around them.
+
+Every stage command reads its section of params.yaml (`--params`), takes `--set key=value` overrides, and
+exits 0 on success, 1 when the work fails, 2 on bad input, with one line saying what was wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from pipeline.errors import KilnError
+from pipeline.progress import console
+
+app = typer.Typer(help="kiln: an LLM training pipeline, one command per DVC stage.", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False)
+data_app = typer.Typer(help="Corpus and token shards: prepare, shard, inspect.", no_args_is_help=True)
+tokenizer_app = typer.Typer(help="Byte-level BPE: train, encode, decode.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks that print a table and write JSON.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+app.add_typer(tokenizer_app, name="tokenizer")
+app.add_typer(bench_app, name="bench")
+
+ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to read.")]
+SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
+CorpusOpt = Annotated[Path, typer.Option(help="Corpus folder with train.parquet and val.parquet.")]
+TokenizerOpt = Annotated[Path, typer.Option(help="The tokenizer.json to use.")]
+PARAMS = Path("params.yaml")
+CORPUS = Path("data/corpus")
+TOKENIZER = Path("data/tokenizer/tokenizer.json")
+
+
+def reports_errors(fn):
+    """Turn a KilnError into its one-line message and exit code instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KilnError as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            console.print("interrupted; no output was written", highlight=False)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+@data_app.command("prepare")
+@reports_errors
+def data_prepare(params: ParamsOpt = PARAMS, set_: SetOpt = [], out: Path = Path("data/corpus")):
+    """Build train/val parquet files from `data.source` (stage `prepare`)."""
+    from pipeline.params import DataParams, load_section
+    from pipeline.prepare import prepare
+
+    metrics = prepare(load_section(DataParams, params, set_), out)
+    _print_metrics("prepare", metrics)
+
+
+@data_app.command("shard")
+@reports_errors
+def data_shard(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: CorpusOpt = CORPUS,
+               tokenizer: TokenizerOpt = TOKENIZER, out: Path = Path("data/shards")):
+    """Tokenize both splits into binary shards and a manifest (stage `shard`)."""
+    from pipeline.params import ShardParams, load_section
+    from pipeline.shard import shard
+
+    metrics = shard(load_section(ShardParams, params, set_), corpus, tokenizer, out)
+    _print_metrics("shard", metrics)
+
+
+@data_app.command("inspect")
+@reports_errors
+def data_inspect(path: Annotated[Path, typer.Argument(help="A shard file (.bin).")],
+                 tokenizer: TokenizerOpt = TOKENIZER,
+                 tokens: Annotated[int, typer.Option("-n", "--tokens", help="How many tokens to decode.")] = 64):
+    """Print a shard's header, token count and its first tokens decoded."""
+    from pipeline.shard_format import ShardHeader, open_tokens
+    from pipeline.tokenizer import load_tokenizer
+
+    header = ShardHeader.read(path)
+    ids = [int(i) for i in open_tokens(path, header)[:tokens]]
+    typer.echo(f"file:       {path}\nformat:     v{header.version}, {header.dtype.name}\n"
+               f"tokens:     {header.tokens:,}\nvocab size: {header.vocab_size:,}\n"
+               f"tokenizer:  sha256 {header.tokenizer_sha256}")
+    if tokenizer.is_file():
+        typer.echo(f"first {len(ids)} tokens:\n{load_tokenizer(tokenizer).decode(ids, skip_special_tokens=False)}")
+    else:
+        typer.echo(f"first {len(ids)} ids: {ids}")
+
+
+@tokenizer_app.command("train")
+@reports_errors
+def tokenizer_train(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: CorpusOpt = CORPUS,
+                    out: Path = Path("data/tokenizer")):
+    """Train the byte-level BPE on the train split (stage `tokenizer`)."""
+    from pipeline.params import TokenizerParams, load_section
+    from pipeline.tokenizer import train_tokenizer
+
+    metrics = train_tokenizer(load_section(TokenizerParams, params, set_), corpus, out)
+    _print_metrics("tokenizer", metrics)
+
+
+@tokenizer_app.command("encode")
+@reports_errors
+def tokenizer_encode(text: Annotated[str, typer.Argument(help="Text to encode ('-' reads stdin).")],
+                     tokenizer: TokenizerOpt = TOKENIZER):
+    """Print the ids and pieces of TEXT (special-token text becomes the special token)."""
+    from pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    enc = tok.encode(sys.stdin.read() if text == "-" else text)
+    typer.echo(" ".join(map(str, enc.ids)))
+    typer.echo(" ".join(repr(tok.decode([i], skip_special_tokens=False)) for i in enc.ids))
+
+
+@tokenizer_app.command("decode")
+@reports_errors
+def tokenizer_decode(ids: Annotated[list[str], typer.Argument(help="Token ids, space- or comma-separated.")],
+                     tokenizer: TokenizerOpt = TOKENIZER):
+    """Print the text of token IDS."""
+    from pipeline.errors import UserError
+    from pipeline.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    words = [w for item in ids for w in item.replace(",", " ").split()]
+    bad = [w for w in words if not w.isdigit() or int(w) >= tok.get_vocab_size()]
+    if bad:
+        raise UserError(f"ids: {bad[0]!r} is not a token id (expected 0..{tok.get_vocab_size() - 1})")
+    typer.echo(tok.decode([int(w) for w in words], skip_special_tokens=False))
+
+
+@bench_app.command("shard")
+@reports_errors
+def bench_shard(corpus: CorpusOpt = CORPUS, tokenizer: TokenizerOpt = TOKENIZER,
+                split: str = "train",
+                max_mb: Annotated[float, typer.Option(help="Encode at most this many MB of text.")] = 8.0,
+                out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                Path("metrics/bench/shard.json")):
+    """Sharding throughput against a single-process loop over HF `Tokenizer.encode`, in one run."""
+    from pipeline.bench import bench_shard as run
+
+    run(corpus, tokenizer, split, max_mb, out)
+
+
+def _print_metrics(stage: str, metrics: dict) -> None:
+    console.print(f"{stage}: " + ", ".join(f"{k}={v}" for k, v in metrics.items()), highlight=False)
+
+
+def main() -> None:
+    app()

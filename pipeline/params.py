@@ -1,0 +1,175 @@
+"""params.yaml: one plain dataclass per section, validated once when a command starts.
+
+Every stage reads only its own section, so that DVC's `params:` lists in dvc.yaml stay honest. A bad key or
+value stops the command before any work with a `UserError` that names the dotted key (`data.val_fraction`).
+`--set key=value` overrides are parsed as YAML scalars, so `--set data.max_docs=null` and
+`--set tokenizer.vocab_size=2048` mean what they say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import yaml
+
+from pipeline.errors import UserError
+
+SECTIONS = ("data", "tokenizer", "shard", "model", "train", "scaling", "sft", "dpo", "eval")
+
+
+class Section:
+    """Base for section dataclasses: `SECTION` names the params.yaml key, `check()` validates ranges."""
+
+    SECTION: ClassVar[str]
+
+    def check(self) -> None:
+        pass
+
+    def bad(self, name: str, expected: str) -> UserError:
+        return UserError(f"params: {self.SECTION}.{name}={getattr(self, name)!r}: expected {expected}")
+
+
+@dataclass
+class DataParams(Section):
+    SECTION: ClassVar[str] = "data"
+    # `shakespeare`, `hf:<dataset>[:<config>]`, or a local path / glob of .txt, .jsonl, .parquet files.
+    source: str = "shakespeare"
+    text_field: str = "text"
+    split: str = "train"
+    val_fraction: float = 0.05
+    max_docs: int | None = None
+    max_bytes: int | None = None
+    # `strict` stops at the first byte that is not UTF-8; `replace` keeps going and counts the replacements.
+    decode_errors: str = "strict"
+
+    def check(self) -> None:
+        if not self.source.strip():
+            raise self.bad("source", "'shakespeare', 'hf:<dataset>[:<config>]' or a path")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise self.bad("val_fraction", "a number between 0 and 1 (exclusive)")
+        for name in ("max_docs", "max_bytes"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise self.bad(name, "a positive integer or null")
+        if self.decode_errors not in ("strict", "replace"):
+            raise self.bad("decode_errors", "'strict' or 'replace'")
+
+
+@dataclass
+class TokenizerParams(Section):
+    SECTION: ClassVar[str] = "tokenizer"
+    vocab_size: int = 4096
+    # `gpt4`, `gpt2`, or a regex of your own for the pre-tokenization split.
+    pattern: str = "gpt4"
+    min_frequency: int = 2
+
+    def check(self) -> None:
+        from pipeline.tokenizer import SPECIAL_TOKENS, resolve_pattern
+
+        floor = 256 + len(SPECIAL_TOKENS)
+        if self.vocab_size < floor:
+            raise self.bad("vocab_size", f"at least {floor} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
+        if self.vocab_size > 2**32 - 1:
+            raise self.bad("vocab_size", "at most 2**32 - 1")
+        if self.min_frequency < 1:
+            raise self.bad("min_frequency", "a positive integer")
+        try:
+            resolve_pattern(self.pattern)
+        except ValueError as e:
+            raise self.bad("pattern", f"'gpt4', 'gpt2' or a valid regex ({e})") from None
+
+
+@dataclass
+class ShardParams(Section):
+    SECTION: ClassVar[str] = "shard"
+    shard_tokens: int = 1_000_000
+    # `tiktoken` (fast, multithreaded) or `hf` (the tokenizers library itself); both give identical ids.
+    backend: str = "tiktoken"
+    threads: int = 0  # 0 = every core
+
+    def check(self) -> None:
+        if self.shard_tokens < 1024:
+            raise self.bad("shard_tokens", "at least 1024")
+        if self.backend not in ("tiktoken", "hf"):
+            raise self.bad("backend", "'tiktoken' or 'hf'")
+        if self.threads < 0:
+            raise self.bad("threads", "0 (every core) or a positive integer")
+
+
+def read_params_file(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"{path}: params file not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: expected a mapping of sections at the top level")
+    for key in raw:
+        if key not in SECTIONS:
+            raise UserError(f"{path}: unknown section '{key}' (expected one of: {', '.join(SECTIONS)})")
+    return raw
+
+
+S = typing.TypeVar("S", bound=Section)
+
+
+def load_section(cls: type[S], path: Path = Path("params.yaml"), overrides: typing.Iterable[str] = ()) -> S:
+    """Read `cls.SECTION` from `path`, apply `--set` overrides, type-check and validate."""
+    section = cls.SECTION
+    values = read_params_file(path).get(section) or {}
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: section '{section}' must be a mapping")
+    values = dict(values)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {item!r}: expected key=value")
+        sec, _, name = key.rpartition(".")
+        if sec not in ("", section):
+            raise UserError(f"--set {key}: this command reads only the '{section}' section")
+        values[name] = yaml.safe_load(text) if text else ""
+    return build_section(cls, values)
+
+
+def build_section(cls: type[S], values: dict) -> S:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise UserError(f"params: unknown key {cls.SECTION}.{key} (expected one of: {', '.join(names)})")
+        kwargs[key] = _coerce(f"{cls.SECTION}.{key}", value, hints[key])
+    obj = cls(**kwargs)
+    obj.check()
+    return obj
+
+
+def _coerce(key: str, value, tp):
+    """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+    options = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise UserError(f"params: {key}=null: expected {_describe(tp)}")
+    for option in options:
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option in (str, bool) and isinstance(value, option):
+            return value
+        if typing.get_origin(option) is list and isinstance(value, list):
+            (item,) = typing.get_args(option)
+            return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    raise UserError(f"params: {key}={value!r}: expected {_describe(tp)}")
+
+
+def _describe(tp) -> str:
+    options = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+    words = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+    return " or ".join(words.get(o, getattr(o, "__name__", str(o))) for o in options)

@@ -1,0 +1,162 @@
+"""Stage `tokenizer`: a byte-level BPE trained with Hugging Face `tokenizers` on the train split.
+
+Decisions:
+- Byte-level, no normaliser: every string round-trips exactly (`decode(encode(s)) == s`); NFC happens once,
+  in `prepare`, so the tokenizer never rewrites text behind the user's back.
+- Pre-tokenization splits with a GPT-4-style regex (configurable), then maps bytes to GPT-2's printable
+  alphabet, so the saved `tokenizer.json` is the standard format that `transformers` loads as is.
+- The special tokens are reserved now, at ids 0..k-1, so the chat stages never change the vocabulary.
+- Document text is encoded as ordinary text: a corpus that happens to contain `<|endoftext|>` does not
+  inject control tokens (`encode_special_tokens = True` on the HF side, `encode_ordinary` on tiktoken's).
+- Because the trainer assigns ids in merge order, the same vocabulary read as tiktoken ranks gives the same
+  ids; `tiktoken_encoding` builds that faster encoder for sharding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pipeline.errors import UserError
+from pipeline.files import atomic_dir, write_metrics
+from pipeline.params import TokenizerParams
+
+TOKENIZER_DIR = Path("data/tokenizer")
+TOKENIZER_FILE = "tokenizer.json"
+EOT = "<|endoftext|>"
+# <|endoftext|> separates documents; <|pad|> fills batches; ChatML turn markers for SFT/DPO/chat.
+SPECIAL_TOKENS = (EOT, "<|pad|>", "<|im_start|>", "<|im_end|>")
+PATTERNS = {
+    "gpt4": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""",
+    "gpt2": r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+}
+
+
+def resolve_pattern(pattern: str) -> str:
+    """A named pattern or a regex of the user's own, checked by the regex engine that will run it."""
+    regex = PATTERNS.get(pattern, pattern)
+    try:
+        Regex(regex)
+    except Exception as e:  # tokenizers raises a bare Exception for Oniguruma errors
+        raise ValueError(str(e)) from None
+    return regex
+
+
+def new_tokenizer(pattern: str) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(resolve_pattern(pattern)), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def iter_texts(parquet: Path, batch_size: int = 512):
+    """Lists of document texts from a corpus split, a batch at a time."""
+    for batch in pq.ParquetFile(parquet).iter_batches(columns=["text"], batch_size=batch_size):
+        yield batch.column(0).to_pylist()
+
+
+def train_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path = TOKENIZER_DIR) -> dict:
+    train_path, val_path = corpus_dir / "train.parquet", corpus_dir / "val.parquet"
+    for path in (train_path, val_path):
+        if not path.is_file():
+            raise UserError(f"{path}: corpus split not found (run `kiln data prepare` first)")
+    tok = new_tokenizer(params.pattern)
+    trainer = trainers.BpeTrainer(
+        vocab_size=params.vocab_size,
+        min_frequency=params.min_frequency,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    start = time.perf_counter()
+    tok.train_from_iterator(iter_texts(train_path), trainer, length=pq.ParquetFile(train_path).metadata.num_rows)
+    seconds = time.perf_counter() - start
+    with atomic_dir(out_dir) as tmp:
+        tok.save(str(tmp / TOKENIZER_FILE))
+    ordinary = load_tokenizer(out_dir / TOKENIZER_FILE, ordinary=True)
+    val_bytes = val_tokens = 0
+    for texts in iter_texts(val_path):
+        val_bytes += sum(len(t.encode("utf-8")) for t in texts)
+        val_tokens += sum(len(e) for e in ordinary.encode_batch_fast(texts))
+    metrics = {
+        "vocab_size": tok.get_vocab_size(),
+        "requested_vocab_size": params.vocab_size,
+        "bytes_per_token_val": round(val_bytes / max(val_tokens, 1), 4),
+        "train_seconds": round(seconds, 3),
+    }
+    write_metrics("tokenizer", metrics)
+    return metrics
+
+
+def load_tokenizer(path: Path, ordinary: bool = False) -> Tokenizer:
+    """Load `tokenizer.json`; `ordinary=True` treats special-token text as plain text (for documents)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: tokenizer not found (run `kiln tokenizer train` first)")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        raise UserError(f"{path}: not a valid tokenizer.json ({e})") from None
+    tok.encode_special_tokens = ordinary
+    return tok
+
+
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters, the alphabet of byte-level BPE vocabularies.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes take the code points from 256 upwards.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            mapping[b] = chr(b)
+        else:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+def tiktoken_encoding(tok: Tokenizer, pattern: str | None = None):
+    """The same BPE as a `tiktoken.Encoding`: ranks are the HF ids, which follow merge order."""
+    import tiktoken
+
+    spec = json.loads(tok.to_str())
+    if pattern is None:
+        pattern = _split_pattern(spec)
+    decode_char = {c: b for b, c in byte_to_unicode().items()}
+    specials = {t["content"]: t["id"] for t in spec["added_tokens"] if t["special"]}
+    ranks = {}
+    for piece, idx in spec["model"]["vocab"].items():
+        if piece in specials:
+            continue
+        ranks[bytes(decode_char[c] for c in piece)] = idx
+    return tiktoken.Encoding(name="kiln", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
+
+
+def _split_pattern(spec: dict) -> str:
+    for step in spec["pre_tokenizer"].get("pretokenizers", []):
+        if step["type"] == "Split":
+            return step["pattern"]["Regex"]
+    raise UserError("tokenizer.json: no Split pre-tokenizer to take the regex from (was it made by kiln?)")
+
+
+def batch_encoder(path: Path, backend: str, threads: int = 0):
+    """A function from a list of documents to their ids (ordinary text), using every core by default.
+
+    `tiktoken` releases the GIL and runs `threads` threads; `hf` uses the tokenizers library's own pool.
+    """
+    tok = load_tokenizer(path, ordinary=True)
+    if backend == "hf":
+        return lambda texts: [e.ids for e in tok.encode_batch_fast(texts)]
+    enc = tiktoken_encoding(tok)
+    workers = threads or os.cpu_count() or 1
+    return lambda texts: enc.encode_ordinary_batch(texts, num_threads=workers)
