@@ -47,10 +47,11 @@ def bench_shard(corpus: Path, tokenizer: Path, split: str, max_mb: float, out: P
             texts.append(text)
             size += len(text.encode("utf-8"))
     hf = load_tokenizer(tokenizer, ordinary=True)
+    hf_batch, ours = batch_encoder(tokenizer, "hf"), batch_encoder(tokenizer, "tiktoken")
     candidates = {
         "hf Tokenizer.encode loop, 1 process (baseline)": lambda: [hf.encode(t).ids for t in texts],
-        "hf encode_batch_fast, all cores (shard.backend=hf)": lambda: batch_encoder(tokenizer, "hf")(texts),
-        "tiktoken from our merges, all cores (shard.backend=tiktoken)": lambda: batch_encoder(tokenizer, "tiktoken")(texts),
+        "hf encode_batch_fast, all cores (shard.backend=hf)": lambda: hf_batch(texts),
+        "tiktoken from our merges, all cores (shard.backend=tiktoken)": lambda: ours(texts),
     }
     rows, reference = [], None
     for name, fn in candidates.items():

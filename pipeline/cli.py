@@ -110,13 +110,20 @@ def tokenizer_train(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: Corpu
 @reports_errors
 def tokenizer_encode(text: Annotated[str, typer.Argument(help="Text to encode ('-' reads stdin).")],
                      tokenizer: TokenizerOpt = TOKENIZER):
-    """Print the ids and pieces of TEXT (special-token text becomes the special token)."""
-    from pipeline.tokenizer import load_tokenizer
+    """Print the ids of TEXT, then its pieces (special-token text becomes the special token)."""
+    from pipeline.errors import UserError
+    from pipeline.prepare import SURROGATE
+    from pipeline.tokenizer import load_tokenizer, token_bytes
 
     tok = load_tokenizer(tokenizer)
-    enc = tok.encode(sys.stdin.read() if text == "-" else text)
-    typer.echo(" ".join(map(str, enc.ids)))
-    typer.echo(" ".join(repr(tok.decode([i], skip_special_tokens=False)) for i in enc.ids))
+    text = sys.stdin.read() if text == "-" else text
+    if bad := SURROGATE.search(text):
+        raise UserError(f"TEXT: not valid Unicode (lone surrogate {bad.group()!r} at character {bad.start()})")
+    ids = tok.encode(text).ids
+    typer.echo(" ".join(map(str, ids)))
+    pieces = (token_bytes(tok, i) for i in ids)
+    # A piece that ends inside a UTF-8 character shows as bytes rather than as a replacement character.
+    typer.echo(" ".join(repr(p.decode()) if _is_utf8(p) else repr(p) for p in pieces))
 
 
 @tokenizer_app.command("decode")
@@ -146,6 +153,14 @@ def bench_shard(corpus: CorpusOpt = CORPUS, tokenizer: TokenizerOpt = TOKENIZER,
     from pipeline.bench import bench_shard as run
 
     run(corpus, tokenizer, split, max_mb, out)
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def _print_metrics(stage: str, metrics: dict) -> None:

@@ -9,6 +9,7 @@ on both sides.
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 import unicodedata
 from dataclasses import dataclass, field
@@ -27,12 +28,29 @@ CORPUS_DIR = Path("data/corpus")
 SPLITS = ("train", "val")
 SCHEMA = pa.schema([("text", pa.string()), ("source", pa.string())])
 ROWS_PER_WRITE = 1024
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def split_of(text: str, val_fraction: float) -> str:
     """`val` for a stable `val_fraction` of texts, chosen by a hash of the text itself."""
     h = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
     return "val" if h / 2**64 < val_fraction else "train"
+
+
+def valid_unicode(doc: Document, decode_errors: str, stats: DecodeStats) -> str:
+    """Lone surrogates (e.g. a JSON `"\\ud800"` escape) have no UTF-8 form; refuse them or replace them."""
+    try:
+        doc.text.encode("utf-8")
+        return doc.text
+    except UnicodeEncodeError as e:
+        if decode_errors == "strict":
+            raise UserError(
+                f"{doc.source}: text holds a lone surrogate {doc.text[e.start]!r} at character {e.start}, "
+                "which is not valid Unicode; set data.decode_errors=replace to replace it"
+            ) from None
+    fixed, count = SURROGATE.subn("\ufffd", doc.text)
+    stats.replaced += count
+    return fixed
 
 
 @dataclass
@@ -74,7 +92,7 @@ def prepare(params: DataParams, out_dir: Path = CORPUS_DIR) -> dict:
         writers = {split: SplitWriter(tmp / f"{split}.parquet") for split in SPLITS}
         kept = 0
         for doc in read_documents(params, stats):
-            text = unicodedata.normalize("NFC", doc.text)
+            text = unicodedata.normalize("NFC", valid_unicode(doc, params.decode_errors, stats))
             if not text.strip():
                 empty += 1
                 continue

@@ -84,10 +84,10 @@ def shard(params: ShardParams, corpus_dir: Path, tokenizer_path: Path, out_dir: 
             documents = 0
             for texts in iter_texts(path):
                 encoded = encode(texts)
-                lengths = [len(ids) + 1 for ids in encoded]
-                flat = np.fromiter(itertools.chain.from_iterable(ids + [eot] for ids in encoded),
-                                   dtype=np.int64, count=sum(lengths))
-                writer.add(flat)
+                for ids in encoded:
+                    ids.append(eot)
+                writer.add(np.fromiter(itertools.chain.from_iterable(encoded), dtype=writer.dtype,
+                                       count=sum(map(len, encoded))))
                 size = sum(len(t.encode("utf-8")) for t in texts)
                 text_bytes += size
                 documents += len(texts)

@@ -125,6 +125,17 @@ def byte_to_unicode() -> dict[int, str]:
     return mapping
 
 
+UNICODE_TO_BYTE = {c: b for b, c in byte_to_unicode().items()}
+
+
+def token_bytes(tok: Tokenizer, token_id: int) -> bytes:
+    """The raw bytes a token stands for (special tokens: their UTF-8 text)."""
+    piece = tok.id_to_token(token_id)
+    if token_id in tok.get_added_tokens_decoder():
+        return piece.encode()
+    return bytes(UNICODE_TO_BYTE[c] for c in piece)
+
+
 def tiktoken_encoding(tok: Tokenizer, pattern: str | None = None):
     """The same BPE as a `tiktoken.Encoding`: ranks are the HF ids, which follow merge order."""
     import tiktoken
@@ -132,13 +143,12 @@ def tiktoken_encoding(tok: Tokenizer, pattern: str | None = None):
     spec = json.loads(tok.to_str())
     if pattern is None:
         pattern = _split_pattern(spec)
-    decode_char = {c: b for b, c in byte_to_unicode().items()}
     specials = {t["content"]: t["id"] for t in spec["added_tokens"] if t["special"]}
     ranks = {}
     for piece, idx in spec["model"]["vocab"].items():
         if piece in specials:
             continue
-        ranks[bytes(decode_char[c] for c in piece)] = idx
+        ranks[bytes(UNICODE_TO_BYTE[c] for c in piece)] = idx
     return tiktoken.Encoding(name="kiln", pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
 
 

@@ -1,0 +1,60 @@
+"""Shared fixtures: pipeline outputs built once per test worker, on the default corpus and on a tiny one."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from pipeline.params import DataParams, ShardParams, TokenizerParams, build_section
+from pipeline.prepare import prepare
+from pipeline.shard import shard
+from pipeline.tokenizer import train_tokenizer
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@dataclass
+class Built:
+    root: Path
+    corpus: Path
+    tokenizer: Path
+    shards: Path
+
+
+def build(root: Path, data: dict, tokenizer: dict, shard_params: dict) -> Built:
+    with contextlib.chdir(root):
+        prepare(build_section(DataParams, data), Path("data/corpus"))
+        train_tokenizer(build_section(TokenizerParams, tokenizer), Path("data/corpus"), Path("data/tokenizer"))
+        shard(build_section(ShardParams, shard_params), Path("data/corpus"), Path("data/tokenizer/tokenizer.json"),
+              Path("data/shards"))
+    return Built(root, root / "data/corpus", root / "data/tokenizer/tokenizer.json", root / "data/shards")
+
+
+@pytest.fixture(scope="session")
+def shakespeare(tmp_path_factory) -> Built:
+    """The default pipeline (shakespeare corpus, default params) run once."""
+    return build(tmp_path_factory.mktemp("shakespeare"), {}, {}, {})
+
+
+def make_documents(n: int, seed: int = 0) -> list[str]:
+    """Distinct short documents with a mix of scripts, so that tiny tokenizers see multi-byte text."""
+    rng = random.Random(seed)
+    words = ["the", "king", "queen", "of", "Denmark", "naïve", "café", "東京", "🙂", "night", "day", "speak",
+             "hear", "me", "1234", "x=y+1;", "\t", "well,", "said", "O"]
+    return [f"doc {i}: " + " ".join(rng.choice(words) for _ in range(rng.randint(5, 60))) + "\n"
+            for i in range(n)]
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> Built:
+    """A small corpus (~300 documents) with a small vocabulary and small shards, several per split."""
+    root = tmp_path_factory.mktemp("tiny")
+    src = root / "src"
+    src.mkdir()
+    for i, text in enumerate(make_documents(300)):
+        (src / f"{i:04d}.txt").write_text(text, encoding="utf-8")
+    return build(root, {"source": str(src), "val_fraction": 0.2}, {"vocab_size": 300}, {"shard_tokens": 2048})

@@ -1,0 +1,79 @@
+"""The DAG as a user drives it: `dvc repro`, a no-op second repro, `dvc exp run -S`, `dvc metrics diff`."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import make_documents
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(cwd: Path, *cmd: str) -> str:
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout + result.stderr
+
+
+def ran_stages(output: str) -> set[str]:
+    return {line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")}
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A copy of the project's DAG in a fresh git+dvc repo, pointed at a small local corpus."""
+    shutil.which("git") or pytest.fail("git is needed for DVC")
+    root = tmp_path / "project"
+    root.mkdir()
+    for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
+        shutil.copy(REPO / name, root / name)
+    shutil.copytree(REPO / "pipeline", root / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / ".dvc", root / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache", "config.local"))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(make_documents(200)):
+        (corpus / f"{i:03d}.txt").write_text(text)
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["data"]["source"] = str(corpus)
+    params["data"]["val_fraction"] = 0.2
+    params["tokenizer"]["vocab_size"] = 300
+    params["shard"]["shard_tokens"] = 4096
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    run(root, "git", "init", "-q")
+    run(root, "git", "add", "-A")
+    run(root, "git", "commit", "-qm", "init")
+    return root
+
+
+def test_repro_noop_and_experiment(project):
+    first = run(project, "dvc", "repro")
+    assert ran_stages(first) == {"prepare", "tokenizer", "shard"}
+    for out in ("data/corpus/train.parquet", "data/tokenizer/tokenizer.json", "data/shards/manifest.json"):
+        assert (project / out).is_file()
+    assert json.loads((project / "metrics/tokenizer.json").read_text())["vocab_size"] == 300
+
+    second = run(project, "dvc", "repro")
+    assert ran_stages(second) == set()
+
+    # Outputs are DVC's, not git's: only metrics, params and dvc.lock are committed.
+    status = run(project, "git", "status", "--porcelain")
+    assert "data/" not in status and "dvc.lock" in status
+    run(project, "git", "add", "-A")
+    run(project, "git", "commit", "-qm", "baseline")
+
+    exp = run(project, "dvc", "exp", "run", "-S", "tokenizer.vocab_size=330")
+    assert ran_stages(exp) == {"tokenizer", "shard"}
+    assert json.loads((project / "metrics/tokenizer.json").read_text())["vocab_size"] == 330
+
+    diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))
+    change = diff["metrics/tokenizer.json"]["vocab_size"]
+    assert change["old"] == 300 and change["new"] == 330

@@ -1,0 +1,205 @@
+import hashlib
+import json
+import shutil
+import struct
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import build
+from pipeline.cli import app
+from pipeline.errors import UserError
+from pipeline.loader import ShardSet, TokenBatches
+from pipeline.params import ShardParams, build_section
+from pipeline.shard import shard
+from pipeline.shard_format import HEADER_BYTES
+from pipeline.tokenizer import load_tokenizer
+
+B, T = 4, 16
+
+
+def expected_stream(built, split: str) -> np.ndarray:
+    """Each document encoded on its own by plain HF tokenizers, each followed by <|endoftext|>."""
+    tok = load_tokenizer(built.tokenizer, ordinary=True)
+    eot = tok.token_to_id("<|endoftext|>")
+    ids = []
+    for text in pq.read_table(built.corpus / f"{split}.parquet")["text"].to_pylist():
+        ids += tok.encode(text).ids + [eot]
+    return np.array(ids, dtype=np.int64)
+
+
+def raw_tokens(path) -> np.ndarray:
+    """Parse a shard by hand from the documented header layout."""
+    data = path.read_bytes()
+    magic, version, itemsize, count, vocab = struct.unpack_from("<8sIIQI", data)
+    assert magic == b"KILNTOKS" and version == 1 and itemsize == 2 and vocab == 300
+    body = np.frombuffer(data[HEADER_BYTES:], dtype="<u2")
+    assert len(body) == count
+    return body.astype(np.int64)
+
+
+def copy_shards(built, tmp_path):
+    dst = tmp_path / "shards"
+    shutil.copytree(built.shards, dst)
+    return dst
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_shards_hold_every_document_then_eot(tiny, split):
+    manifest = json.loads((tiny.shards / "manifest.json").read_text())
+    entries = manifest["splits"][split]["shards"]
+    assert len(entries) >= 2  # shard_tokens=2048 cuts the tiny corpus into several files
+    assert all(e["tokens"] == 2048 for e in entries[:-1]) and 0 < entries[-1]["tokens"] <= 2048
+    stream = np.concatenate([raw_tokens(tiny.shards / e["file"]) for e in entries])
+    np.testing.assert_array_equal(stream, expected_stream(tiny, split))
+    assert manifest["splits"][split]["tokens"] == len(stream)
+    for e in entries:
+        assert hashlib.sha256((tiny.shards / e["file"]).read_bytes()).hexdigest() == e["sha256"]
+    assert manifest["tokenizer_sha256"] == hashlib.sha256(tiny.tokenizer.read_bytes()).hexdigest()
+    assert [e["file"] for e in entries] == [f"{split}_{i:06d}.bin" for i in range(len(entries))]
+
+
+def test_hf_backend_writes_identical_shards(tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shard(build_section(ShardParams, {"shard_tokens": 2048, "backend": "hf"}), tiny.corpus, tiny.tokenizer,
+          tmp_path / "hf")
+    for path in tiny.shards.iterdir():
+        assert (tmp_path / "hf" / path.name).read_bytes() == path.read_bytes(), path.name
+    metrics = json.loads((tmp_path / "metrics/shard.json").read_text())
+    assert metrics["mb_per_s"] > 0 and metrics["train_tokens"] + metrics["val_tokens"] > 0
+
+
+def test_read_across_shard_boundaries(tiny):
+    shards = ShardSet(tiny.shards, "train")
+    stream = expected_stream(tiny, "train")
+    assert shards.tokens == len(stream)
+    for start, n in [(0, 10), (2040, 20), (2048 - 1, 2), (0, len(stream)), (len(stream) - 5, 5)]:
+        np.testing.assert_array_equal(shards.read(start, n), stream[start:start + n])
+
+
+def test_random_batches_are_windows_of_the_stream(tiny):
+    stream = expected_stream(tiny, "train")
+    windows = np.lib.stride_tricks.sliding_window_view(stream, T + 1)
+    batches = TokenBatches(ShardSet(tiny.shards, "train"), B, T, seed=3)
+    for _ in range(3):
+        x, y = next(batches)
+        assert x.shape == y.shape == (B, T) and x.dtype == torch.int64
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        for row_x, row_y in zip(x.numpy(), y.numpy()):
+            row = np.concatenate([row_x, row_y[-1:]])
+            assert (windows == row).all(axis=1).any()
+
+
+def batches(built, n, **kw):
+    loader = TokenBatches(ShardSet(built.shards, "train"), kw.pop("batch_size", B), T, **kw)
+    return [next(loader) for _ in range(n)], loader
+
+
+def test_batches_deterministic_and_resumable(tiny):
+    first, _ = batches(tiny, 8, seed=1)
+    again, _ = batches(tiny, 8, seed=1)
+    other, _ = batches(tiny, 8, seed=2)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(first, again))
+    assert not all(torch.equal(a[0], b[0]) for a, b in zip(first, other))
+    assert not torch.equal(first[0][0], first[1][0])  # steps differ
+    _, interrupted = batches(tiny, 5, seed=1)
+    state = json.loads(json.dumps(interrupted.state_dict()))  # the state survives JSON
+    resumed = TokenBatches(ShardSet(tiny.shards, "train"), B, T, seed=1)
+    resumed.load_state_dict(state)
+    for expected in first[5:]:
+        x, y = next(resumed)
+        assert torch.equal(x, expected[0]) and torch.equal(y, expected[1])
+    mismatched = TokenBatches(ShardSet(tiny.shards, "train"), B, T + 1, seed=1)
+    with pytest.raises(UserError, match="seq_len"):
+        mismatched.load_state_dict(state)
+
+
+def test_ranks_split_the_global_batch(tiny):
+    single, _ = batches(tiny, 3, seed=5, batch_size=2 * B)
+    rank0, _ = batches(tiny, 3, seed=5, rank=0, world_size=2)
+    rank1, _ = batches(tiny, 3, seed=5, rank=1, world_size=2)
+    for whole, a, b in zip(single, rank0, rank1):
+        assert torch.equal(torch.cat([a[0], b[0]]), whole[0])
+        assert not torch.equal(a[0], b[0])
+
+
+def test_sequential_batches_cover_the_split_once(tiny):
+    shards = ShardSet(tiny.shards, "val")
+    n_windows = (shards.tokens - 1) // T
+    seen = []
+    for rank in range(2):
+        loader = TokenBatches(shards, B, T, random=False, rank=rank, world_size=2)
+        got = list(loader)
+        assert len(got) == len(loader)
+        seen += [row for x, _ in got for row in x.numpy().tolist()]
+    stream = expected_stream(tiny, "val")
+    expected = [stream[i * T:(i + 1) * T].tolist() for i in range(n_windows)]
+    assert sorted(seen) == sorted(expected) and len(seen) == n_windows
+
+
+def refuse(shard_dir, match, **kw):
+    with pytest.raises(UserError, match=match) as info:
+        ShardSet(shard_dir, "train", **kw)
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_reader_refuses_truncated_shard(tiny, tmp_path):
+    shards = copy_shards(tiny, tmp_path)
+    path = shards / "train_000000.bin"
+    path.write_bytes(path.read_bytes()[:-7])
+    assert "train_000000.bin" in refuse(shards, "truncated")
+    path.write_bytes(path.read_bytes()[:100])
+    refuse(shards, "truncated")
+
+
+def test_reader_refuses_corrupted_shard(tiny, tmp_path):
+    shards = copy_shards(tiny, tmp_path)
+    path = shards / "train_000001.bin"
+    data = bytearray(path.read_bytes())
+    data[HEADER_BYTES + 10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert "train_000001.bin" in refuse(shards, "corrupted")
+    ShardSet(shards, "train", verify=False)  # the size check alone cannot see a flipped token
+    data[:8] = b"GARBAGE!"
+    path.write_bytes(bytes(data))
+    refuse(shards, "magic", verify=False)
+
+
+def test_reader_refuses_other_tokenizer(tiny, tmp_path):
+    refuse(tiny.shards, "another tokenizer", tokenizer_sha256="0" * 64)
+    # A shard from a different tokenizer dropped into the folder is caught by its own header.
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("completely different text " * 400)
+    (src / "b.txt").write_text("and another document here " * 400)
+    (src / "c.txt").write_text("third document for the split " * 400)
+    other = build(tmp_path, {"source": str(src), "val_fraction": 0.4}, {"vocab_size": 300}, {"shard_tokens": 2048})
+    shards = copy_shards(tiny, tmp_path / "mixed")
+    shutil.copy(other.shards / "train_000000.bin", shards / "train_000000.bin")
+    refuse(shards, "another tokenizer")
+
+
+def test_shard_stage_fails_cleanly_without_tokenizer(tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="tokenizer not found"):
+        shard(ShardParams(), tiny.corpus, tmp_path / "missing.json", tmp_path / "shards")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_inspect_cli(tiny, tmp_path):
+    runner = CliRunner()
+    path = tiny.shards / "val_000000.bin"
+    result = runner.invoke(app, ["data", "inspect", str(path), "--tokenizer", str(tiny.tokenizer), "-n", "12"])
+    assert result.exit_code == 0, result.output
+    n_tokens = json.loads((tiny.shards / "manifest.json").read_text())["splits"]["val"]["shards"][0]["tokens"]
+    assert f"tokens:     {n_tokens:,}" in result.output and "uint16" in result.output
+    first_text = pq.read_table(tiny.corpus / "val.parquet")["text"][0].as_py()
+    assert first_text[:5] in result.output
+    broken = tmp_path / "broken.bin"
+    broken.write_bytes(path.read_bytes()[:-3])
+    result = runner.invoke(app, ["data", "inspect", str(broken)])
+    assert result.exit_code == 2 and "broken.bin" in result.output and "Traceback" not in result.output
