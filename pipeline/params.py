@@ -132,7 +132,10 @@ def load_section(cls: type[S], path: Path = Path("params.yaml"), overrides: typi
         sec, _, name = key.rpartition(".")
         if sec not in ("", section):
             raise UserError(f"--set {key}: this command reads only the '{section}' section")
-        values[name] = yaml.safe_load(text) if text else ""
+        try:
+            values[name] = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:  # not YAML (a glob such as *.txt): take the text as it is
+            values[name] = text
     return build_section(cls, values)
 
 

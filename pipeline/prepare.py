@@ -101,7 +101,10 @@ def prepare(params: DataParams, out_dir: Path = CORPUS_DIR) -> dict:
                 duplicates += 1
                 continue
             size = len(text.encode("utf-8"))
-            if params.max_bytes is not None and kept_bytes + size > params.max_bytes and kept:
+            if params.max_bytes is not None and kept_bytes + size > params.max_bytes:
+                if not kept:
+                    raise UserError(f"params: data.max_bytes={params.max_bytes}: smaller than the first document "
+                                    f"({size} bytes)")
                 break
             seen.add(key)
             writers[split_of(text, params.val_fraction)].add(Document(doc.source, text))
@@ -120,13 +123,13 @@ def prepare(params: DataParams, out_dir: Path = CORPUS_DIR) -> dict:
                 f"params: data.val_fraction={params.val_fraction}: {kept} document(s) left {side} empty; "
                 "add documents or change the fraction"
             )
-    metrics = {
-        **{f"{split}_documents": writers[split].documents for split in SPLITS},
-        **{f"{split}_bytes": writers[split].bytes for split in SPLITS},
-        "duplicates_dropped": duplicates,
-        "empty_dropped": empty,
-        "replaced_chars": stats.replaced,
-        "seconds": round(time.perf_counter() - start, 3),
-    }
-    write_metrics("prepare", metrics)
+        metrics = {
+            **{f"{split}_documents": writers[split].documents for split in SPLITS},
+            **{f"{split}_bytes": writers[split].bytes for split in SPLITS},
+            "duplicates_dropped": duplicates,
+            "empty_dropped": empty,
+            "replaced_chars": stats.replaced,
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+        write_metrics("prepare", metrics)
     return metrics

@@ -98,8 +98,8 @@ def shard(params: ShardParams, corpus_dir: Path, tokenizer_path: Path, out_dir: 
             metrics[f"{split}_tokens"] = tokens
             metrics[f"{split}_shards"] = len(shards)
         write_json(tmp / MANIFEST, manifest)
-    seconds = time.perf_counter() - start
-    metrics.update({"text_mb": round(text_bytes / 1e6, 3), "seconds": round(seconds, 3),
-                    "mb_per_s": round(text_bytes / 1e6 / seconds, 3)})
-    write_metrics("shard", metrics)
+        seconds = time.perf_counter() - start
+        metrics.update({"text_mb": round(text_bytes / 1e6, 3), "seconds": round(seconds, 3),
+                        "mb_per_s": round(text_bytes / 1e6 / seconds, 3)})
+        write_metrics("shard", metrics)
     return metrics

@@ -132,6 +132,8 @@ def local_documents(pattern: str, text_field: str, decode_errors: str, stats: De
 
 
 def _expand(pattern: str) -> list[Path]:
+    """A folder gives the supported files under it (a README beside them is skipped); a glob or a file
+    gives exactly what it names, and a name of an unsupported type is refused rather than skipped."""
     root = Path(pattern)
     if root.is_dir():
         paths = [p for p in root.rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES]

@@ -79,20 +79,21 @@ def train_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path = T
     start = time.perf_counter()
     tok.train_from_iterator(iter_texts(train_path), trainer, length=pq.ParquetFile(train_path).metadata.num_rows)
     seconds = time.perf_counter() - start
-    with atomic_dir(out_dir) as tmp:
-        tok.save(str(tmp / TOKENIZER_FILE))
-    ordinary = load_tokenizer(out_dir / TOKENIZER_FILE, ordinary=True)
+    tok.encode_special_tokens = True  # measure documents as the shard stage will encode them
     val_bytes = val_tokens = 0
     for texts in iter_texts(val_path):
         val_bytes += sum(len(t.encode("utf-8")) for t in texts)
-        val_tokens += sum(len(e) for e in ordinary.encode_batch_fast(texts))
+        val_tokens += sum(len(e) for e in tok.encode_batch_fast(texts))
+    tok.encode_special_tokens = False
     metrics = {
         "vocab_size": tok.get_vocab_size(),
         "requested_vocab_size": params.vocab_size,
         "bytes_per_token_val": round(val_bytes / max(val_tokens, 1), 4),
         "train_seconds": round(seconds, 3),
     }
-    write_metrics("tokenizer", metrics)
+    with atomic_dir(out_dir) as tmp:
+        tok.save(str(tmp / TOKENIZER_FILE))
+        write_metrics("tokenizer", metrics)
     return metrics
 
 
