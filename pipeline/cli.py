@@ -29,6 +29,7 @@ ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to re
 SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
 CorpusOpt = Annotated[Path, typer.Option(help="Corpus folder with train.parquet and val.parquet.")]
 TokenizerOpt = Annotated[Path, typer.Option(help="The tokenizer.json to use.")]
+OutOpt = Annotated[Path, typer.Option(help="Output folder (replaced whole, only when the stage succeeds).")]
 PARAMS = Path("params.yaml")
 CORPUS = Path("data/corpus")
 TOKENIZER = Path("data/tokenizer/tokenizer.json")
@@ -53,7 +54,7 @@ def reports_errors(fn):
 
 @data_app.command("prepare")
 @reports_errors
-def data_prepare(params: ParamsOpt = PARAMS, set_: SetOpt = [], out: Path = Path("data/corpus")):
+def data_prepare(params: ParamsOpt = PARAMS, set_: SetOpt = [], out: OutOpt = Path("data/corpus")):
     """Build train/val parquet files from `data.source` (stage `prepare`)."""
     from pipeline.params import DataParams, load_section
     from pipeline.prepare import prepare
@@ -65,7 +66,7 @@ def data_prepare(params: ParamsOpt = PARAMS, set_: SetOpt = [], out: Path = Path
 @data_app.command("shard")
 @reports_errors
 def data_shard(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: CorpusOpt = CORPUS,
-               tokenizer: TokenizerOpt = TOKENIZER, out: Path = Path("data/shards")):
+               tokenizer: TokenizerOpt = TOKENIZER, out: OutOpt = Path("data/shards")):
     """Tokenize both splits into binary shards and a manifest (stage `shard`)."""
     from pipeline.params import ShardParams, load_section
     from pipeline.shard import shard
@@ -97,7 +98,7 @@ def data_inspect(path: Annotated[Path, typer.Argument(help="A shard file (.bin).
 @tokenizer_app.command("train")
 @reports_errors
 def tokenizer_train(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: CorpusOpt = CORPUS,
-                    out: Path = Path("data/tokenizer")):
+                    out: OutOpt = Path("data/tokenizer")):
     """Train the byte-level BPE on the train split (stage `tokenizer`)."""
     from pipeline.params import TokenizerParams, load_section
     from pipeline.tokenizer import train_tokenizer
