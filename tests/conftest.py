@@ -8,11 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipeline.params import DataParams, ShardParams, TokenizerParams, build_section
 from pipeline.prepare import prepare
 from pipeline.shard import shard
 from pipeline.tokenizer import train_tokenizer
+
+# Under `pytest -n 2` on two cores each worker would start a full torch thread pool and oversubscribe the CPU
+# (tiny ops measured ~50x slower); one intra-op thread per worker keeps every core busy exactly once.
+torch.set_num_threads(1)
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
