@@ -143,6 +143,27 @@ def tokenizer_decode(ids: Annotated[list[str], typer.Argument(help="Token ids, s
     typer.echo(tok.decode([int(w) for w in words], skip_special_tokens=False))
 
 
+@app.command("train")
+@reports_errors
+def train_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+                  shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = Path("data/shards"),
+                  tokenizer: TokenizerOpt = TOKENIZER, out: OutOpt = Path("data/models/base"),
+                  checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] =
+                  Path("data/checkpoints/pretrain")):
+    """Pretrain the base model on the shards, resuming from the newest checkpoint (stage `pretrain`).
+
+    Reads the `model` and `train` sections; `--set` takes `model.*` and `train.*` keys (bare keys mean train).
+    """
+    from pipeline.params import ModelParams, TrainParams, load_section
+    from pipeline.pretrain import pretrain
+
+    model_sets = [s for s in set_ if s.startswith("model.")]
+    train_sets = [s for s in set_ if not s.startswith("model.")]
+    metrics = pretrain(load_section(ModelParams, params, model_sets), load_section(TrainParams, params, train_sets),
+                       shards, tokenizer, out, checkpoints)
+    _print_metrics("pretrain", metrics)
+
+
 @bench_app.command("shard")
 @reports_errors
 def bench_shard(corpus: CorpusOpt = CORPUS, tokenizer: TokenizerOpt = TOKENIZER,

@@ -176,3 +176,84 @@ def _describe(tp) -> str:
     options = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
     words = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
     return " or ".join(words.get(o, getattr(o, "__name__", str(o))) for o in options)
+
+
+@dataclass
+class ModelParams(Section):
+    """The model's shape; `vocab_size` comes from the tokenizer, not from here."""
+
+    SECTION: ClassVar[str] = "model"
+    arch: str = "llama"
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 4
+    d_model: int = 128
+    d_ff: int = 0  # 0 = derived (llama: 8/3 d rounded to 64; gpt2: 4 d)
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+
+    def check(self) -> None:
+        """The model package owns the shape rules; they are reported here under their params key."""
+        from model import ModelConfig
+
+        try:
+            ModelConfig(vocab_size=256, **dataclasses.asdict(self)).check()
+        except ValueError as e:
+            raise UserError(f"params: model.{e}") from None
+
+
+@dataclass
+class TrainParams(Section):
+    SECTION: ClassVar[str] = "train"
+    seed: int = 1337
+    device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    compile: bool = False
+    batch_size: int = 16  # sequences per micro-step on one device
+    batch_tokens: int = 8192  # tokens per optimizer step, reached by gradient accumulation
+    max_steps: int | None = 600
+    tokens: int | None = None  # run length in tokens; used when max_steps is null
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    schedule: str = "cosine"  # cosine | wsd (warmup, stable, then linear decay)
+    decay_fraction: float = 0.2  # wsd: share of the run spent decaying
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 = off
+    eval_every: int = 100
+    eval_tokens: int = 65536
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+
+    def check(self) -> None:
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
+            raise self.bad("device", "auto, cpu, cuda, cuda:N or mps")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise self.bad("precision", "fp32, bf16 or fp16")
+        if self.schedule not in ("cosine", "wsd"):
+            raise self.bad("schedule", "cosine or wsd")
+        if (self.max_steps is None) == (self.tokens is None):
+            raise self.bad("max_steps", "exactly one of train.max_steps and train.tokens to be set")
+        for name in ("batch_size", "batch_tokens", "eval_every", "eval_tokens", "checkpoint_every",
+                     "keep_checkpoints", "log_every"):
+            if getattr(self, name) < 1:
+                raise self.bad(name, "a positive integer")
+        for name in ("max_steps", "tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise self.bad(name, "a positive integer or null")
+        if not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
+            raise self.bad("min_lr", "0 <= train.min_lr <= train.lr, with train.lr > 0")
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise self.bad(name, "a number >= 0")
+        if not 0 < self.decay_fraction <= 1:
+            raise self.bad("decay_fraction", "a number in (0, 1]")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise self.bad(name, "a number in [0, 1)")
