@@ -23,7 +23,6 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.errors import UserError
 from pipeline.files import atomic_dir, write_json
-from pipeline.progress import console
 
 PREFIX = "step_"
 

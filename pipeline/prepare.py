@@ -31,9 +31,9 @@ ROWS_PER_WRITE = 1024
 SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def split_of(text: str, val_fraction: float) -> str:
-    """`val` for a stable `val_fraction` of texts, chosen by a hash of the text itself."""
-    h = int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little")
+def split_of(data: bytes, val_fraction: float) -> str:
+    """`val` for a stable `val_fraction` of texts, chosen by a hash of the text's UTF-8 bytes."""
+    h = int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
     return "val" if h / 2**64 < val_fraction else "train"
 
 
@@ -63,10 +63,10 @@ class SplitWriter:
     _rows: list[Document] = field(default_factory=list)
     _writer: pq.ParquetWriter | None = None
 
-    def add(self, doc: Document) -> None:
+    def add(self, doc: Document, size: int) -> None:
         self._rows.append(doc)
         self.documents += 1
-        self.bytes += len(doc.text.encode("utf-8"))
+        self.bytes += size
         if len(self._rows) >= ROWS_PER_WRITE:
             self.flush()
 
@@ -96,18 +96,19 @@ def prepare(params: DataParams, out_dir: Path = CORPUS_DIR) -> dict:
             if not text.strip():
                 empty += 1
                 continue
-            key = hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+            data = text.encode("utf-8")
+            key = hashlib.blake2b(data, digest_size=16).digest()
             if key in seen:
                 duplicates += 1
                 continue
-            size = len(text.encode("utf-8"))
+            size = len(data)
             if params.max_bytes is not None and kept_bytes + size > params.max_bytes:
                 if not kept:
                     raise UserError(f"params: data.max_bytes={params.max_bytes}: smaller than the first document "
                                     f"({size} bytes)")
                 break
             seen.add(key)
-            writers[split_of(text, params.val_fraction)].add(Document(doc.source, text))
+            writers[split_of(data, params.val_fraction)].add(Document(doc.source, text), size)
             kept += 1
             kept_bytes += size
             progress.advance(1, bytes=size)
