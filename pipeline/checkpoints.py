@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -24,11 +25,11 @@ from safetensors.torch import load_file, save_file
 from pipeline.errors import UserError
 from pipeline.files import atomic_dir, write_json
 
-PREFIX = "step_"
+NAME = re.compile(r"step_\d{8}")
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return root / f"{PREFIX}{step:08d}"
+    return root / f"step_{step:08d}"
 
 
 class Checkpoints:
@@ -38,7 +39,7 @@ class Checkpoints:
     def _all(self) -> list[Path]:
         if not self.root.is_dir():
             return []
-        return sorted(p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(PREFIX))
+        return sorted(p for p in self.root.iterdir() if p.is_dir() and NAME.fullmatch(p.name))
 
     def _state(self, path: Path) -> dict:
         try:
@@ -56,6 +57,8 @@ class Checkpoints:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler, loader_state: dict,
              extra: dict) -> Path:
         final = step_dir(self.root, step)
+        for stale in self.root.glob("step_*.*-*"):  # temp folders of a save that was killed
+            shutil.rmtree(stale, ignore_errors=True)
         with atomic_dir(final) as tmp:
             save_file(_model_tensors(model), tmp / "model.safetensors")
             opt = optimizer.state_dict()
@@ -83,12 +86,15 @@ class Checkpoints:
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> dict:
         """Restore everything saved at `path` into the live objects; return state.json."""
-        state = self._state(path)
         try:
-            weights = load_file(path / "model.safetensors")
-            tensors = load_file(path / "optimizer.safetensors")
-        except (OSError, SafetensorError) as e:
-            raise UserError(f"{path}: corrupt checkpoint ({e}); delete it to go on") from None
+            return self._load(path, model, optimizer, scaler)
+        except (OSError, SafetensorError, KeyError, ValueError, TypeError) as e:
+            raise UserError(f"{path}: corrupt checkpoint ({type(e).__name__}: {e}); delete it to go on") from None
+
+    def _load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> dict:
+        state = self._state(path)
+        weights = load_file(path / "model.safetensors")
+        tensors = load_file(path / "optimizer.safetensors")
         missing = set(_model_tensors(model)) ^ set(weights)
         if missing:
             raise UserError(f"{path / 'model.safetensors'}: tensors do not match the model ({sorted(missing)[:3]})")

@@ -14,6 +14,7 @@ import torch
 
 from model import GPT, ModelConfig, save_model
 from pipeline.checkpoints import Checkpoints
+from pipeline.curves import plot_png
 from pipeline.errors import UserError
 from pipeline.files import sha256_file, write_metrics
 from pipeline.loader import ShardSet, TokenBatches
@@ -26,6 +27,7 @@ from pipeline.train import Run, autocast, pick_device, setup_precision, train
 MODEL_DIR = Path("data/models/base")
 CHECKPOINT_DIR = Path("data/checkpoints/pretrain")
 CURVES_DIR = Path("metrics/pretrain")
+PANELS = [["loss", "val_loss"], ["val_bpb"], ["lr"], ["grad_norm"], ["tokens_per_s"]]
 # Params that change the cadence of logging and saving, not the trajectory: not part of the run's identity.
 CADENCE = ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "log_every", "device", "compile")
 
@@ -105,6 +107,8 @@ def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, t
     console.print(f"pretrain: val loss {result.get('val_loss', float('nan')):.4f} nats/token vs the corpus's "
                   f"unigram entropy {unigram:.4f}", highlight=False)
     metrics = {**result, "params": n_params, "unigram_entropy": round(unigram, 5)}
+    plot_png(CURVES_DIR, CURVES_DIR / "curves.png", PANELS,
+             f"pretrain: {config.arch} {n_params / 1e6:.2f}M params, {result['tokens']:,} tokens")
     write_metrics("pretrain", metrics)
     return metrics
 

@@ -11,8 +11,8 @@ has `state_dict()` / `load_state_dict()`; `evaluate(model)` returns a dict of nu
 from __future__ import annotations
 
 import contextlib
-import csv
 import math
+import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pipeline.checkpoints import Checkpoints
+from pipeline.curves import Curves
 from pipeline.errors import StageError, UserError
 from pipeline.params import TrainParams
 from pipeline.progress import Progress, console
@@ -105,46 +106,24 @@ def accumulation_steps(params: TrainParams, micro_batch_tokens: int, world_size:
     return params.batch_tokens // per_pass
 
 
-class Curves:
-    """Append-only CSV rows with a `step` column (DVC plots); a resumed run drops rows past its step."""
-
-    def __init__(self, path: Path, columns: list[str], resume_step: int):
-        self.path, self.columns = path, ["step", *columns]
-        rows = []
-        if resume_step and path.is_file():
-            with open(path, newline="") as f:
-                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, self.columns)
-            writer.writeheader()
-            writer.writerows(rows)
-
-    def add(self, step: int, values: dict) -> None:
-        with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, self.columns).writerow({"step": step, **values})
-
-
 def train(model: torch.nn.Module, run: Run) -> dict:
     params = run.params
     device = next(model.parameters()).device
     accum = accumulation_steps(params, run.micro_batch_tokens)
     optimizer = build_optimizer(model, params, device)
     scaler = torch.amp.GradScaler(device.type, enabled=params.precision == "fp16")
-    step, seconds_before = 0, 0.0
+    step, seconds_before, loss = 0, 0.0, float("nan")
     latest = run.checkpoints.latest()
     if latest is not None:
         state = run.checkpoints.load(latest, model, optimizer, scaler)
         run.batches.load_state_dict(state["loader"])
-        step, seconds_before = state["step"], state.get("train_seconds", 0.0)
+        step, seconds_before, loss = state["step"], state.get("train_seconds", 0.0), state.get("train_loss", loss)
         console.print(f"{run.name}: resuming from {latest} (step {step})", highlight=False)
     forward = torch.compile(model) if params.compile else model
-    train_curve = Curves(run.curves_dir / "train.csv", ["loss", "lr", "grad_norm", "tokens_per_s"], step)
-    eval_curve = Curves(run.curves_dir / "eval.csv", ["val_loss", "val_bpb"], step)
+    curves = Curves(run.curves_dir, step)
     peak, _ = peak_flops(device, params.precision)
     tokens_per_step = params.batch_tokens
     last_eval: dict = {}
-    loss = float("nan")
     timer_tokens, timer_start = 0, time.perf_counter()
     start = time.perf_counter()
     model.train()
@@ -161,24 +140,24 @@ def train(model: torch.nn.Module, run: Run) -> dict:
                     micro_loss = run.loss_fn(forward, batch) / accum
                 scaler.scale(micro_loss).backward()
                 total += micro_loss.detach()
+            loss = total.item()
+            if not math.isfinite(loss):  # before the update, so the weights in memory stay good too
+                kept = run.checkpoints.latest()
+                raise StageError(f"{run.name}: loss is {loss} at step {step + 1}; stopped. "
+                                 f"Last good checkpoint: {kept or 'none'} (lower train.lr or use bf16/fp32)")
             scaler.unscale_(optimizer)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.grad_clip or float("inf"))
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            loss = total.item()
-            if not math.isfinite(loss):
-                kept = run.checkpoints.latest()
-                raise StageError(f"{run.name}: loss is {loss} at step {step}; stopped. "
-                                 f"Last good checkpoint: {kept or 'none'} (lower train.lr or use bf16/fp32)")
             timer_tokens += tokens_per_step
             if step % params.log_every == 0 or step == run.total_steps:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - timer_start
                 tps = timer_tokens / elapsed
-                train_curve.add(step, {"loss": round(loss, 5), "lr": lr, "grad_norm": round(norm.item(), 5),
+                curves.add(step, {"loss": round(loss, 5), "lr": lr, "grad_norm": round(norm.item(), 5),
                                        "tokens_per_s": round(tps, 1)})
                 mfu = run.flops_per_token * tps / peak if peak else None
                 progress.advance(0, loss=loss, lr=lr, **{"tok/s": round(tps)},
@@ -187,11 +166,15 @@ def train(model: torch.nn.Module, run: Run) -> dict:
             progress.advance(1)
             if step % params.eval_every == 0 or step == run.total_steps:
                 last_eval = run.evaluate(model)
-                eval_curve.add(step, {k: round(v, 5) for k, v in last_eval.items()})
+                curves.add(step, {k: round(v, 5) for k, v in last_eval.items()})
                 model.train()
             if step % params.checkpoint_every == 0 or step == run.total_steps:
                 run.checkpoints.save(step, model, optimizer, scaler, run.batches.state_dict(),
-                                     {"train_seconds": seconds_before + time.perf_counter() - start})
+                                     {"train_seconds": seconds_before + time.perf_counter() - start,
+                                      "train_loss": loss})
+    if not last_eval:  # resumed from the final checkpoint: nothing trained, but the metrics still need it
+        last_eval = run.evaluate(model)
+    curves.end()
     seconds = seconds_before + time.perf_counter() - start
     tokens = step * tokens_per_step
     tps = tokens / seconds if seconds else 0.0
@@ -199,6 +182,12 @@ def train(model: torch.nn.Module, run: Run) -> dict:
               "tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tps, 1)}
     if peak:
         result["mfu"] = round(run.flops_per_token * tps / peak, 5)
-    if device.type == "cuda":
-        result["peak_memory_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 3)
+    result["peak_memory_gb"] = round(peak_memory_bytes(device) / 1e9, 3)
     return result
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak tensor memory on CUDA; elsewhere the process's peak resident set (all of Python, not only tensors)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -1,14 +1,21 @@
 import contextlib
 import json
 import math
+import signal
+import subprocess
+import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from pipeline.errors import UserError
+from model import GPT, ModelConfig
+from pipeline.checkpoints import Checkpoints
+from pipeline.curves import metric_files, read_metric
+from pipeline.errors import StageError, UserError
 from pipeline.params import ModelParams, TrainParams, build_section
-from pipeline.pretrain import pretrain
-from pipeline.train import lr_at
+from pipeline.pretrain import lm_loss, pretrain
+from pipeline.train import Run, build_optimizer, lr_at, train
 
 MODEL = {"n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "max_seq_len": 16}
 TRAIN = {"batch_size": 4, "batch_tokens": 128, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "eval_every": 4,
@@ -16,6 +23,7 @@ TRAIN = {"batch_size": 4, "batch_tokens": 128, "lr": 1e-2, "min_lr": 1e-3, "warm
 
 
 def run(tiny, root, **train):
+    root.mkdir(exist_ok=True)
     with contextlib.chdir(root):
         metrics = pretrain(build_section(ModelParams, MODEL), build_section(TrainParams, {**TRAIN, **train}),
                            tiny.shards, tiny.tokenizer, root / "base", root / "ckpt")
@@ -23,8 +31,6 @@ def run(tiny, root, **train):
 
 
 def test_resumed_run_equals_straight_run(tiny, tmp_path):
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
     straight, w_straight = run(tiny, tmp_path / "a", max_steps=8)
     # Stop after 4 steps with the schedule of an 8-step run: a 4-step run has another schedule, so resume
     # is exercised by the checkpoint at step 4 of the same 8-step run, left alone by deleting the later one.
@@ -39,8 +45,12 @@ def test_resumed_run_equals_straight_run(tiny, tmp_path):
     for name, tensor in w_straight.items():
         assert (tensor - w_resumed[name]).abs().max() <= 1e-6, name
     assert straight["val_loss"] < math.log(300)  # it learned something beyond uniform
-    curve = (tmp_path / "b" / "metrics/pretrain/train.csv").read_text().splitlines()
-    assert [line.split(",")[0] for line in curve] == ["step", "2", "4", "6", "8"]  # no duplicated rows
+    curves = metric_files(tmp_path / "b" / "metrics/pretrain")
+    assert set(curves) == {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_bpb"}
+    assert [s for s, _ in read_metric(curves["loss"])] == [2, 4, 6, 8]  # no duplicated rows
+    assert [s for s, _ in read_metric(curves["val_loss"])] == [4, 8]
+    assert read_metric(curves["val_loss"])[-1][1] == pytest.approx(resumed["val_loss"], abs=1e-5)
+    assert (tmp_path / "b" / "metrics/pretrain/curves.png").read_bytes().startswith(b"\x89PNG")
     assert json.loads((tmp_path / "b" / "metrics/pretrain.json").read_text())["steps"] == 8
 
 
@@ -65,3 +75,146 @@ def test_bad_model_params_name_the_key():
 def test_batch_tokens_must_divide(tiny, tmp_path):
     with pytest.raises(UserError, match=r"train\.batch_tokens"):
         run(tiny, tmp_path, max_steps=2, batch_tokens=100)
+
+
+class FixedBatches:
+    """Yields the given micro-batches in order, cycling; the state is the position."""
+
+    def __init__(self, batches):
+        self.batches, self.i = batches, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = self.batches[self.i % len(self.batches)]
+        self.i += 1
+        return batch
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+
+def loop_run(tmp_path, batches, loss_fn=lm_loss, **train_params):
+    params = build_section(TrainParams, {**TRAIN, "max_steps": 2, **train_params})
+    tokens = batches[0][0].numel()
+    return Run(params=params, total_steps=params.max_steps, micro_batch_tokens=tokens, loss_fn=loss_fn,
+               batches=FixedBatches(batches), evaluate=lambda m: {}, curves_dir=tmp_path / "curves",
+               checkpoints=Checkpoints(tmp_path / "ckpt", {"run": 1}, 2), flops_per_token=1.0)
+
+
+def tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return GPT(ModelConfig(vocab_size=64, **MODEL))
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 64, (8, 16), generator=gen)
+    y = torch.randint(0, 64, (8, 16), generator=gen)
+    one, two = tiny_model(), tiny_model()
+    with contextlib.chdir(tmp_path):
+        train(one, loop_run(tmp_path / "one", [(x, y)], batch_size=8, batch_tokens=128))
+        train(two, loop_run(tmp_path / "two", [(x[:4], y[:4]), (x[4:], y[4:])], batch_size=4, batch_tokens=128))
+    for (name, a), b in zip(one.state_dict().items(), two.state_dict().values()):
+        assert (a - b).abs().max() < 1e-5, name
+
+
+def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path):
+    gen = torch.Generator().manual_seed(2)
+    batch = (torch.randint(0, 64, (4, 16), generator=gen), torch.randint(0, 64, (4, 16), generator=gen))
+    calls = []
+
+    def loss_fn(model, b):  # finite for 3 steps (2 micro-steps each), then NaN
+        calls.append(1)
+        loss = lm_loss(model, b)
+        return loss * float("nan") if len(calls) > 6 else loss
+
+    model = tiny_model()
+    run = loop_run(tmp_path, [batch], loss_fn, batch_size=2, max_steps=6, checkpoint_every=2)
+    run.micro_batch_tokens = 64
+    with contextlib.chdir(tmp_path), pytest.raises(StageError, match=r"loss is nan at step 4.*step_00000002"):
+        train(model, run)
+    kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert kept == ["step_00000002"]
+    state = run.checkpoints.load(tmp_path / "ckpt" / kept[0], tiny_model(), build_optimizer(
+        model, run.params, torch.device("cpu")), torch.amp.GradScaler("cpu", enabled=False))
+    assert state["step"] == 2 and math.isfinite(state["train_loss"])
+
+
+def cli_project(tiny, root, **train):
+    """A folder with params.yaml for `kiln train` on the tiny shards."""
+    root.mkdir(exist_ok=True)
+    (root / "params.yaml").write_text(json.dumps({"model": MODEL, "train": {**TRAIN, **train}}))
+    return ["train", "--shards", str(tiny.shards), "--tokenizer", str(tiny.tokenizer), "--out", "base",
+            "--checkpoints", "ckpt"]
+
+
+def kiln(root, *args, prelude=""):
+    """Run the CLI in a fresh process (optionally after `prelude` Python code); returns the process."""
+    code = f"{prelude}\nfrom pipeline.cli import main\nimport sys\nsys.argv = ['kiln', *{list(args)!r}]\nmain()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    done.output = done.stdout + done.stderr
+    return done
+
+
+# Kill the process (SIGKILL: no cleanup runs) in the middle of writing the second checkpoint.
+KILL_IN_SECOND_SAVE = """
+import os, signal
+import pipeline.checkpoints as c
+real, calls = c.save_file, []
+def dying(tensors, path, *a, **k):
+    calls.append(path)
+    if len(calls) == 3:
+        open(path, "wb").write(b"partial")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(tensors, path, *a, **k)
+c.save_file = dying
+"""
+
+
+def test_killed_mid_checkpoint_resumes_from_the_previous_one(tiny, tmp_path):
+    args = cli_project(tiny, tmp_path, max_steps=8, checkpoint_every=2)
+    killed = kiln(tmp_path, *args, prelude=KILL_IN_SECOND_SAVE)
+    assert killed.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if ".tmp-" not in p.name) == ["step_00000002"]
+    assert not (tmp_path / "base").exists()
+    resumed = kiln(tmp_path, *args)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resuming from" in resumed.output and "step 2)" in resumed.output
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000006", "step_00000008"]
+    straight, _ = run(tiny, tmp_path / "straight", max_steps=8, checkpoint_every=2)
+    assert json.loads((tmp_path / "metrics/pretrain.json").read_text())["val_loss"] == straight["val_loss"]
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tiny, tmp_path):
+    args = cli_project(tiny, tmp_path, max_steps=4, checkpoint_every=2)
+    assert kiln(tmp_path, *args).returncode == 0
+    before = (tmp_path / "base" / "model.safetensors").read_bytes()
+    newest = tmp_path / "ckpt" / "step_00000004"
+    (newest / "optimizer.safetensors").write_bytes(b"\0" * 100)
+    failed = kiln(tmp_path, *args)
+    assert failed.returncode == 2
+    assert "corrupt checkpoint" in failed.output and "step_00000004" in failed.output
+    assert "Traceback" not in failed.output
+    assert (tmp_path / "base" / "model.safetensors").read_bytes() == before
+    assert (newest / "model.safetensors").is_file()  # left for the user to inspect, not deleted
+
+
+def test_shards_from_another_tokenizer_are_refused(tiny, shakespeare, tmp_path):
+    args = cli_project(tiny, tmp_path, max_steps=2)
+    args[args.index("--tokenizer") + 1] = str(shakespeare.tokenizer)
+    failed = kiln(tmp_path, *args)
+    assert failed.returncode == 2
+    assert "tokenizer" in failed.output and str(tiny.shards) in failed.output.replace("\n", "")
+    assert not (tmp_path / "base").exists() and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("key, value", [("train.precision", "fp8"), ("model.n_head", "3"),
+                                        ("model.n_kv_head", "3")])
+def test_bad_train_params_exit_2(tiny, tmp_path, key, value):
+    failed = kiln(tmp_path, *cli_project(tiny, tmp_path, max_steps=2), "--set", f"{key}={value}")
+    assert failed.returncode == 2 and key in failed.output and "Traceback" not in failed.output
