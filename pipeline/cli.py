@@ -164,6 +164,32 @@ def train_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     _print_metrics("pretrain", metrics)
 
 
+@app.command("generate")
+@reports_errors
+def generate_command(
+        prompt: Annotated[list[str], typer.Option(help="Text to continue (repeatable: one completion each).")],
+        model: Annotated[Path, typer.Option(help="A model folder (config.json + model.safetensors).")] =
+        Path("data/models/base"),
+        tokenizer: TokenizerOpt = TOKENIZER,
+        max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to add (default: fill the context).")] = None,
+        temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.8,
+        top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens.")] = None,
+        top_p: Annotated[float | None, typer.Option(help="Sample among the likeliest tokens holding this mass.")]
+        = None,
+        seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
+        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
+    """Continue each --prompt with a trained model, stopping at <|endoftext|>."""
+    from pipeline.sample import Sampling, TextModel
+    from pipeline.train import pick_device
+
+    lm = TextModel(model, tokenizer, pick_device(device))
+    outs = lm.complete(prompt, Sampling(max_new_tokens, temperature, top_k, top_p, seed))
+    for text, out in zip(prompt, outs, strict=True):
+        typer.echo(text + out)
+        if len(prompt) > 1:
+            typer.echo("-" * 40)
+
+
 @bench_app.command("shard")
 @reports_errors
 def bench_shard(corpus: CorpusOpt = CORPUS, tokenizer: TokenizerOpt = TOKENIZER,

@@ -1,0 +1,74 @@
+"""Text in, text out: a model folder plus the tokenizer it was trained with (`kiln generate`, eval samples).
+
+The model folder records the sha256 of its tokenizer; a different tokenizer would decode the ids into other
+text without any error, so the two are checked against each other before anything runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model import generate, load_model
+from pipeline.errors import UserError
+from pipeline.files import sha256_file
+from pipeline.prepare import SURROGATE
+from pipeline.tokenizer import EOT, load_tokenizer
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int | None = None  # None: fill the model's context window
+    temperature: float = 0.8  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def check(self) -> None:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens={self.max_new_tokens}: expected at least 1")
+        if self.temperature < 0:
+            raise UserError(f"--temperature={self.temperature}: expected 0 (greedy) or more")
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"--top-k={self.top_k}: expected at least 1")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p={self.top_p}: expected a number in (0, 1]")
+
+
+class TextModel:
+    """A loaded model and its tokenizer, checked to belong together."""
+
+    def __init__(self, model_dir: Path, tokenizer_path: Path, device: torch.device | str = "cpu"):
+        try:
+            self.model, meta = load_model(model_dir, device)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if not tokenizer_path.is_file():
+            raise UserError(f"{tokenizer_path}: tokenizer not found")
+        want, got = meta.get("tokenizer_sha256"), sha256_file(tokenizer_path)
+        if want is not None and want != got:
+            raise UserError(f"{tokenizer_path}: not the tokenizer {model_dir} was trained with "
+                            f"(sha256 {got[:12]}..., the model expects {want[:12]}...)")
+        self.tokenizer = load_tokenizer(tokenizer_path, ordinary=True)
+        self.eot = self.tokenizer.token_to_id(EOT)
+
+    def complete(self, prompts: list[str], sampling: Sampling) -> list[str]:
+        """The continuation of each prompt, up to `<|endoftext|>` (not included) or max_new_tokens."""
+        sampling.check()
+        for prompt in prompts:
+            if bad := SURROGATE.search(prompt):
+                raise UserError(f"--prompt: not valid Unicode (lone surrogate at character {bad.start()})")
+        # A prompt starts a document, and in the shards every document follows <|endoftext|>.
+        ids = [[self.eot, *self.tokenizer.encode(p).ids] for p in prompts]
+        context, longest = self.model.config.max_seq_len, max(map(len, ids))
+        if longest > context:
+            raise UserError(f"--prompt: {longest - 1} tokens do not fit the model's max_seq_len={context}")
+        new = sampling.max_new_tokens or context + 1 - longest
+        if longest + new - 1 > context:
+            raise UserError(f"--prompt: {longest - 1} tokens + --max-new-tokens={new} do not fit the model's "
+                            f"max_seq_len={context}")
+        outs = generate(self.model, ids, new, temperature=sampling.temperature,
+                        top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[self.eot], seed=sampling.seed)
+        return [self.tokenizer.decode([t for t in out if t != self.eot]) for out in outs]
