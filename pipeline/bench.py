@@ -17,7 +17,6 @@ from rich.table import Table
 from pipeline.errors import UserError
 from pipeline.files import write_json
 from pipeline.progress import console
-from pipeline.tokenizer import batch_encoder, iter_texts, load_tokenizer
 
 
 def machine() -> dict:
@@ -36,6 +35,10 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 
 def bench_shard(corpus: Path, tokenizer: Path, split: str, max_mb: float, out: Path, repeats: int = 3) -> dict:
+    # Imported here, not at the top, so that bench_train can use `machine()` on a GPU machine that has torch
+    # but not the tokenizer stack.
+    from pipeline.tokenizer import batch_encoder, iter_texts, load_tokenizer
+
     path = corpus / f"{split}.parquet"
     if not path.is_file():
         raise UserError(f"{path}: corpus split not found (run `kiln data prepare` first)")

@@ -203,6 +203,36 @@ def bench_shard(corpus: CorpusOpt = CORPUS, tokenizer: TokenizerOpt = TOKENIZER,
     run(corpus, tokenizer, split, max_mb, out)
 
 
+@bench_app.command("train")
+@reports_errors
+def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+                variants: Annotated[str, typer.Option(
+                    help="Comma-separated PRECISION-MODE list: PRECISION fp32|bf16|fp16, MODE eager|compile. The "
+                         "first is the speedup baseline. On a CPU keep it short: bf16 runs over 10x slower than fp32 "
+                         "without bf16 instructions, and a compile variant compiles for ~40 s (less once cached).")] =
+                "fp32-eager,fp32-compile,bf16-eager,bf16-compile",
+                vocab_size: Annotated[int, typer.Option(help="Vocabulary the random token ids come from.")] = 4096,
+                batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
+                seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default: model.max_seq_len).")]
+                = None,
+                steps: Annotated[int, typer.Option(help="Timed steps per variant.")] = 10,
+                warmup: Annotated[int, typer.Option(help="Untimed steps before them; the first one compiles.")] = 2,
+                device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
+                = "auto",
+                out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                Path("metrics/bench/train.json")):
+    """Training-step tokens/s and MFU, fp32 vs bf16 and eager vs torch.compile, in one run.
+
+    A step is forward, backward, clipping and AdamW on random token ids, for the shape in the `model` section
+    (`--set model.key=value` changes it).
+    """
+    from pipeline.bench_train import bench_train as run, parse_variants
+    from pipeline.params import ModelParams, load_section
+
+    run(load_section(ModelParams, params, set_), parse_variants(variants), vocab_size, batch_size, seq_len, steps,
+        warmup, device, out)
+
+
 def _is_utf8(data: bytes) -> bool:
     try:
         data.decode()

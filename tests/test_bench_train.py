@@ -1,0 +1,76 @@
+"""`kiln bench train` on a CPU, at a tiny shape and eager only: compiling would take most of a minute."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from model import GPT, ModelConfig
+from pipeline.cli import app
+from pipeline.throughput import measured_cpu_peak
+
+TINY = {"n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 32, "max_seq_len": 32}
+ARGS = ["--vocab-size", "300", "--seq-len", "16", "--batch-size", "2", "--steps", "2", "--warmup", "1",
+        "--device", "cpu"]
+
+
+@pytest.fixture
+def params(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"model": TINY}), encoding="utf-8")
+    return path
+
+
+def test_cli_writes_variants_ratios_and_mfu(tmp_path, params):
+    out = tmp_path / "bench" / "train.json"
+    result = CliRunner().invoke(app, ["bench", "train", "--params", str(params), "--set", "model.d_ff=64",
+                                      "--variants", "fp32-eager,bf16-eager", *ARGS, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "fp32-eager" in result.output and "speedup" in result.output
+    report = json.loads(out.read_text())
+    assert report["model"]["d_ff"] == 64 and report["model"]["vocab_size"] == 300
+    assert report["machine"]["cpu_count"] >= 1 and report["device"] == "cpu"
+    flops = GPT(ModelConfig(vocab_size=300, **TINY, d_ff=64)).flops_per_token(16)
+    assert report["flops_per_token"] == flops
+    rows = {row["variant"]: row for row in report["results"]}
+    assert list(rows) == ["fp32-eager", "bf16-eager"] and report["baseline"] == "fp32-eager"
+    assert rows["fp32-eager"]["speedup"] == 1.0
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["step_ms"] > 0
+        assert row["compile"] is False and row["compile_seconds"] is None and row["peak_memory_gb"] is None
+        assert row["mfu"] == pytest.approx(flops * row["tokens_per_s"] / measured_cpu_peak(), abs=1e-6)
+    assert rows["bf16-eager"]["speedup"] == pytest.approx(
+        rows["bf16-eager"]["tokens_per_s"] / rows["fp32-eager"]["tokens_per_s"], abs=1e-3)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--variants", "fp8-eager"], "fp8"),
+    (["--variants", "fp32-jit"], "fp32-jit"),
+    (["--variants", ","], "--variants"),
+    (["--seq-len", "33"], "--seq-len 33"),
+    (["--steps", "0"], "--steps 0"),
+    (["--device", "tpu"], "--device 'tpu'"),
+    (["--set", "model.n_head=3"], "model.n_head"),
+])
+def test_cli_bad_input_exits_2_with_one_line(tmp_path, params, args, named):
+    out = tmp_path / "train.json"
+    result = CliRunner().invoke(app, ["bench", "train", "--params", str(params), *ARGS, *args, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and named in lines[0], result.output
+    assert not out.exists()
+
+
+def test_imports_without_the_data_stack(monkeypatch):
+    """A GPU machine may have torch and nothing of dvc, datasets or the tokenizers: the module must load there."""
+    for name in [m for m in sys.modules if m.split(".")[0] in ("pipeline", "model")]:
+        monkeypatch.delitem(sys.modules, name)  # re-imported below, restored afterwards
+    for name in ("dvc", "dvclive", "datasets", "tokenizers", "tiktoken", "pyarrow"):
+        monkeypatch.setitem(sys.modules, name, None)  # any import of it now fails
+    importlib.import_module("pipeline.bench_train")
+    importlib.import_module("pipeline.cli")
