@@ -16,9 +16,11 @@ console = Console(stderr=True)
 
 
 class Progress:
-    def __init__(self, description: str, unit: str, total: int | None = None, interval: float = 10.0):
+    def __init__(self, description: str, unit: str, total: int | None = None, interval: float = 10.0,
+                 start: int = 0):
+        """`start`: units already done before this process (a resumed run); rates and ETA count only new ones."""
         self.description, self.unit, self.total, self.interval = description, unit, total, interval
-        self.done = 0
+        self.done = self._start_done = start
         self.bytes = 0
         self.fields: dict[str, object] = {}
         self._bar: RichProgress | None = None
@@ -34,7 +36,7 @@ class Progress:
                 columns += [TextColumn("eta"), TimeRemainingColumn()]
             self._bar = RichProgress(*columns, console=console)
             self._bar.start()
-            self._task = self._bar.add_task(self.description, total=self.total, status="")
+            self._task = self._bar.add_task(self.description, total=self.total, status="", completed=self.done)
         return self
 
     def advance(self, n: int = 1, bytes: int = 0, **fields) -> None:
@@ -49,13 +51,14 @@ class Progress:
 
     def status(self) -> str:
         elapsed = max(time.perf_counter() - self._start, 1e-9)
+        new = self.done - self._start_done
         parts = [f"{self.done:,}{'/' + format(self.total, ',') if self.total else ''} {self.unit}",
-                 f"{self.done / elapsed:,.1f} {self.unit}/s"]
+                 f"{new / elapsed:,.1f} {self.unit}/s"]
         if self.bytes:
             parts.append(f"{self.bytes / elapsed / 1e6:.2f} MB/s")
         parts += [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in self.fields.items()]
-        if self.total and self.done:
-            parts.append(f"eta {elapsed * (self.total - self.done) / self.done:.0f}s")
+        if self.total and new:
+            parts.append(f"eta {elapsed * (self.total - self.done) / new:.0f}s")
         return " | ".join(parts)
 
     def __exit__(self, *exc) -> None:

@@ -36,7 +36,8 @@ def project(tmp_path):
     root.mkdir()
     for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
         shutil.copy(REPO / name, root / name)
-    shutil.copytree(REPO / "pipeline", root / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("pipeline", "model"):
+        shutil.copytree(REPO / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / ".dvc", root / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache", "config.local"))
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -47,6 +48,9 @@ def project(tmp_path):
     params["data"]["val_fraction"] = 0.2
     params["tokenizer"]["vocab_size"] = 300
     params["shard"]["shard_tokens"] = 4096
+    params["model"].update(n_layer=1, n_head=2, n_kv_head=1, d_model=32, max_seq_len=16)
+    params["train"].update(batch_size=4, batch_tokens=128, max_steps=6, warmup_steps=2, eval_every=3,
+                           eval_tokens=256, checkpoint_every=3, log_every=2)
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     run(root, "git", "init", "-q")
     run(root, "git", "add", "-A")
@@ -56,8 +60,9 @@ def project(tmp_path):
 
 def test_repro_noop_and_experiment(project):
     first = run(project, "dvc", "repro")
-    assert ran_stages(first) == {"prepare", "tokenizer", "shard"}
-    for out in ("data/corpus/train.parquet", "data/tokenizer/tokenizer.json", "data/shards/manifest.json"):
+    assert ran_stages(first) == {"prepare", "tokenizer", "shard", "pretrain"}
+    for out in ("data/corpus/train.parquet", "data/tokenizer/tokenizer.json", "data/shards/manifest.json",
+                "data/models/base/model.safetensors", "metrics/pretrain/curves.png"):
         assert (project / out).is_file()
     assert json.loads((project / "metrics/tokenizer.json").read_text())["vocab_size"] == 300
 
@@ -71,9 +76,16 @@ def test_repro_noop_and_experiment(project):
     run(project, "git", "commit", "-qm", "baseline")
 
     exp = run(project, "dvc", "exp", "run", "-S", "tokenizer.vocab_size=330")
-    assert ran_stages(exp) == {"tokenizer", "shard"}
+    assert ran_stages(exp) == {"tokenizer", "shard", "pretrain"}
     assert json.loads((project / "metrics/tokenizer.json").read_text())["vocab_size"] == 330
-
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))
     change = diff["metrics/tokenizer.json"]["vocab_size"]
     assert change["old"] == 300 and change["new"] == 330
+    run(project, "dvc", "exp", "apply", "HEAD")  # back to the baseline's outputs
+
+    exp = run(project, "dvc", "exp", "run", "-S", "train.precision=bf16")
+    assert ran_stages(exp) == {"pretrain"}
+    assert "bf16" in exp  # the run says what it trains in
+    diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))["metrics/pretrain.json"]
+    assert diff["val_loss"]["old"] != diff["val_loss"]["new"]  # bf16 rounding moves the numbers, a little
+    assert abs(diff["val_loss"]["new"] - diff["val_loss"]["old"]) < 0.1
