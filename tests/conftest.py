@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, the Triton kernels run in Triton's interpreter on CPU tensors. Triton reads this when a kernel
+# is decorated, so it must be set before anything imports kernels/.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pipeline.params import DataParams, ShardParams, TokenizerParams, build_section
 from pipeline.prepare import prepare

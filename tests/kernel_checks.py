@@ -1,0 +1,42 @@
+"""What every kernel test needs: float64 references, per-dtype tolerances, and NaN-poisoned allocations.
+
+Kernels allocate their outputs with `torch.empty`/`torch.empty_like`; under `poisoned_allocations()` those
+come back filled with NaN, so an element a kernel forgot to write fails the comparison instead of passing
+with whatever the allocator left there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+# Max abs error allowed relative to the reference's scale: fp32 kernels accumulate in fp32; bf16 inputs and
+# outputs carry ~3 significant digits (8 mantissa bits), so their error is dominated by the final rounding.
+TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str = "output",
+                 scale: float = 1.0) -> None:
+    """Compare a kernel result with a float64 reference; `scale` widens the tolerance for long reductions."""
+    atol, rtol = TOLERANCES[dtype]
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert not actual.isnan().any(), f"{name}: NaN (an element the kernel never wrote?)"
+    torch.testing.assert_close(actual.double(), expected.double(), atol=atol * scale, rtol=rtol * scale,
+                               msg=lambda m: f"{name} ({dtype}): {m}")
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every torch.empty / torch.empty_like inside the block returns NaN-filled memory (ints: -1)."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t: torch.Tensor) -> torch.Tensor:
+        return t.fill_(float("nan") if t.is_floating_point() else -1)
+
+    torch.empty = lambda *a, **k: poison(empty(*a, **k))
+    torch.empty_like = lambda *a, **k: poison(empty_like(*a, **k))
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like = empty, empty_like
