@@ -1,0 +1,86 @@
+"""SwiGLU kernel: output and both gradients against the float64 reference, on shapes whose element counts are
+not multiples of the block (including one that spans several blocks), strided inputs, and gates large enough
+to saturate the sigmoid at both ends; plus backend selection and the model's own F.silu(gate) * up.
+
+The op is elementwise with no reduction, so every comparison uses the unscaled per-dtype tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels.swiglu
+from kernels.swiglu import reference, swiglu
+from kernel_checks import assert_close, poisoned_allocations
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def inputs(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # Gates spread over ±12 reach the flat tails of the sigmoid, where silu' has its extremes and sign change.
+    gate = (torch.randn(shape, generator=g) * 4).to(dtype)
+    up = torch.randn(shape, generator=g).to(dtype)
+    dh = torch.randn(shape, generator=g).to(dtype)
+    return gate, up, dh
+
+
+def check(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor) -> None:
+    """Run the Triton path under poisoned allocations and compare h, dgate, dup with float64 autograd."""
+    dtype = gate.dtype
+    gate64 = gate.detach().double().requires_grad_()
+    up64 = up.detach().double().requires_grad_()
+    h64 = reference(gate64, up64)
+    dgate64, dup64 = torch.autograd.grad(h64, (gate64, up64), dh.double())
+
+    gate, up = gate.detach().requires_grad_(), up.detach().requires_grad_()
+    with poisoned_allocations():
+        h = swiglu(gate, up, backend="triton")
+        dgate, dup = torch.autograd.grad(h, (gate, up), dh)
+    assert (h.dtype, dgate.dtype, dup.dtype) == (dtype, dtype, dtype)
+    assert_close(h, h64, dtype, "h")
+    assert_close(dgate, dgate64, dtype, "dgate")
+    assert_close(dup, dup64, dtype, "dup")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (3, 37), (1, 123), (2, 5, 257), (3, 1531)])
+def test_shapes(shape, dtype):
+    # (3, 1531) is 4593 elements: one full block of 4096 and a partial second one.
+    check(*inputs(shape, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_inputs(dtype):
+    # gate and up as the two halves of one fused (tokens, 2·d_ff) projection: neither half is contiguous.
+    gate_up, _, dh = inputs((7, 2 * 123), dtype)
+    gate, up = gate_up[:, :123], gate_up[:, 123:]
+    assert not gate.is_contiguous()
+    check(gate, up, dh[:, :123].contiguous())
+
+
+def test_reference_matches_model_activation():
+    gate, up, _ = inputs((3, 37), torch.float64)
+    assert_close(reference(gate, up), F.silu(gate) * up, torch.float32, "reference vs F.silu")
+
+
+def test_torch_backend_is_reference():
+    gate, up, _ = inputs((3, 37), torch.bfloat16)
+    assert torch.equal(swiglu(gate, up, backend="torch"), reference(gate, up))
+
+
+def test_auto_on_cpu_uses_reference(monkeypatch):
+    def no_kernels(*args):
+        raise AssertionError("backend='auto' launched the Triton kernels for CPU tensors")
+
+    monkeypatch.setattr(kernels.swiglu.SwiGLUFunction, "apply", no_kernels)
+    gate, up, _ = inputs((3, 37), torch.float32)
+    assert torch.equal(swiglu(gate, up, backend="auto"), reference(gate, up))
+
+
+def test_mismatched_inputs_rejected():
+    gate, up, _ = inputs((3, 37), torch.float32)
+    with pytest.raises(ValueError, match="same shape"):
+        swiglu(gate, up[:, :36], backend="triton")
