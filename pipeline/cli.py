@@ -233,6 +233,22 @@ def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
         warmup, device, out)
 
 
+@bench_app.command("kernels")
+@reports_errors
+def bench_kernels(ops: Annotated[str | None, typer.Option(
+                      help="Comma-separated subset: rms_norm, swiglu, rope, cross_entropy, linear_cross_entropy, "
+                           "flash_attention (default: all).")] = None,
+                  quick: Annotated[bool, typer.Option(help="Fewer shapes (one GPU minute or two).")] = False,
+                  compile_baseline: Annotated[bool, typer.Option(
+                      "--compile/--no-compile", help="Also time torch.compile of each reference.")] = True,
+                  out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                  Path("metrics/bench/kernels.json")):
+    """Each Triton kernel vs torch eager and torch.compile: ms, GB/s, % of copy bandwidth, peak memory (CUDA only)."""
+    from pipeline.bench_kernels import bench_kernels as run
+
+    run(ops.split(",") if ops else None, quick, compile_baseline, out)
+
+
 def _is_utf8(data: bytes) -> bool:
     try:
         data.decode()
