@@ -1,0 +1,159 @@
+"""Cross-entropy kernel: loss and logits gradient against the float64 reference for every reduction, with and
+without z-loss, ignored rows, vocabularies from 37 to 50304; plus the in-place gradient, its safety checks, and
+the reference itself against F.cross_entropy.
+
+The loss per row is a log-sum-exp over the whole vocabulary, but the kernel accumulates it in fp32 and the
+values compared are O(10) (O(100) summed over 37 rows), so the per-dtype tolerances hold without `scale`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_checks import assert_close, poisoned_allocations
+
+from kernels.cross_entropy import cross_entropy, reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+REDUCTIONS = ["mean", "sum", "none"]
+
+
+def inputs(N, V, dtype, ignore_index=-100, seed=0):
+    """Logits with a spread like a trained LM's (std 3, so the softmax is peaked), every third row ignored."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(N, V, generator=g)).to(dtype)
+    targets = torch.randint(V, (N,), generator=g)
+    targets[1::3] = ignore_index
+    return logits, targets
+
+
+def check_against_reference(logits, targets, dtype, reduction, z_loss=0.0, ignore_index=-100, seed=1):
+    """Triton loss and d loss / d logits (under a random upstream gradient) vs float64 on the same values."""
+    x64 = logits.double().requires_grad_()
+    want = reference(x64, targets, ignore_index, z_loss, reduction)
+    upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    (want_grad,) = torch.autograd.grad(want, x64, upstream)
+
+    x = logits.detach().requires_grad_()
+    with poisoned_allocations():
+        got = cross_entropy(x, targets, ignore_index, z_loss, reduction, backend="triton")
+        (got_grad,) = torch.autograd.grad(got, x, upstream.float())
+    assert got.dtype == torch.float32 and got_grad.dtype == dtype
+    assert_close(got, want, dtype, "loss")
+    assert_close(got_grad, want_grad, dtype, "dlogits")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("z_loss", [0.0, 1e-4])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("N,V", [(1, 37), (37, 1000), (3, 50304)])
+def test_matches_reference(N, V, reduction, z_loss, dtype):
+    check_against_reference(*inputs(N, V, dtype), dtype, reduction, z_loss)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_z_loss_and_custom_ignore_index(dtype):
+    """A z-loss large enough to dominate the gradient, and ignore_index = 0 (a real class id)."""
+    logits, targets = inputs(7, 257, dtype, ignore_index=0)
+    check_against_reference(logits, targets, dtype, "mean", z_loss=0.1, ignore_index=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_large_logits_do_not_overflow(dtype):
+    """exp(1000) overflows fp32: only a max-subtracted log-sum-exp survives."""
+    logits, targets = inputs(5, 300, dtype)
+    check_against_reference(logits.float().add(1000).to(dtype), targets, dtype, "sum")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_rows_ignored(reduction):
+    """As F.cross_entropy: "mean" is 0/0 = NaN, the others 0; the gradient is 0 everywhere."""
+    logits, targets = inputs(4, 50, torch.float32)
+    targets[:] = -100
+    x = logits.requires_grad_()
+    with poisoned_allocations():
+        got = cross_entropy(x, targets, reduction=reduction, backend="triton")
+        (grad,) = torch.autograd.grad(got.sum(), x)
+    want = F.cross_entropy(logits, targets, reduction=reduction)
+    torch.testing.assert_close(got, want, equal_nan=True)
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
+def test_strided_logits_and_broadcast_upstream():
+    """Logits cut from a padded vocabulary (as the model's lm_head output is) and a "none" loss whose
+    upstream gradient is an expanded (stride 0) tensor from .sum()."""
+    padded, targets = inputs(6, 128, torch.float32)
+    x64 = padded.double().requires_grad_()
+    (want,) = torch.autograd.grad(reference(x64[:, :100], targets.clamp(max=99), reduction="none").sum(), x64)
+    x = padded.requires_grad_()
+    with poisoned_allocations():
+        loss = cross_entropy(x[:, :100], targets.clamp(max=99), reduction="none", backend="triton")
+        (got,) = torch.autograd.grad(loss.sum(), x)
+    assert_close(got, want, torch.float32, "dlogits")
+    assert torch.equal(got[:, 100:], torch.zeros(6, 28))
+
+
+def test_no_grad_forward():
+    logits, targets = inputs(5, 1000, torch.float32)
+    with torch.no_grad(), poisoned_allocations():
+        got = cross_entropy(logits, targets, z_loss=1e-4, backend="triton")
+    assert_close(got, reference(logits.double(), targets, z_loss=1e-4), torch.float32, "loss")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_inplace_grad_overwrites_logits_with_the_gradient(dtype):
+    """The gradient of a leaf is the logits tensor itself, so it equals the reference gradient afterwards."""
+    logits, targets = inputs(9, 1000, dtype)
+    x64 = logits.double().requires_grad_()
+    (want_grad,) = torch.autograd.grad(reference(x64, targets, z_loss=1e-4), x64)
+    x = logits.clone().requires_grad_()
+    with poisoned_allocations():
+        loss = cross_entropy(x, targets, z_loss=1e-4, backend="triton", inplace_grad=True)
+        (grad,) = torch.autograd.grad(loss, x)
+    assert grad.data_ptr() == x.data_ptr()
+    assert_close(x.detach(), want_grad, dtype, "logits after backward")
+
+
+def test_inplace_grad_refuses_logits_another_op_saved():
+    """exp saves its output for backward; overwriting that output must fail loudly, not corrupt a gradient."""
+    x = torch.randn(4, 10, requires_grad=True)
+    loss = cross_entropy(x.exp(), torch.randint(10, (4,)), backend="triton", inplace_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_second_backward_fails_loudly():
+    """Backward scales the stored gradient in place, so running it twice must raise, not scale twice."""
+    x = torch.randn(4, 10, requires_grad=True)
+    loss = cross_entropy(2 * x, torch.randint(10, (4,)), backend="triton")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_reference_is_f_cross_entropy(reduction):
+    """Without z-loss the reference must be exactly what the model computes today."""
+    logits, targets = inputs(11, 300, torch.float64)
+    x1, x2 = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    got, want = reference(x1, targets, reduction=reduction), F.cross_entropy(x2, targets, reduction=reduction)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), x1)[0], torch.autograd.grad(want.sum(), x2)[0])
+
+
+def test_bf16_reference_computes_in_fp32():
+    logits, targets = inputs(5, 300, torch.bfloat16)
+    got = reference(logits, targets)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, F.cross_entropy(logits.float(), targets))
+
+
+def test_torch_and_auto_backends_are_the_reference():
+    logits, targets = inputs(5, 300, torch.float32)
+    want = reference(logits, targets, z_loss=1e-4)
+    for backend in ("torch", "auto"):  # auto on CPU tensors: the reference
+        x = logits.clone().requires_grad_()
+        got = cross_entropy(x, targets, z_loss=1e-4, backend=backend)
+        assert torch.equal(got, want)
+        assert "CrossEntropyFunction" not in type(got.grad_fn).__name__

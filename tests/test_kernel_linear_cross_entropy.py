@@ -1,0 +1,156 @@
+"""Chunked linear + cross-entropy: loss, grad_hidden and grad_weight against the float64 reference (full
+logits, then the plain cross-entropy) for every reduction, with and without z-loss, ignored tokens (a whole
+chunk of them too), one chunk and several, fp32 and bf16; and a memory guard showing that no tensor of
+N × V elements is ever created, forward or backward.
+
+grad_weight sums over at most 37 tokens and the logits over D ≤ 33 products, in fp32 inside each matmul, so
+the per-dtype tolerances hold without `scale`. In bf16 the logits chunk is rounded to bf16 (as eager F.linear
+rounds its output), which moves each softmax entry by up to |logit|·2⁻⁹ of itself; logits of std 2 keep that
+inside the bf16 tolerance, while peakier ones (std ≈ 6) measurably leave it, from that rounding alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import assert_close, poisoned_allocations
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from kernels.linear_cross_entropy import default_chunk_size, linear_cross_entropy, reference
+
+DTYPES = [torch.float32, torch.bfloat16]
+REDUCTIONS = ["mean", "sum", "none"]
+
+
+def inputs(N, V, D, dtype, seed=0):
+    """Unit-variance hidden states and weights of std 2/sqrt(D), so logits have std 2 (a softmax about as peaked
+    as a trained LM's); tokens 8..15 (one whole chunk of 8) and every fifth token ignored."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, D, generator=g).to(dtype)
+    weight = (2 / D ** 0.5 * torch.randn(V, D, generator=g)).to(dtype)
+    targets = torch.randint(V, (N,), generator=g)
+    targets[8:16] = -100
+    targets[2::5] = -100
+    return hidden, weight, targets
+
+
+def check_against_reference(hidden, weight, targets, dtype, reduction, z_loss, chunk_size, seed=1):
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    want = reference(h64, w64, targets, z_loss=z_loss, reduction=reduction)
+    upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    want_dh, want_dw = torch.autograd.grad(want, (h64, w64), upstream)
+
+    h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    with poisoned_allocations():
+        got = linear_cross_entropy(h, w, targets, z_loss=z_loss, reduction=reduction, chunk_size=chunk_size,
+                                   backend="triton")
+        got_dh, got_dw = torch.autograd.grad(got, (h, w), upstream.float())
+    assert got.dtype == torch.float32 and got_dh.dtype == got_dw.dtype == dtype
+    assert_close(got, want, dtype, "loss")
+    assert_close(got_dh, want_dh, dtype, "grad_hidden")
+    assert_close(got_dw, want_dw, dtype, "grad_weight")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("z_loss", [0.0, 1e-4])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("N,V,D,chunk_size", [
+    (1, 1000, 16, None),
+    (37, 1000, 33, None),  # one chunk (the default is up to 4·D rows)
+    (37, 1000, 16, 8),  # five chunks, the last one short, chunk 8..15 all ignored
+    (3, 50304, 16, 2),
+])
+def test_matches_reference(N, V, D, chunk_size, reduction, z_loss, dtype):
+    check_against_reference(*inputs(N, V, D, dtype), dtype, reduction, z_loss, chunk_size)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_frozen_weight_or_hidden(reduction):
+    """Only the gradient asked for is computed (and returned right)."""
+    hidden, weight, targets = inputs(20, 300, 8, torch.float32)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    want = reference(h64, w64, targets, reduction=reduction).sum()
+    want_dh, want_dw = torch.autograd.grad(want, (h64, w64))
+    for trainable, want_grad in ((hidden, want_dh), (weight, want_dw)):
+        x = trainable.clone().requires_grad_()
+        args = (x, weight, targets) if trainable is hidden else (hidden, x, targets)
+        with poisoned_allocations():
+            (got,) = torch.autograd.grad(linear_cross_entropy(*args, reduction=reduction, chunk_size=6,
+                                                              backend="triton").sum(), x)
+        assert_close(got, want_grad, torch.float32, "grad")
+
+
+def test_no_grad_forward():
+    hidden, weight, targets = inputs(20, 300, 8, torch.float32)
+    with torch.no_grad(), poisoned_allocations():
+        got = linear_cross_entropy(hidden, weight, targets, z_loss=1e-4, chunk_size=7, backend="triton")
+    assert_close(got, reference(hidden.double(), weight.double(), targets, z_loss=1e-4), torch.float32, "loss")
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the most bytes of any tensor an aten op returns (allocations, matmul outputs, copies; bytes
+    because Triton's interpreter copies kernel arguments back as raw uint8 storages)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.bytes = max([self.bytes] + [t.numel() * t.element_size() for t in tree_flatten(out)[0]
+                                         if isinstance(t, torch.Tensor)])
+        return out
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("chunk_size", [None, 8])
+def test_never_allocates_tokens_by_vocab(chunk_size, reduction):
+    """Forward and backward stay within one chunk of logits (or the weight, or hidden), never N × V; "none"
+    recomputes the chunks in backward, so it is checked too. The default chunk is at most 4·D rows."""
+    N, V, D = 64, 500, 4
+    hidden, weight, targets = inputs(N, V, D, torch.float32)
+    hidden.requires_grad_(), weight.requires_grad_()
+    rows = chunk_size or default_chunk_size(N, D)
+    assert rows <= 4 * D
+    largest = LargestTensor()
+    with largest:
+        linear_cross_entropy(hidden, weight, targets, reduction=reduction, chunk_size=chunk_size,
+                             backend="triton").sum().backward()
+    fp32 = 4
+    assert largest.bytes <= fp32 * max(rows * V, V * D, N * D) < fp32 * N * V
+
+
+def test_memory_guard_sees_the_reference_allocate_tokens_by_vocab():
+    """The guard above can fail: it sees the reference's (N, V) logits, and its backward's (N, V) gradient."""
+    N, V, D = 64, 500, 4
+    hidden, weight, targets = inputs(N, V, D, torch.float32)
+    hidden.requires_grad_(), weight.requires_grad_()
+    with LargestTensor() as forward:
+        loss = linear_cross_entropy(hidden, weight, targets, backend="torch")
+    with LargestTensor() as backward:
+        loss.backward()
+    assert forward.bytes == backward.bytes == 4 * N * V
+
+
+def test_default_chunk_size():
+    assert default_chunk_size(8192, 768) == 2731  # 3 equal chunks of at most 4·768 rows
+    assert default_chunk_size(37, 16) == 37
+    assert default_chunk_size(65, 4) == 13  # ceil(65 / 16) = 5 equal chunks
+    assert default_chunk_size(0, 16) == 1
+
+
+def test_rejects_mismatched_dtypes():
+    hidden, weight, targets = inputs(4, 50, 8, torch.float32)
+    with pytest.raises(ValueError, match="weight.to"):
+        linear_cross_entropy(hidden, weight.bfloat16(), targets, backend="triton")
+
+
+def test_torch_and_auto_backends_are_the_reference():
+    hidden, weight, targets = inputs(20, 300, 8, torch.float32)
+    want = reference(hidden, weight, targets, z_loss=1e-4)
+    for backend in ("torch", "auto"):  # auto on CPU tensors: the reference
+        h = hidden.clone().requires_grad_()
+        got = linear_cross_entropy(h, weight, targets, z_loss=1e-4, backend=backend)
+        assert torch.equal(got, want)
+        assert "LinearCrossEntropyFunction" not in type(got.grad_fn).__name__
