@@ -8,6 +8,10 @@ ablation is one config field.
 The same `forward` serves training (full sequences, causal SDPA, loss) and generation (a few new tokens
 appended to a preallocated `KVCache`). It has no Python branches on tensor values, so `torch.compile` traces
 it in one graph.
+
+`GPT.set_kernels("auto" | "triton" | "torch")` is the one switch to kiln's Triton kernels: RMSNorm, SwiGLU,
+RoPE, flash attention (training and prefill without a cache) and the fused LM head + cross-entropy. "torch"
+(the default) runs the plain-torch code below; "auto" takes the kernels for CUDA tensors only.
 """
 
 from __future__ import annotations
@@ -18,6 +22,13 @@ from dataclasses import asdict, dataclass, fields
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+import kernels.flash_attention
+import kernels.linear_cross_entropy
+import kernels.rms_norm
+import kernels.rope
+import kernels.swiglu
+from kernels.backend import BACKENDS, use_triton
 
 ARCHS = ("llama", "gpt2")
 REDUCTIONS = ("mean", "sum", "none")
@@ -176,6 +187,8 @@ def decode_mask(pos: int, T: int, device) -> tuple[torch.Tensor | None, bool]:
 
 
 class Attention(nn.Module):
+    backend = "torch"  # set by GPT.set_kernels
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         bias = config.arch == "gpt2"
@@ -189,11 +202,19 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, cache: KVCache | None, layer: int, pos: int) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if rope is not None:
+        fused = use_triton(self.backend, x)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        if rope is not None and fused:
+            q, k = kernels.rope.rope(q, k, *rope, backend="triton")
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if rope is not None and not fused:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if fused and cache is None and not (self.training and self.dropout):
+            # Reads each kv head in place for its query heads: no GQA copy.
+            y = kernels.flash_attention.flash_attention(q, k, v, causal=True, backend="triton")
+            return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
         if cache is None:
             mask, is_causal = None, True
         else:
@@ -213,6 +234,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """llama: down(silu(gate(x)) * up(x)) (SwiGLU); gpt2: down(gelu(up(x))) with GPT-2's tanh-approximate GELU."""
 
+    backend = "torch"
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         bias = config.arch == "gpt2"
@@ -223,16 +246,29 @@ class MLP(nn.Module):
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_proj is not None:
+        if self.gate_proj is not None and use_triton(self.backend, x):
+            h = kernels.swiglu.swiglu(self.gate_proj(x), self.up_proj(x), backend="triton")
+        elif self.gate_proj is not None:
             h = F.silu(self.gate_proj(x)) * self.up_proj(x)
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.resid_drop(self.down_proj(h))
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm (same parameter, same state-dict key) that can run the fused kernel."""
+
+    backend = "torch"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(self.backend, x):
+            return kernels.rms_norm.rms_norm(x, self.weight, self.eps, backend="triton")
+        return super().forward(x)
+
+
 def make_norm(config: ModelConfig) -> nn.Module:
     if config.arch == "llama":
-        return nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        return RMSNorm(config.d_model, eps=config.norm_eps)
     return nn.LayerNorm(config.d_model, eps=config.norm_eps)
 
 
@@ -254,6 +290,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     # Output projections that write into the residual stream; see init_weights.
     RESIDUAL_PROJECTIONS = ("attn.o_proj.weight", "mlp.down_proj.weight")
+    backend = "torch"
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -274,6 +311,15 @@ class GPT(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
+
+    def set_kernels(self, backend: str) -> GPT:
+        """Route every fusable op through kernels/ ("triton"), only on CUDA ("auto"), or never ("torch")."""
+        if backend not in BACKENDS:
+            raise ValueError(f"kernels: {backend!r} is not one of {', '.join(BACKENDS)}")
+        for module in self.modules():
+            if isinstance(module, (GPT, Attention, MLP, RMSNorm)):
+                module.backend = backend
+        return self
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -316,12 +362,26 @@ class GPT(nn.Module):
         rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]) if c.arch == "llama" else None
         for layer, block in enumerate(self.blocks):
             x = block(x, rope, cache, layer, pos)
-        logits = self.lm_head(self.norm(x))[..., :c.vocab_size]
+        h = self.norm(x)
+        if targets is not None and use_triton(self.backend, h):
+            return self._fused_loss(h, targets, reduction)
+        logits = self.lm_head(h)[..., :c.vocab_size]
         if targets is None:
             return logits
         # float32 even under autocast: log-softmax over a large vocabulary loses too much in bf16.
         loss = F.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(B * T), ignore_index=-100,
                                reduction=reduction)
+        return loss.view(B, T) if reduction == "none" else loss
+
+    def _fused_loss(self, h: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
+        """LM head + cross-entropy in token chunks: the (B·T, vocab) logits are never materialised."""
+        B, T, D = h.shape
+        weight = self.lm_head.weight[:self.config.vocab_size]  # the padding rows are never scored
+        if torch.is_autocast_enabled(h.device.type):  # a custom kernel is not autocast: cast as the matmul would
+            dtype = torch.get_autocast_dtype(h.device.type)
+            h, weight = h.to(dtype), weight.to(dtype)
+        loss = kernels.linear_cross_entropy.linear_cross_entropy(
+            h.reshape(B * T, D), weight, targets.reshape(B * T), reduction=reduction, backend="triton").float()
         return loss.view(B, T) if reduction == "none" else loss
 
     def num_params(self, embeddings: bool = True) -> int:

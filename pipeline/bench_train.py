@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
+from kernels.backend import BACKENDS
 from model import GPT, ModelConfig
 from pipeline.bench import machine
 from pipeline.errors import UserError
@@ -29,7 +30,7 @@ from pipeline.files import write_json
 from pipeline.params import ModelParams, TrainParams
 from pipeline.progress import Progress, console
 from pipeline.throughput import peak_flops
-from pipeline.train import PRECISIONS, autocast, build_optimizer, pick_device, setup_precision
+from pipeline.train import PRECISIONS, autocast, build_optimizer, check_kernels, pick_device, setup_precision
 
 MODES = ("eager", "compile")
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -114,7 +115,8 @@ def time_variant(template: GPT, precision: str, compiled: bool, device: torch.de
 
 
 def bench_train(model_params: ModelParams, variants: list[tuple[str, bool]], vocab_size: int, batch_size: int,
-                seq_len: int | None, steps: int, warmup: int, device_name: str, out: Path) -> dict:
+                seq_len: int | None, steps: int, warmup: int, device_name: str, out: Path,
+                kernels: str = "torch") -> dict:
     for option, value in (("--vocab-size", vocab_size), ("--batch-size", batch_size), ("--steps", steps),
                           ("--warmup", warmup)):
         if value < 1:
@@ -125,7 +127,11 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool]], voc
     device = resolve_device(device_name)
     config = ModelConfig(vocab_size=vocab_size, **dataclasses.asdict(model_params))
     torch.manual_seed(0)
-    template = GPT(config)  # initialised once on the CPU and copied, so every variant starts from the same weights
+    if kernels not in BACKENDS:
+        raise UserError(f"--kernels {kernels!r}: expected one of {', '.join(BACKENDS)}")
+    check_kernels(kernels, device, "--kernels")
+    # Initialised once on the CPU and copied, so every variant starts from the same weights.
+    template = GPT(config).set_kernels(kernels)
     num_params, flops_per_token = template.num_params(), template.flops_per_token(seq_len)
     device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()["processor"]
     rows = []
@@ -142,7 +148,7 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool]], voc
         row["mfu"] = round(flops_per_token * row["tokens_per_s"] / peak, 6) if peak else None
         row["speedup"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
     cuda = device.type == "cuda"
-    table = Table(title=f"training step: {config.arch} {config.n_layer}x{config.d_model}, "
+    table = Table(title=f"training step: {config.arch} {config.n_layer}x{config.d_model}, kernels {kernels}, "
                         f"{num_params / 1e6:.2f}M params, vocab {vocab_size}, batch {batch_size}x{seq_len}, "
                         f"{steps} timed steps after {warmup}, {device.type} ({device_label})"
                         + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""))
@@ -157,7 +163,7 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool]], voc
     result = {"benchmark": "train", "device": device.type, "device_name": device_label,
               "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": machine(),
               "model": config.to_dict(), "params": num_params, "flops_per_token": flops_per_token,
-              "batch_size": batch_size, "seq_len": seq_len, "steps": steps, "warmup": warmup,
+              "batch_size": batch_size, "seq_len": seq_len, "kernels": kernels, "steps": steps, "warmup": warmup,
               "baseline": rows[0]["variant"], "results": rows}
     write_json(out, result)
     console.print(f"wrote {out}", highlight=False)

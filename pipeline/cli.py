@@ -219,6 +219,7 @@ def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
                 warmup: Annotated[int, typer.Option(help="Untimed steps before them; the first one compiles.")] = 2,
                 device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
                 = "auto",
+                kernels: Annotated[str, typer.Option(help="auto | triton | torch, as train.kernels.")] = "torch",
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                 Path("metrics/bench/train.json")):
     """Training-step tokens/s and MFU, fp32 vs bf16 and eager vs torch.compile, in one run.
@@ -230,7 +231,7 @@ def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     from pipeline.params import ModelParams, load_section
 
     run(load_section(ModelParams, params, set_), parse_variants(variants), vocab_size, batch_size, seq_len, steps,
-        warmup, device, out)
+        warmup, device, out, kernels)
 
 
 @bench_app.command("kernels")

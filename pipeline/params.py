@@ -211,6 +211,7 @@ class TrainParams(Section):
     seed: int = 1337
     device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
     precision: str = "fp32"  # fp32 | bf16 | fp16
+    kernels: str = "torch"  # auto | triton | torch: kiln's Triton kernels in the model (GPT.set_kernels)
     compile: bool = False
     batch_size: int = 16  # sequences per micro-step on one device
     batch_tokens: int = 8192  # tokens per optimizer step, reached by gradient accumulation
@@ -236,6 +237,8 @@ class TrainParams(Section):
             raise self.bad("device", "auto, cpu, cuda, cuda:N or mps")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise self.bad("precision", "fp32, bf16 or fp16")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise self.bad("kernels", "auto, triton or torch")
         if self.schedule not in ("cosine", "wsd"):
             raise self.bad("schedule", "cosine or wsd")
         if (self.max_steps is None) == (self.tokens is None):

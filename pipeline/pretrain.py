@@ -22,14 +22,16 @@ from pipeline.params import ModelParams, TrainParams
 from pipeline.progress import console
 from pipeline.throughput import peak_flops
 from pipeline.tokenizer import load_tokenizer, token_bytes
-from pipeline.train import Run, autocast, pick_device, setup_precision, train
+from pipeline.train import Run, autocast, check_kernels, pick_device, setup_precision, train
 
 MODEL_DIR = Path("data/models/base")
 CHECKPOINT_DIR = Path("data/checkpoints/pretrain")
 CURVES_DIR = Path("metrics/pretrain")
 PANELS = [["loss", "val_loss"], ["val_bpb"], ["lr"], ["grad_norm"], ["tokens_per_s"]]
-# Params that change the cadence of logging and saving, not the trajectory: not part of the run's identity.
-CADENCE = ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "log_every", "device", "compile")
+# Params that change the cadence of logging and saving, or only how the same math is computed (device,
+# compile, kernels), not what is trained: not part of the run's identity, so a run may resume across them.
+CADENCE = ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "log_every", "device", "compile",
+           "kernels")
 
 
 def lm_loss(model, batch):
@@ -79,7 +81,8 @@ def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, t
     torch.manual_seed(params.seed)
     device = pick_device(params.device)
     setup_precision(device, params.precision)
-    model = GPT(config).to(device)
+    check_kernels(params.kernels, device, "params: train.kernels")
+    model = GPT(config).to(device).set_kernels(params.kernels)
     micro = params.batch_size * seq_len
     if params.max_steps is not None:
         total_steps = params.max_steps

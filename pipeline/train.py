@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.backend import interpreting
 from pipeline.checkpoints import Checkpoints
 from pipeline.curves import Curves
 from pipeline.errors import StageError, UserError
@@ -57,6 +58,13 @@ def setup_precision(device: torch.device, precision: str) -> None:
     if device.type == "cpu" and precision != "fp32":
         console.print(f"warning: train.precision={precision} on CPU runs through slow autocast paths "
                       "(~14x slower than fp32 on a CPU without bf16 instructions, measured by kiln bench train)", highlight=False)
+
+
+def check_kernels(kernels: str, device: torch.device, where: str) -> None:
+    """Refuse `triton` where the kernels cannot run, before a model is built rather than at its first forward."""
+    if kernels == "triton" and device.type != "cuda" and not interpreting():
+        raise UserError(f"{where}=triton: needs a CUDA device, or TRITON_INTERPRET=1 in the environment to run the "
+                        "kernels in Triton's (slow) CPU interpreter")
 
 
 def build_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device) -> torch.optim.AdamW:

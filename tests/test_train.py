@@ -218,3 +218,25 @@ def test_shards_from_another_tokenizer_are_refused(tiny, shakespeare, tmp_path):
 def test_bad_train_params_exit_2(tiny, tmp_path, key, value):
     failed = kiln(tmp_path, *cli_project(tiny, tmp_path, max_steps=2), "--set", f"{key}={value}")
     assert failed.returncode == 2 and key in failed.output and "Traceback" not in failed.output
+
+
+def test_training_with_triton_kernels_matches_torch(tiny, tmp_path):
+    """A few steps with train.kernels=triton (Triton's interpreter here) follow the same losses as torch."""
+    # Two optimizer steps of two micro-steps each, and one small eval: the interpreter is slow.
+    torch_run, w_torch = run(tiny, tmp_path / "torch", max_steps=2, eval_tokens=64, log_every=1, kernels="torch")
+    triton_run, w_triton = run(tiny, tmp_path / "triton", max_steps=2, eval_tokens=64, log_every=1, kernels="triton")
+    torch_curve = read_metric(metric_files(tmp_path / "torch" / "metrics/pretrain")["loss"])
+    triton_curve = read_metric(metric_files(tmp_path / "triton" / "metrics/pretrain")["loss"])
+    assert [s for s, _ in triton_curve] == [s for s, _ in torch_curve] == [1, 2]
+    for (_, a), (_, b) in zip(torch_curve, triton_curve):
+        assert b == pytest.approx(a, abs=1e-4)
+    assert triton_run["val_loss"] == pytest.approx(torch_run["val_loss"], abs=1e-4)
+    for name, tensor in w_torch.items():
+        assert (tensor - w_triton[name]).abs().max() < 1e-4, name
+
+
+def test_triton_kernels_on_cpu_need_the_interpreter(tiny, tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(UserError, match=r"train\.kernels=triton.*TRITON_INTERPRET"):
+        run(tiny, tmp_path, max_steps=2, kernels="triton")
+    assert not (tmp_path / "base").exists()
