@@ -66,6 +66,21 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D: tl.constexpr,
+               CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """The key/value block at start_n, the scaled scores of the query rows against it, and which are visible."""
+    keys = start_n + offs_n
+    key_mask = (keys[:, None] < T) & (cols[None, :] < D)
+    k = tl.load(k_ptrs + start_n * sk_t, mask=key_mask, other=0.0)
+    v = tl.load(v_ptrs + start_n * sv_t, mask=key_mask, other=0.0)
+    s = _dot(q, tl.trans(k), PRECISION) * qk_scale
+    visible = keys[None, :] < T
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= rows[:, None])
+    return k, v, s, visible
+
+
+@triton.jit
 def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
                     H, T, GROUP, qk_scale,
@@ -93,14 +108,8 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     if CAUSAL:
         end = tl.minimum(T, start_m + BLOCK_M)
     for start_n in range(0, end, BLOCK_N):
-        keys = start_n + offs_n
-        key_mask = (keys[:, None] < T) & (cols[None, :] < D)
-        k = tl.load(k_ptrs + start_n * sk_t, mask=key_mask, other=0.0)
-        v = tl.load(v_ptrs + start_n * sv_t, mask=key_mask, other=0.0)
-        s = _dot(q, tl.trans(k), PRECISION) * qk_scale
-        visible = keys[None, :] < T
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= rows[:, None])
+        k, v, s, visible = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D,
+                                      CAUSAL, PRECISION)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
@@ -206,14 +215,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     if CAUSAL:
         end = tl.minimum(T, start_m + BLOCK_M)
     for start_n in range(0, end, BLOCK_N):
-        keys = start_n + offs_n
-        key_mask = (keys[:, None] < T) & (cols[None, :] < D)
-        k = tl.load(k_ptrs + start_n * sk_t, mask=key_mask, other=0.0)
-        v = tl.load(v_ptrs + start_n * sv_t, mask=key_mask, other=0.0)
-        s = _dot(q, tl.trans(k), PRECISION) * qk_scale
-        visible = keys[None, :] < T
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= rows[:, None])
+        k, v, s, visible = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D,
+                                      CAUSAL, PRECISION)
         p = tl.exp2(tl.where(visible, s - lse[:, None], float("-inf")))
         dp = _dot(do, tl.trans(v), PRECISION)
         ds = p * (dp - delta[:, None])
