@@ -187,6 +187,7 @@ def train(model: torch.nn.Module, run: Run) -> dict:
     tps = tokens / seconds if seconds else 0.0
     result = {"train_loss": round(loss, 5), **{k: round(v, 5) for k, v in last_eval.items()}, "steps": step,
               "tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tps, 1)}
+    peak, _ = peak_flops(device, params.precision)  # again: on a CPU the best of two measurements
     if peak:
         result["mfu"] = round(run.flops_per_token * tps / peak, 5)
     result["peak_memory_gb"] = round(peak_memory_bytes(device) / 1e9, 3)
