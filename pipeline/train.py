@@ -165,7 +165,7 @@ def train(model: torch.nn.Module, run: Run) -> dict:
                 elapsed = time.perf_counter() - timer_start
                 tps = timer_tokens / elapsed
                 curves.add(step, {"loss": round(loss, 5), "lr": lr, "grad_norm": round(norm.item(), 5),
-                                       "tokens_per_s": round(tps, 1)})
+                                  "tokens_per_s": round(tps, 1)})
                 mfu = run.flops_per_token * tps / peak if peak else None
                 progress.advance(0, loss=loss, lr=lr, **{"tok/s": round(tps)},
                                  **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
