@@ -21,9 +21,12 @@ app = typer.Typer(help="kiln: an LLM training pipeline, one command per DVC stag
 data_app = typer.Typer(help="Corpus and token shards: prepare, shard, inspect.", no_args_is_help=True)
 tokenizer_app = typer.Typer(help="Byte-level BPE: train, encode, decode.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print a table and write JSON.", no_args_is_help=True)
+scaling_app = typer.Typer(help="Scaling laws: fit Chinchilla's approaches 2 and 3 to finished runs.",
+                          no_args_is_help=True)
 app.add_typer(data_app, name="data")
 app.add_typer(tokenizer_app, name="tokenizer")
 app.add_typer(bench_app, name="bench")
+app.add_typer(scaling_app, name="scaling")
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to read.")]
 SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
@@ -188,6 +191,23 @@ def generate_command(
         typer.echo(text + out)
         if len(prompt) > 1:
             typer.echo("-" * 40)
+
+
+@scaling_app.command("fit")
+@reports_errors
+def scaling_fit_command(
+        runs: Annotated[Path, typer.Option(help="CSV with params,tokens,loss[,flops] columns, or the CS336 JSON list "
+                                                "of {parameters, compute_budget, final_loss}.")],
+        out: Annotated[Path, typer.Option(help="Where to write the fitted values (JSON).")],
+        target_flops: Annotated[float | None, typer.Option(help="Also give the compute-optimal N, D and loss for "
+                                                                "this many FLOPs.")] = None,
+        plots: Annotated[Path | None, typer.Option(help="Folder for the PNGs and their CSV rows.")] = None,
+        bootstrap: Annotated[int, typer.Option(help="Resamples for the confidence intervals (0: none).")] = 100,
+        seed: Annotated[int, typer.Option(help="Seed of the bootstrap resampling.")] = 0):
+    """Fit IsoFLOP profiles (approach 2) and L(N, D) = E + A/N^alpha + B/D^beta (approach 3) to finished runs."""
+    from pipeline.scaling_fit import print_summary, scaling_fit
+
+    print_summary(scaling_fit(runs, out, target_flops, plots, bootstrap, seed), out)
 
 
 @bench_app.command("shard")

@@ -1,0 +1,161 @@
+"""`kiln scaling fit`: parameter recovery on synthetic L(N, D), approach 2 on the CS336 IsoFLOP file, the CLI
+end to end, and one clear exit-2 error per kind of bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.scaling_fit import Runs, compute_optimal, isoflop_fit, load_runs, natural, parametric_fit, predict
+from conftest import SHARED_DATA
+
+# Chinchilla's published fit (Hoffmann et al. 2022, eq. 10): realistic magnitudes for every parameter.
+TRUE = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
+CS336 = SHARED_DATA / "scaling" / "cs336-a3" / "isoflops_curves.json"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def isoflop_runs(budgets=(1e18, 1e19, 1e20, 1e21), per_budget=9, noise=0.0, seed=0) -> Runs:
+    """Runs on a log-N grid centred on each budget's true optimum, spanning e^-1.5..e^1.5 of it as real sweeps
+    do, with multiplicative noise on the loss."""
+    rng = np.random.default_rng(seed)
+    n, c = [], []
+    for flops in budgets:
+        centre = compute_optimal(TRUE, flops)[0]
+        n += list(centre * np.exp(np.linspace(-1.5, 1.5, per_budget)))
+        c += [flops] * per_budget
+    n, c = np.array(n), np.array(c)
+    d = c / (6 * n)
+    loss = predict(TRUE, n, d) * np.exp(rng.normal(0, noise, len(n)))
+    return Runs(n, d, c, loss, "synthetic")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_parametric_fit_recovers_known_law(seed):
+    # Points spread over 3 decades of N and D (not only IsoFLOP valleys) so that E, the A/N and the B/D terms
+    # are each pinned down; 0.3% noise is the run-to-run spread of small LM losses.
+    rng = np.random.default_rng(seed)
+    n = np.exp(rng.uniform(math.log(1e7), math.log(1e10), 80))
+    d = np.exp(rng.uniform(math.log(1e9), math.log(1e12), 80))
+    loss = predict(TRUE, n, d) * np.exp(rng.normal(0, 0.003, 80))
+    theta, _ = parametric_fit(n, d, loss, starts=8)
+    fit = natural(theta)
+    assert abs(fit["alpha"] - TRUE["alpha"]) < 0.05 and abs(fit["beta"] - TRUE["beta"]) < 0.05
+    # A and B trade off against the exponents (A/N^alpha is what the data sees), hence the wider bounds.
+    assert abs(fit["E"] - TRUE["E"]) < 0.05
+    assert 0.5 < fit["A"] / TRUE["A"] < 2 and 0.5 < fit["B"] / TRUE["B"] < 2
+    # The compute-optimal split for a large budget is what the fit is for: within 30% of the truth.
+    assert compute_optimal(fit, 1e23)[0] / compute_optimal(TRUE, 1e23)[0] == pytest.approx(1, abs=0.3)
+
+
+def test_isoflop_exponents_match_the_law():
+    iso = isoflop_fit(isoflop_runs(noise=0.001))
+    s = TRUE["alpha"] + TRUE["beta"]
+    assert iso["a"] == pytest.approx(TRUE["beta"] / s, abs=0.02)
+    assert iso["b"] == pytest.approx(TRUE["alpha"] / s, abs=0.02)
+    assert len(iso["minima"]) == 4
+
+
+def test_isoflop_on_cs336_file():
+    runs = load_runs(CS336)
+    iso = isoflop_fit(runs)
+    assert len(runs.loss) == 72 and len(iso["minima"]) == 9
+    assert 0.4 < iso["a"] < 0.6 and abs(iso["a"] + iso["b"] - 1) < 1e-9
+    records = json.loads(CS336.read_text())
+    for m in iso["minima"]:
+        budget = sorted((r["parameters"], r["final_loss"]) for r in records if r["compute_budget"] == m["flops"])
+        n = np.array([p for p, _ in budget], dtype=float)
+        loss = np.array([l for _, l in budget])
+        # Independently: the parabola's vertex in log N, and it lies within one grid step of the best run.
+        c2, c1, _ = np.polyfit(np.log(n), loss, 2)
+        assert m["n_opt"] == pytest.approx(math.exp(-c1 / (2 * c2)), rel=1e-9)
+        best = int(np.argmin(loss))
+        step = np.diff(np.log(n)).max()
+        assert abs(math.log(m["n_opt"]) - math.log(n[best])) <= step
+        assert m["d_opt"] == pytest.approx(m["flops"] / (6 * m["n_opt"]))
+    smallest = iso["minima"][0]
+    assert smallest["flops"] == 6e18 and 4e8 < smallest["n_opt"] < 8e8
+
+
+def write_csv(path, runs: Runs, extra=True):
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["run", "params", "tokens", "loss"] + (["bpb"] if extra else []))
+        for i, (n, d, l) in enumerate(zip(runs.params, runs.tokens, runs.loss)):
+            w.writerow([f"r{i}", n, d, l] + ([l / 3] if extra else []))
+    return path
+
+
+def test_cli_end_to_end_on_csv(tmp_path):
+    runs_csv = write_csv(tmp_path / "runs.csv", isoflop_runs(per_budget=6, noise=0.002))
+    out, plots = tmp_path / "fit" / "fit.json", tmp_path / "plots"
+    result = CliRunner().invoke(app, ["scaling", "fit", "--runs", str(runs_csv), "--out", str(out),
+                                      "--target-flops", "1e23", "--plots", str(plots), "--bootstrap", "5"])
+    assert result.exit_code == 0, result.output
+    fit = json.loads(out.read_text())
+    for key in ("E", "A", "B", "alpha", "beta", "a", "b", "n_opt", "d_opt", "predicted_loss", "n_points",
+                "n_budgets", "ci", "budgets"):
+        assert key in fit, key
+    assert fit["n_points"] == 24 and fit["n_budgets"] == 4
+    assert set(fit["ci"]) == {"E", "A", "B", "alpha", "beta"}
+    assert all(lo <= hi for lo, hi in fit["ci"].values())
+    assert fit["n_opt"] * fit["d_opt"] * 6 == pytest.approx(1e23, rel=1e-6)
+    for name in ("isoflops.png", "optimum.png", "parametric.png"):
+        assert (plots / name).read_bytes().startswith(PNG_MAGIC)
+    header = (plots / "isoflops.csv").read_text().splitlines()[0]
+    assert header == "budget,params,loss,fit_loss"
+    assert "N_opt" in result.output
+
+
+def bad_csv(tmp_path, rows, header="params,tokens,loss"):
+    path = tmp_path / "runs.csv"
+    path.write_text(header + "\n" + "".join(",".join(map(str, r)) + "\n" for r in rows))
+    return path
+
+
+GOOD = [(n, d, 3.0 + i * 0.01) for i, (n, d) in enumerate(
+    [(1e6, 1e9), (2e6, 5e8), (4e6, 2.5e8), (1e7, 1e9), (2e7, 5e8), (4e7, 2.5e8)])]
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing file", "no such file"),
+    ("missing column", "missing column(s) loss"),
+    ("negative params", "params = -5"),
+    ("nan loss", "loss = NaN"),
+    ("too few points", "fewer than the 5 parameters"),
+    ("one budget", "at least 2 budgets"),
+    ("not json", "not valid JSON"),
+    ("not a number", "'abc' is not a number"),
+])
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, case, expected):
+    if case == "missing file":
+        path = tmp_path / "absent.csv"
+    elif case == "missing column":
+        path = bad_csv(tmp_path, [r[:2] for r in GOOD], header="params,tokens")
+    elif case == "negative params":
+        path = bad_csv(tmp_path, [(-5, 1e9, 3.0)] + GOOD)
+    elif case == "nan loss":
+        path = bad_csv(tmp_path, GOOD + [(1e6, 1e9, "nan")])
+    elif case == "too few points":
+        path = bad_csv(tmp_path, GOOD[:4])
+    elif case == "one budget":
+        path = tmp_path / "runs.json"
+        path.write_text(json.dumps([{"parameters": n, "compute_budget": 1e18, "final_loss": 3 + (i - 3) ** 2 / 10}
+                                    for i, n in enumerate([1e6, 2e6, 4e6, 8e6, 1.6e7, 3.2e7])]))
+    elif case == "not json":
+        path = tmp_path / "runs.json"
+        path.write_text("[{not json")
+    else:
+        path = bad_csv(tmp_path, GOOD + [("abc", 1e9, 3.0)])
+    out = tmp_path / "fit.json"
+    result = CliRunner().invoke(app, ["scaling", "fit", "--runs", str(path), "--out", str(out),
+                                      "--plots", str(tmp_path / "plots"), "--bootstrap", "2"])
+    assert result.exit_code == 2, result.output
+    assert expected in " ".join(result.output.split()), result.output
+    assert not out.exists() and not (tmp_path / "plots").exists()
