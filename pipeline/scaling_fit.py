@@ -290,7 +290,7 @@ def write_plots(folder: Path, runs: Runs, iso: dict, fitted: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    iso_rows, fig_rows = [], []
+    iso_rows = []
     fig, ax = plt.subplots(figsize=(6, 4.2))
     colours = plt.cm.viridis(np.linspace(0, 0.9, len(iso["profiles"])))
     for (c, n, loss, coef), colour, m in zip(iso["profiles"], colours, iso["minima"]):
