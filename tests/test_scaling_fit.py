@@ -6,10 +6,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SHARED_DATA
 from typer.testing import CliRunner
 
 from pipeline.cli import app
@@ -25,7 +25,7 @@ from pipeline.scaling_fit import (
 
 # Chinchilla's published fit (Hoffmann et al. 2022, eq. 10): realistic magnitudes for every parameter.
 TRUE = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
-CS336 = SHARED_DATA / "scaling" / "cs336-a3" / "isoflops_curves.json"
+CS336 = Path("scaling") / "cs336-a3" / "isoflops_curves.json"  # under ../shared/data
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -70,12 +70,13 @@ def test_isoflop_exponents_match_the_law():
     assert len(iso["minima"]) == 4
 
 
-def test_isoflop_on_cs336_file():
-    runs = load_runs(CS336)
+def test_isoflop_on_cs336_file(shared_data):
+    path = shared_data / CS336
+    runs = load_runs(path)
     iso = isoflop_fit(runs)
     assert len(runs.loss) == 72 and len(iso["minima"]) == 9
     assert 0.4 < iso["a"] < 0.6 and abs(iso["a"] + iso["b"] - 1) < 1e-9
-    records = json.loads(CS336.read_text())
+    records = json.loads(path.read_text())
     for m in iso["minima"]:
         budget = sorted((r["parameters"], r["final_loss"]) for r in records if r["compute_budget"] == m["flops"])
         n = np.array([p for p, _ in budget], dtype=float)
