@@ -9,7 +9,10 @@ no dvc.
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
+
+from pipeline.files import atomic_write_bytes
 
 PLOTS = Path("plots/metrics")
 
@@ -55,13 +58,29 @@ def _drop_rows_after(path: Path, step: int) -> None:
     path.write_text("".join(kept))
 
 
-def plot_png(directory: Path, out: Path, panels: list[list[str]], title: str) -> Path | None:
-    """One panel per group of metric names (drawn on shared axes), side by side; None if nothing was logged."""
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display on a server or under DVC), imported on use."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def save_png(fig, path: Path) -> Path:
+    """Render `fig` to `path` atomically (temp file, then rename) and free it."""
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110)
+    pyplot().close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+    return path
+
+
+def plot_png(directory: Path, out: Path, panels: list[list[str]], title: str) -> Path | None:
+    """One panel per group of metric names (drawn on shared axes), side by side; None if nothing was logged."""
+    plt = pyplot()
     files = metric_files(directory)
     panels = [[n for n in names if n in files] for names in panels]
     panels = [names for names in panels if names]
@@ -79,9 +98,4 @@ def plot_png(directory: Path, out: Path, panels: list[list[str]], title: str) ->
             ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
-    tmp = out.with_name(out.name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out)
-    return out
+    return save_png(fig, out)

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.curves import pyplot, save_png
 from pipeline.errors import UserError
 from pipeline.files import atomic_write_bytes, write_json
 
@@ -285,10 +286,7 @@ def scaling_fit(runs_path: Path, out: Path, target_flops: float | None = None, p
 
 def write_plots(folder: Path, runs: Runs, iso: dict, fitted: dict) -> None:
     """PNGs to look at, and the same points as CSV rows for `dvc plots`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     iso_rows = []
     fig, ax = plt.subplots(figsize=(6, 4.2))
@@ -301,7 +299,7 @@ def write_plots(folder: Path, runs: Runs, iso: dict, fitted: dict) -> None:
         ax.scatter([m["n_opt"]], [m["loss_opt"]], color=colour, marker="*", s=120, edgecolor="black", zorder=3)
     ax.set(xscale="log", xlabel="parameters N", ylabel="loss", title="IsoFLOP profiles (star: parabola vertex)")
     ax.legend(title="FLOPs", fontsize=7)
-    _save(fig, folder / "isoflops.png")
+    save_png(fig, folder / "isoflops.png")
 
     c = np.array([m["flops"] for m in iso["minima"]])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -311,7 +309,7 @@ def write_plots(folder: Path, runs: Runs, iso: dict, fitted: dict) -> None:
         ax.plot(c, k * c ** e, label=f"{k:.3g} C^{e:.3f}")
         ax.set(xscale="log", yscale="log", xlabel="FLOPs C", ylabel=f"{label}_opt")
         ax.legend()
-    _save(fig, folder / "optimum.png")
+    save_png(fig, folder / "optimum.png")
 
     pred = predict(fitted, runs.params, runs.tokens)
     fig, ax = plt.subplots(figsize=(5, 5))
@@ -320,23 +318,13 @@ def write_plots(folder: Path, runs: Runs, iso: dict, fitted: dict) -> None:
     ax.plot([lo, hi], [lo, hi], color="grey", linestyle="--", label="y = x")
     ax.set(xlabel="observed loss", ylabel="predicted loss", title="parametric fit L(N, D)")
     ax.legend()
-    _save(fig, folder / "parametric.png")
+    save_png(fig, folder / "parametric.png")
 
     _write_csv(folder / "isoflops.csv", ("budget", "params", "loss", "fit_loss"), iso_rows)
     _write_csv(folder / "optimum.csv", ("flops", "n_opt", "d_opt"),
                [(m["flops"], m["n_opt"], m["d_opt"]) for m in iso["minima"]])
     _write_csv(folder / "parametric.csv", ("params", "tokens", "loss", "predicted_loss"),
                zip(runs.params, runs.tokens, runs.loss, pred))
-
-
-def _save(fig, path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
 
 
 def _write_csv(path: Path, header: tuple[str, ...], rows) -> None:
