@@ -23,11 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import kernels.flash_attention
-import kernels.linear_cross_entropy
-import kernels.rms_norm
-import kernels.rope
-import kernels.swiglu
+# Only the backend switch at import: the kernel modules import Triton, which macOS and Windows lack, so each is
+# imported where a fused path is taken (and Triton is there).
 from kernels.backend import BACKENDS, use_triton
 
 ARCHS = ("llama", "gpt2")
@@ -207,13 +204,17 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
         if rope is not None and fused:
-            q, k = kernels.rope.rope(q, k, *rope, backend="triton")
+            from kernels.rope import rope as rotate
+
+            q, k = rotate(q, k, *rope, backend="triton")
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None and not fused:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if fused and cache is None and not (self.training and self.dropout):
             # Reads each kv head in place for its query heads: no GQA copy.
-            y = kernels.flash_attention.flash_attention(q, k, v, causal=True, backend="triton")
+            from kernels.flash_attention import flash_attention
+
+            y = flash_attention(q, k, v, causal=True, backend="triton")
             return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
         if cache is None:
             mask, is_causal = None, True
@@ -247,7 +248,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None and use_triton(self.backend, x):
-            h = kernels.swiglu.swiglu(self.gate_proj(x), self.up_proj(x), backend="triton")
+            from kernels.swiglu import swiglu
+
+            h = swiglu(self.gate_proj(x), self.up_proj(x), backend="triton")
         elif self.gate_proj is not None:
             h = F.silu(self.gate_proj(x)) * self.up_proj(x)
         else:
@@ -262,7 +265,9 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(self.backend, x):
-            return kernels.rms_norm.rms_norm(x, self.weight, self.eps, backend="triton")
+            from kernels.rms_norm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, backend="triton")
         return super().forward(x)
 
 
@@ -380,8 +385,10 @@ class GPT(nn.Module):
         if torch.is_autocast_enabled(h.device.type):  # a custom kernel is not autocast: cast as the matmul would
             dtype = torch.get_autocast_dtype(h.device.type)
             h, weight = h.to(dtype), weight.to(dtype)
-        loss = kernels.linear_cross_entropy.linear_cross_entropy(
-            h.reshape(B * T, D), weight, targets.reshape(B * T), reduction=reduction, backend="triton").float()
+        from kernels.linear_cross_entropy import linear_cross_entropy
+
+        loss = linear_cross_entropy(h.reshape(B * T, D), weight, targets.reshape(B * T), reduction=reduction,
+                                    backend="triton").float()
         return loss.view(B, T) if reduction == "none" else loss
 
     def num_params(self, embeddings: bool = True) -> int:
