@@ -15,7 +15,6 @@ Only torch, rich and kiln's light modules are imported, so this runs on a GPU ma
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import torch
 from rich.table import Table
 
 from kernels.backend import BACKENDS
-from model import GPT, ModelConfig
+from model import GPT
 from pipeline.bench import machine
 from pipeline.errors import UserError
 from pipeline.files import write_json
@@ -125,7 +124,7 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool]], voc
     if not 1 <= seq_len <= model_params.max_seq_len:
         raise UserError(f"--seq-len {seq_len}: expected 1..{model_params.max_seq_len} (model.max_seq_len)")
     device = resolve_device(device_name)
-    config = ModelConfig(vocab_size=vocab_size, **dataclasses.asdict(model_params))
+    config = model_params.config(vocab_size)
     torch.manual_seed(0)
     if kernels not in BACKENDS:
         raise UserError(f"--kernels {kernels!r}: expected one of {', '.join(BACKENDS)}")

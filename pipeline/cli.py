@@ -21,7 +21,8 @@ app = typer.Typer(help="kiln: an LLM training pipeline, one command per DVC stag
 data_app = typer.Typer(help="Corpus and token shards: prepare, shard, inspect.", no_args_is_help=True)
 tokenizer_app = typer.Typer(help="Byte-level BPE: train, encode, decode.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print a table and write JSON.", no_args_is_help=True)
-scaling_app = typer.Typer(help="Scaling laws: fit Chinchilla's approaches 2 and 3 to finished runs.",
+scaling_app = typer.Typer(help="Scaling laws: an IsoFLOP sweep, Chinchilla's approaches 2 and 3 fitted to it, the model size "
+                               "they give.",
                           no_args_is_help=True)
 app.add_typer(data_app, name="data")
 app.add_typer(tokenizer_app, name="tokenizer")
@@ -152,18 +153,18 @@ def train_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
                   shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = Path("data/shards"),
                   tokenizer: TokenizerOpt = TOKENIZER, out: OutOpt = Path("data/models/base"),
                   checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] =
-                  Path("data/checkpoints/pretrain")):
+                  Path("data/checkpoints/pretrain"),
+                  size: Annotated[Path, typer.Option(help="With model.size=auto: the choice `kiln scaling size` wrote.")]
+                  = Path("data/scaling/size.json")):
     """Pretrain the base model on the shards, resuming from the newest checkpoint (stage `pretrain`).
 
     Reads the `model` and `train` sections; `--set` takes `model.*` and `train.*` keys (bare keys mean train).
     """
-    from pipeline.params import ModelParams, TrainParams, load_section
+    from pipeline.params import ModelParams, TrainParams, load_sections
     from pipeline.pretrain import pretrain
 
-    model_sets = [s for s in set_ if s.startswith("model.")]
-    train_sets = [s for s in set_ if not s.startswith("model.")]
-    metrics = pretrain(load_section(ModelParams, params, model_sets), load_section(TrainParams, params, train_sets),
-                       shards, tokenizer, out, checkpoints)
+    train, model = load_sections((TrainParams, ModelParams), params, set_)
+    metrics = pretrain(model, train, shards, tokenizer, out, checkpoints, size)
     _print_metrics("pretrain", metrics)
 
 
@@ -193,6 +194,48 @@ def generate_command(
             typer.echo("-" * 40)
 
 
+@scaling_app.command("sweep")
+@reports_errors
+def scaling_sweep_command(
+        params: ParamsOpt = PARAMS, set_: SetOpt = [],
+        shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = Path("data/shards"),
+        tokenizer: TokenizerOpt = TOKENIZER,
+        out: Annotated[Path, typer.Option(help="Folder for runs.csv and each run's curves (kept across runs).")] =
+        Path("data/scaling"),
+        checkpoints: Annotated[Path, typer.Option(help="Resume state of the run in progress.")] =
+        Path("data/checkpoints/scaling")):
+    """Train the IsoFLOP grid scaling.budgets x scaling.depths, skipping runs already in runs.csv (stage
+    `scaling_sweep`).
+
+    Reads the `scaling`, `model` (arch, sequence length) and `train` (optimiser) sections; bare `--set` keys mean
+    scaling.
+    """
+    from pipeline.params import ModelParams, ScalingParams, TrainParams, load_sections
+    from pipeline.scaling_sweep import sweep
+
+    scaling, model, train = load_sections((ScalingParams, ModelParams, TrainParams), params, set_)
+    _print_metrics("scaling sweep", sweep(scaling, model, train, shards, tokenizer, out, checkpoints))
+
+
+@scaling_app.command("size")
+@reports_errors
+def scaling_size_command(
+        params: ParamsOpt = PARAMS, set_: SetOpt = [],
+        fit: Annotated[Path, typer.Option(help="The fit `kiln scaling fit` wrote.")] = Path("data/scaling/fit.json"),
+        tokenizer: TokenizerOpt = TOKENIZER,
+        out: Annotated[Path, typer.Option(help="Where to write the choice (JSON).")] = Path("data/scaling/size.json")):
+    """With model.size=auto, pick the depth-dial model and token count for scaling.target_flops from the fit
+    (stage `scaling_size`); with model.size=fixed, record just that.
+
+    Reads the `scaling` and `model` sections; bare `--set` keys mean scaling.
+    """
+    from pipeline.params import ModelParams, ScalingParams, load_sections
+    from pipeline.scaling_size import scaling_size
+
+    scaling, model = load_sections((ScalingParams, ModelParams), params, set_)
+    scaling_size(scaling, model, fit, tokenizer, out)
+
+
 @scaling_app.command("fit")
 @reports_errors
 def scaling_fit_command(
@@ -203,11 +246,13 @@ def scaling_fit_command(
                                                                 "this many FLOPs.")] = None,
         plots: Annotated[Path | None, typer.Option(help="Folder for the PNGs and their CSV rows.")] = None,
         bootstrap: Annotated[int, typer.Option(help="Resamples for the confidence intervals (0: none).")] = 100,
-        seed: Annotated[int, typer.Option(help="Seed of the bootstrap resampling.")] = 0):
+        seed: Annotated[int, typer.Option(help="Seed of the bootstrap resampling.")] = 0,
+        metrics: Annotated[Path | None, typer.Option(help="Also write the fitted scalars here, for dvc metrics.")]
+        = None):
     """Fit IsoFLOP profiles (approach 2) and L(N, D) = E + A/N^alpha + B/D^beta (approach 3) to finished runs."""
     from pipeline.scaling_fit import print_summary, scaling_fit
 
-    print_summary(scaling_fit(runs, out, target_flops, plots, bootstrap, seed), out)
+    print_summary(scaling_fit(runs, out, target_flops, plots, bootstrap, seed, metrics), out)
 
 
 @bench_app.command("shard")

@@ -9,16 +9,21 @@ value stops the command before any work with a `UserError` that names the dotted
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import yaml
 
 from pipeline.errors import UserError
 
+if TYPE_CHECKING:
+    from model import ModelConfig
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 SECTIONS = ("data", "tokenizer", "shard", "model", "train", "scaling", "sft", "dpo", "eval")
 
 
@@ -62,7 +67,7 @@ class DataParams(Section):
 @dataclass
 class TokenizerParams(Section):
     SECTION: ClassVar[str] = "tokenizer"
-    vocab_size: int = 4096
+    vocab_size: int = 1024
     # `gpt4`, `gpt2`, or a regex of your own for the pre-tokenization split.
     pattern: str = "gpt4"
     min_frequency: int = 2
@@ -139,6 +144,21 @@ def load_section(cls: type[S], path: Path = Path("params.yaml"), overrides: typi
     return build_section(cls, values)
 
 
+def load_sections(classes: tuple[type[Section], ...], path: Path = Path("params.yaml"),
+                  overrides: typing.Iterable[str] = ()) -> list[Section]:
+    """Several sections for a command that reads more than one; `--set` keys go to the section they name,
+    bare keys to the first."""
+    names = [cls.SECTION for cls in classes]
+    split: dict[str, list[str]] = {name: [] for name in names}
+    for item in overrides:
+        section = item.partition("=")[0].rpartition(".")[0]
+        if section and section not in names:
+            raise UserError(f"--set {item.partition('=')[0]}: this command reads only the "
+                            f"{', '.join(repr(n) for n in names)} sections")
+        split[section or names[0]].append(item)
+    return [load_section(cls, path, split[cls.SECTION]) for cls in classes]
+
+
 def build_section(cls: type[S], values: dict) -> S:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -162,6 +182,8 @@ def _coerce(key: str, value, tp):
     for option in options:
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if option is float and isinstance(value, str) and _FLOAT.fullmatch(value):  # PyYAML reads 1e12 as text
+            return float(value)
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if option in (str, bool) and isinstance(value, option):
@@ -183,6 +205,8 @@ class ModelParams(Section):
     """The model's shape; `vocab_size` comes from the tokenizer, not from here."""
 
     SECTION: ClassVar[str] = "model"
+    # fixed: the shape below | auto: the shape and token budget the scaling fit gives for scaling.target_flops
+    size: str = "fixed"
     arch: str = "llama"
     n_layer: int = 4
     n_head: int = 4
@@ -195,12 +219,19 @@ class ModelParams(Section):
     tie_embeddings: bool = True
     dropout: float = 0.0
 
-    def check(self) -> None:
-        """The model package owns the shape rules; they are reported here under their params key."""
+    def config(self, vocab_size: int, **shape) -> ModelConfig:
+        """The model package's config for this section, with `shape` (n_layer=..., ...) overriding it."""
         from model import ModelConfig
 
+        values = {k: v for k, v in dataclasses.asdict(self).items() if k != "size"}
+        return ModelConfig(vocab_size=vocab_size, **(values | shape))
+
+    def check(self) -> None:
+        """The model package owns the shape rules; they are reported here under their params key."""
+        if self.size not in ("fixed", "auto"):
+            raise self.bad("size", "'fixed' or 'auto'")
         try:
-            ModelConfig(vocab_size=256, **dataclasses.asdict(self)).check()
+            self.config(256).check()
         except ValueError as e:
             raise UserError(f"params: model.{e}") from None
 
@@ -260,3 +291,50 @@ class TrainParams(Section):
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise self.bad(name, "a number in [0, 1)")
+
+
+@dataclass
+class ScalingParams(Section):
+    """The IsoFLOP sweep (budgets x depths), the fit's bootstrap, and the budget `model.size: auto` sizes for.
+
+    A depth L gives a model of d_model = aspect * L and n_head = d_model / head_dim; the rest of the shape
+    comes from the `model` section, the optimiser from `train`."""
+
+    SECTION: ClassVar[str] = "scaling"
+    budgets: list[float] = dataclasses.field(default_factory=lambda: [1e11, 1.5e11, 2e11])
+    depths: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 3, 4])
+    aspect: int = 8
+    head_dim: int = 8
+    batch_tokens: int = 1024
+    warmup_fraction: float = 0.05
+    eval_tokens: int = 32768
+    bootstrap: int = 100
+    target_flops: float = 1e13
+    approach: str = "isoflop"  # which fit sizes model.size=auto: isoflop (N_opt = k C^a) | parametric (L(N, D))
+
+    def check(self) -> None:
+        if len(set(self.budgets)) < 2 or not all(c > 0 for c in self.budgets):
+            raise self.bad("budgets", "at least 2 different positive FLOP budgets (the fit needs 2 IsoFLOP profiles)")
+        if len(set(self.depths)) < 3 or not all(d > 0 for d in self.depths):
+            raise self.bad("depths", "at least 3 different positive depths (a parabola needs 3 points per budget)")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise self.bad("head_dim", "an even integer >= 2")
+        if self.aspect < 1 or self.aspect % self.head_dim:
+            raise self.bad("aspect", f"a positive multiple of scaling.head_dim={self.head_dim}")
+        for name in ("batch_tokens", "eval_tokens"):
+            if getattr(self, name) < 1:
+                raise self.bad(name, "a positive integer")
+        if self.bootstrap < 0:
+            raise self.bad("bootstrap", "0 (no intervals) or a positive integer")
+        if not 0 <= self.warmup_fraction < 1:
+            raise self.bad("warmup_fraction", "a number in [0, 1)")
+        if not self.target_flops > 0:
+            raise self.bad("target_flops", "a positive number of FLOPs")
+        if self.approach not in ("isoflop", "parametric"):
+            raise self.bad("approach", "'isoflop' or 'parametric'")
+
+    def shape(self, depth: int) -> dict[str, int]:
+        """The depth dial: width grows with depth at a fixed aspect ratio, heads keep a fixed size."""
+        d_model = self.aspect * depth
+        return {"n_layer": depth, "d_model": d_model, "n_head": d_model // self.head_dim,
+                "n_kv_head": d_model // self.head_dim, "d_ff": 0}

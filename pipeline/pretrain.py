@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from pipeline.files import sha256_file, write_metrics
 from pipeline.loader import ShardSet, TokenBatches
 from pipeline.params import ModelParams, TrainParams
 from pipeline.progress import console
+from pipeline.scaling_size import SHAPE_KEYS, SIZE_FILE, auto_size, describe
 from pipeline.throughput import peak_flops
 from pipeline.tokenizer import load_tokenizer, token_bytes
 from pipeline.train import Run, autocast, check_kernels, pick_device, setup_precision, train
@@ -69,47 +71,76 @@ def evaluate_lm(model, shards: ShardSet, bytes_per_token: torch.Tensor, batch_si
     return {"val_loss": (nats / n_tokens).item(), "val_bpb": (text_nats / (math.log(2) * n_bytes)).item()}
 
 
-def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, tokenizer_path: Path,
-             out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR) -> dict:
-    tokenizer_sha = sha256_file(tokenizer_path) if tokenizer_path.is_file() else None
-    if tokenizer_sha is None:
-        raise UserError(f"{tokenizer_path}: tokenizer not found (run `kiln tokenizer train` first)")
-    train_shards = ShardSet(shards_dir, "train", tokenizer_sha256=tokenizer_sha)
-    val_shards = ShardSet(shards_dir, "val", tokenizer_sha256=tokenizer_sha)
-    config = ModelConfig(vocab_size=train_shards.vocab_size, **dataclasses.asdict(model_params))
+@dataclass
+class LMData:
+    """Train and val shards checked against one tokenizer, and the bytes each token stands for (for bpb)."""
+
+    train: ShardSet
+    val: ShardSet
+    bytes_per_token: torch.Tensor
+    tokenizer_sha256: str
+
+    @classmethod
+    def load(cls, shards_dir: Path, tokenizer_path: Path) -> LMData:
+        if not tokenizer_path.is_file():
+            raise UserError(f"{tokenizer_path}: tokenizer not found (run `kiln tokenizer train` first)")
+        sha = sha256_file(tokenizer_path)
+        return cls(ShardSet(shards_dir, "train", tokenizer_sha256=sha),
+                   ShardSet(shards_dir, "val", tokenizer_sha256=sha), byte_lengths(tokenizer_path), sha)
+
+
+def total_steps(params: TrainParams) -> int:
+    return params.max_steps if params.max_steps is not None else max(1, params.tokens // params.batch_tokens)
+
+
+def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_dir: Path, curves_dir: Path,
+             name: str) -> tuple[GPT, dict]:
+    """Next-token training of a fresh model on `data` with the one loop; the pretrain stage and every run of the
+    scaling sweep go through here, so they share the data order, the schedule and the evaluation."""
     seq_len = config.max_seq_len
     torch.manual_seed(params.seed)
     device = pick_device(params.device)
     setup_precision(device, params.precision)
     check_kernels(params.kernels, device, "params: train.kernels")
     model = GPT(config).to(device).set_kernels(params.kernels)
-    micro = params.batch_size * seq_len
-    if params.max_steps is not None:
-        total_steps = params.max_steps
-    else:
-        total_steps = max(1, params.tokens // params.batch_tokens)
-    fingerprint = {"model": config.to_dict(), "tokenizer_sha256": tokenizer_sha,
+    steps = total_steps(params)
+    fingerprint = {"model": config.to_dict(), "tokenizer_sha256": data.tokenizer_sha256,
                    "train": {k: v for k, v in dataclasses.asdict(params).items() if k not in CADENCE}}
-    bytes_per_token = byte_lengths(tokenizer_path)
     run = Run(
-        params=params, total_steps=total_steps, micro_batch_tokens=micro, loss_fn=lm_loss,
-        batches=TokenBatches(train_shards, params.batch_size, seq_len, seed=params.seed),
-        evaluate=lambda m: evaluate_lm(m, val_shards, bytes_per_token, params.batch_size, seq_len,
+        params=params, total_steps=steps, micro_batch_tokens=params.batch_size * seq_len, loss_fn=lm_loss,
+        batches=TokenBatches(data.train, params.batch_size, seq_len, seed=params.seed),
+        evaluate=lambda m: evaluate_lm(m, data.val, data.bytes_per_token, params.batch_size, seq_len,
                                        params.eval_tokens, params.precision),
         checkpoints=Checkpoints(checkpoint_dir, fingerprint, params.keep_checkpoints),
-        curves_dir=CURVES_DIR, flops_per_token=model.flops_per_token(seq_len), name="pretrain",
+        curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name=name,
     )
-    n_params = model.num_params()
-    console.print(f"pretrain: {config.arch} {n_params / 1e6:.2f}M params "
-                  f"({model.num_params(embeddings=False) / 1e6:.2f}M non-embedding), {total_steps} steps x "
+    console.print(f"{name}: {config.arch} {model.num_params() / 1e6:.3g}M params "
+                  f"({model.num_params(embeddings=False) / 1e6:.3g}M non-embedding), {steps} steps x "
                   f"{params.batch_tokens} tokens on {device} in {params.precision}", highlight=False)
-    result = train(model, run)
-    _, peak_source = peak_flops(device, params.precision)
-    save_model(model, config, out_dir, {"tokenizer_sha256": tokenizer_sha, "mfu_peak_source": peak_source})
-    unigram = unigram_entropy(train_shards)
+    return model, train(model, run)
+
+
+def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, tokenizer_path: Path,
+             out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, size_file: Path = SIZE_FILE) -> dict:
+    data = LMData.load(shards_dir, tokenizer_path)
+    size = {}
+    if model_params.size == "auto":
+        choice = auto_size(size_file)
+        console.print(describe(choice), highlight=False)
+        config = model_params.config(data.train.vocab_size, **{k: choice[k] for k in SHAPE_KEYS})
+        params = dataclasses.replace(params, max_steps=None, tokens=choice["tokens"])
+        size = {"size_auto": {k: choice[k] for k in ("target_flops", "n_opt", "d_opt", "predicted_loss", "n_layer",
+                                                      "d_model", "tokens")}}
+    else:
+        config = model_params.config(data.train.vocab_size)
+    model, result = train_lm(config, params, data, checkpoint_dir, CURVES_DIR, "pretrain")
+    _, peak_source = peak_flops(model.tok_emb.weight.device, params.precision)
+    save_model(model, config, out_dir, {"tokenizer_sha256": data.tokenizer_sha256, "mfu_peak_source": peak_source})
+    unigram = unigram_entropy(data.train)
     console.print(f"pretrain: val loss {result.get('val_loss', float('nan')):.4f} nats/token vs the corpus's "
                   f"unigram entropy {unigram:.4f}", highlight=False)
-    metrics = {**result, "params": n_params, "unigram_entropy": round(unigram, 5)}
+    n_params = model.num_params()
+    metrics = {**result, "params": n_params, "unigram_entropy": round(unigram, 5), **size}
     plot_png(CURVES_DIR, CURVES_DIR / "curves.png", PANELS,
              f"pretrain: {config.arch} {n_params / 1e6:.2f}M params, {result['tokens']:,} tokens")
     write_metrics("pretrain", metrics)

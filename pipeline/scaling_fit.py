@@ -52,6 +52,7 @@ class Runs:
     flops: np.ndarray
     loss: np.ndarray
     source: str
+    budget: np.ndarray | None = None  # the nominal budget of each run, when the table gives one
 
 
 # ---------------------------------------------------------------- reading
@@ -65,13 +66,13 @@ def load_runs(path: Path) -> Runs:
     rows = _json_rows(path, text) if path.suffix == ".json" or text.lstrip().startswith("[") else _csv_rows(path, text)
     if not rows:
         raise UserError(f"{path}: no runs in the file")
-    n, d, c, loss = (np.array(col, dtype=np.float64) for col in zip(*rows))
-    runs = Runs(n, d, c, loss, str(path))
+    n, d, c, loss, budget = (np.array(col, dtype=np.float64) for col in zip(*rows))
+    runs = Runs(n, d, c, loss, str(path), None if np.isnan(budget).any() else budget)
     _check_values(runs)
     return runs
 
 
-def _csv_rows(path: Path, text: str) -> list[tuple[float, float, float, float]]:
+def _csv_rows(path: Path, text: str) -> list[tuple[float, float, float, float, float]]:
     reader = csv.DictReader(io.StringIO(text))
     fields = reader.fieldnames or []
     missing = [c for c in ("params", "tokens", "loss") if c not in fields]
@@ -82,11 +83,12 @@ def _csv_rows(path: Path, text: str) -> list[tuple[float, float, float, float]]:
     for line, row in enumerate(reader, start=2):
         n, d, loss = (_number(path, line, col, row[col]) for col in ("params", "tokens", "loss"))
         c = _number(path, line, "flops", row["flops"]) if row.get("flops") not in (None, "") else 6 * n * d
-        rows.append((n, d, c, loss))
+        budget = _number(path, line, "budget", row["budget"]) if row.get("budget") not in (None, "") else math.nan
+        rows.append((n, d, c, loss, budget))
     return rows
 
 
-def _json_rows(path: Path, text: str) -> list[tuple[float, float, float, float]]:
+def _json_rows(path: Path, text: str) -> list[tuple[float, float, float, float, float]]:
     """The CS336 list gives N and C; D follows from C = 6ND."""
     try:
         records = json.loads(text)
@@ -100,7 +102,7 @@ def _json_rows(path: Path, text: str) -> list[tuple[float, float, float, float]]
         if missing:
             raise UserError(f"{path}: record {i} lacks {', '.join(missing)}")
         n, c, loss = (_number(path, f"record {i}", k, rec[k]) for k in ("parameters", "compute_budget", "final_loss"))
-        rows.append((n, c / (6 * n) if n > 0 else float("nan"), c, loss))
+        rows.append((n, c / (6 * n) if n > 0 else float("nan"), c, loss, c))
     return rows
 
 
@@ -127,15 +129,19 @@ def _check_values(runs: Runs) -> None:
 
 # ---------------------------------------------------------------- approach 2: IsoFLOP profiles
 
-def budget_of(flops: np.ndarray) -> np.ndarray:
-    """Runs of one budget rarely hit C exactly (N and D are rounded to whole layers and batches); three
-    significant digits groups them without merging budgets a sweep keeps apart."""
-    return np.array([float(f"{c:.3g}") for c in flops])
+def budget_of(runs: Runs) -> np.ndarray:
+    """The `budget` column when the table has one (a sweep's runs miss C a little, D being whole steps);
+    otherwise C to three significant digits, which groups runs of one budget without merging budgets."""
+    if runs.budget is not None:
+        return runs.budget
+    return np.array([float(f"{c:.3g}") for c in runs.flops])
 
 
 def isoflop_fit(runs: Runs) -> dict:
-    """Per budget with enough runs, the parabola's vertex; then the power laws through the vertices."""
-    budgets = budget_of(runs.flops)
+    """A parabola per budget with enough runs; the vertices of those that form a valley; the power laws
+    through the vertices, or None for a, b when fewer than 2 budgets form one (a grid that does not bracket
+    the optimum is worth a warning and the parametric fit, not a failed stage)."""
+    budgets = budget_of(runs)
     minima, profiles, skipped = [], [], []
     for c in np.unique(budgets):
         at = budgets == c
@@ -144,23 +150,25 @@ def isoflop_fit(runs: Runs) -> dict:
             continue
         x, y = np.log(runs.params[at]), runs.loss[at]
         coef = np.polyfit(x, y, 2)
-        if coef[0] <= 0:
-            skipped.append(f"{c:g} (losses do not form a valley)")
+        profiles.append((float(c), runs.params[at], y, coef))
+        x_opt = -coef[1] / (2 * coef[0]) if coef[0] > 0 else math.nan
+        if not x.min() <= x_opt <= x.max():
+            best = "largest" if coef[0] <= 0 or x_opt > x.max() else "smallest"
+            skipped.append(f"{c:g} (no valley: the {best} model is best, the grid does not bracket the optimum)")
             continue
-        x_opt = -coef[1] / (2 * coef[0])
         n_opt = math.exp(x_opt)
         minima.append({"flops": float(c), "n_opt": n_opt, "d_opt": float(c) / (6 * n_opt),
                        "loss_opt": float(np.polyval(coef, x_opt)), "runs": int(at.sum())})
-        profiles.append((float(c), runs.params[at], y, coef))
-    if len(minima) < 2:
+    if len(profiles) < 2:
         raise UserError(f"{runs.source}: approach 2 needs at least 2 budgets with >= {MIN_RUNS_PER_BUDGET} runs "
-                        f"forming a valley; usable: {len(minima)}"
-                        + (f", skipped: {', '.join(skipped)}" if skipped else ""))
-    log_c = np.log([m["flops"] for m in minima])
-    a, log_kn = np.polyfit(log_c, np.log([m["n_opt"] for m in minima]), 1)
-    b, log_kd = np.polyfit(log_c, np.log([m["d_opt"] for m in minima]), 1)
-    return {"a": float(a), "b": float(b), "k_n": math.exp(log_kn), "k_d": math.exp(log_kd), "minima": minima,
-            "profiles": profiles, "skipped": skipped}
+                        f"each; usable: {len(profiles)}" + (f", skipped: {', '.join(skipped)}" if skipped else ""))
+    fit = {"a": None, "b": None, "k_n": None, "k_d": None}
+    if len(minima) >= 2:
+        log_c = np.log([m["flops"] for m in minima])
+        a, log_kn = np.polyfit(log_c, np.log([m["n_opt"] for m in minima]), 1)
+        b, log_kd = np.polyfit(log_c, np.log([m["d_opt"] for m in minima]), 1)
+        fit = {"a": float(a), "b": float(b), "k_n": math.exp(log_kn), "k_d": math.exp(log_kd)}
+    return {**fit, "minima": minima, "profiles": profiles, "skipped": skipped}
 
 
 # ---------------------------------------------------------------- approach 3: parametric fit
@@ -254,7 +262,7 @@ def predict(p: dict[str, float], n, d):
 # ---------------------------------------------------------------- the command
 
 def scaling_fit(runs_path: Path, out: Path, target_flops: float | None = None, plots: Path | None = None,
-                samples: int = 100, seed: int = 0) -> dict:
+                samples: int = 100, seed: int = 0, metrics: Path | None = None) -> dict:
     """Fit both approaches, then write plots and the JSON (last, so its presence means the rest is there)."""
     if target_flops is not None and not target_flops > 0:
         raise UserError(f"--target-flops: {target_flops:g} must be positive")
@@ -268,18 +276,30 @@ def scaling_fit(runs_path: Path, out: Path, target_flops: float | None = None, p
               "huber_loss": huber, "n_points": len(runs.loss), "n_budgets": len(iso["minima"])}
     if target_flops is not None:
         n_opt, d_opt, loss_opt = compute_optimal(fitted, target_flops)
-        n_iso = iso["k_n"] * target_flops ** iso["a"]
-        result |= {"target_flops": target_flops, "n_opt": n_opt, "d_opt": d_opt, "predicted_loss": float(loss_opt),
-                   "n_opt_isoflop": n_iso, "d_opt_isoflop": iso["k_d"] * target_flops ** iso["b"],
-                   "predicted_loss_isoflop": float(predict(fitted, n_iso, target_flops / (6 * n_iso)))}
+        result |= {"target_flops": target_flops, "n_opt": n_opt, "d_opt": d_opt, "predicted_loss": float(loss_opt)}
+        if iso["a"] is not None:
+            n_iso = iso["k_n"] * target_flops ** iso["a"]
+            result |= {"n_opt_isoflop": n_iso, "d_opt_isoflop": iso["k_d"] * target_flops ** iso["b"],
+                       "predicted_loss_isoflop": float(predict(fitted, n_iso, target_flops / (6 * n_iso)))}
     if samples:
         result["ci"] = bootstrap(runs, theta, samples, seed)
         result["bootstrap_samples"] = samples
     result["budgets"] = iso["minima"]
     if plots is not None:
         write_plots(Path(plots), runs, iso, fitted)
+    if metrics is not None:
+        write_json(metrics, summary_metrics(result))
     write_json(out, result)
     return result | {"skipped_budgets": iso["skipped"]}
+
+
+def summary_metrics(result: dict) -> dict:
+    """The scalars of a fit, for `dvc metrics`: no per-budget list, intervals as {low, high}."""
+    scalars = {k: float(f"{v:.6g}") for k, v in result.items() if isinstance(v, float)}
+    counts = {k: v for k, v in result.items() if isinstance(v, int)}
+    ci = {name: {"low": float(f"{lo:.6g}"), "high": float(f"{hi:.6g}")} for name, (lo, hi) in
+          result.get("ci", {}).items()}
+    return {**scalars, **counts, **({"ci": ci} if ci else {})}
 
 
 # ---------------------------------------------------------------- plots
@@ -305,9 +325,14 @@ def write_plots(folder: Path, runs: Runs, iso: dict, fitted: dict) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, k, e, label in ((axes[0], "n_opt", iso["k_n"], iso["a"], "N"), (axes[1], "d_opt", iso["k_d"],
                                                                                    iso["b"], "D")):
+        ax.set(xlabel="FLOPs C", ylabel=f"{label}_opt")
+        if not iso["minima"]:
+            ax.text(0.5, 0.5, "no budget forms a valley", ha="center", transform=ax.transAxes)
+            continue
         ax.scatter(c, [m[key] for m in iso["minima"]], label="IsoFLOP vertices")
-        ax.plot(c, k * c ** e, label=f"{k:.3g} C^{e:.3f}")
-        ax.set(xscale="log", yscale="log", xlabel="FLOPs C", ylabel=f"{label}_opt")
+        if e is not None:
+            ax.plot(c, k * c ** e, label=f"{k:.3g} C^{e:.3f}")
+        ax.set(xscale="log", yscale="log")
         ax.legend()
     save_png(fig, folder / "optimum.png")
 
@@ -349,13 +374,18 @@ def print_summary(result: dict, out: Path) -> None:
     for name in PARAM_NAMES:
         lo_hi = f"[{ci[name][0]:.4g}, {ci[name][1]:.4g}]" if name in ci else "-"
         table.add_row(name, f"{result[name]:.4g}", lo_hi)
-    table.add_row("a (N_opt ~ C^a)", f"{result['a']:.4f}", "IsoFLOP")
-    table.add_row("b (D_opt ~ C^b)", f"{result['b']:.4f}", "IsoFLOP")
+    for name, quantity in (("a", "N_opt"), ("b", "D_opt")):
+        value = result[name]
+        table.add_row(f"{name} ({quantity} ~ C^{name})", "-" if value is None else f"{value:.4f}", "IsoFLOP")
     console.print(table)
     for skipped in result["skipped_budgets"]:
         console.print(f"skipped budget {skipped}", highlight=False)
+    if result["a"] is None:
+        console.print("warning: fewer than 2 budgets form a valley, so there are no IsoFLOP exponents; widen the "
+                      "sizes (scaling.depths) or move the budgets", highlight=False)
     if "target_flops" in result:
+        iso = (f"; IsoFLOP N_opt {result['n_opt_isoflop']:.4g}, D_opt {result['d_opt_isoflop']:.4g}"
+               if "n_opt_isoflop" in result else "")
         console.print(f"C = {result['target_flops']:.3g}: parametric N_opt {result['n_opt']:.4g}, "
-                      f"D_opt {result['d_opt']:.4g}, loss {result['predicted_loss']:.4f}; IsoFLOP N_opt "
-                      f"{result['n_opt_isoflop']:.4g}, D_opt {result['d_opt_isoflop']:.4g}", highlight=False)
+                      f"D_opt {result['d_opt']:.4g}, loss {result['predicted_loss']:.4f}{iso}", highlight=False)
     console.print(f"wrote {out}", highlight=False)

@@ -51,6 +51,8 @@ def project(tmp_path):
     params["model"].update(n_layer=1, n_head=2, n_kv_head=1, d_model=32, max_seq_len=16)
     params["train"].update(batch_size=4, batch_tokens=128, max_steps=6, warmup_steps=2, eval_every=3,
                            eval_tokens=256, checkpoint_every=3, log_every=2)
+    params["scaling"].update(budgets=[2e7, 4e7], depths=[1, 2, 3], aspect=8, head_dim=4, batch_tokens=64,
+                             eval_tokens=256, bootstrap=5, target_flops=1e8)
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     run(root, "git", "init", "-q")
     run(root, "git", "add", "-A")
@@ -60,11 +62,20 @@ def project(tmp_path):
 
 def test_repro_noop_and_experiment(project):
     first = run(project, "dvc", "repro")
-    assert ran_stages(first) == {"prepare", "tokenizer", "shard", "pretrain"}
+    assert ran_stages(first) == {"prepare", "tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size",
+                                 "pretrain"}
     for out in ("data/corpus/train.parquet", "data/tokenizer/tokenizer.json", "data/shards/manifest.json",
-                "data/models/base/model.safetensors", "metrics/pretrain/curves.png"):
+                "data/models/base/model.safetensors", "metrics/pretrain/curves.png", "data/scaling/fit.json",
+                "metrics/scaling/isoflops.png"):
         assert (project / out).is_file()
     assert json.loads((project / "metrics/tokenizer.json").read_text())["vocab_size"] == 300
+    assert len((project / "data/scaling/runs.csv").read_text().splitlines()) == 1 + 6
+    scaling = json.loads((project / "metrics/scaling.json").read_text())
+    assert scaling["n_points"] == 6 and {"E", "A", "B", "alpha", "beta", "n_opt", "d_opt"} <= set(scaling)
+    assert json.loads((project / "data/scaling/size.json").read_text()) == {"size": "fixed"}
+    shown = json.loads(run(project, "dvc", "plots", "show", "--json"))
+    assert not shown.get("errors")
+    assert {"isoflop profiles", "compute-optimal N and D", "metrics/scaling/optimum.png"} <= set(shown["data"])
 
     second = run(project, "dvc", "repro")
     assert ran_stages(second) == set()
@@ -75,16 +86,35 @@ def test_repro_noop_and_experiment(project):
     run(project, "git", "add", "-A")
     run(project, "git", "commit", "-qm", "baseline")
 
+    # Another budget: the sweep trains only its 3 runs, and with model.size fixed pretrain is left alone.
+    exp = run(project, "dvc", "exp", "run", "-S", "scaling.budgets=[2e7,4e7,8e7]")
+    assert ran_stages(exp) == {"scaling_sweep", "scaling_fit", "scaling_size"}
+    assert json.loads((project / "metrics/scaling_sweep.json").read_text())["trained"] == 3
+    run(project, "dvc", "exp", "apply", "HEAD")
+
+    # model.size=auto: pretrain takes the shape the fit gives for scaling.target_flops, and says so.
+    exp = run(project, "dvc", "exp", "run", "-S", "model.size=auto", "-S", "scaling.approach=parametric")
+    assert ran_stages(exp) == {"scaling_sweep", "scaling_size", "pretrain"}  # the sweep: a no-op rerun
+    size = json.loads((project / "data/scaling/size.json").read_text())
+    pretrained = json.loads((project / "metrics/pretrain.json").read_text())
+    assert pretrained["size_auto"]["n_layer"] == size["n_layer"] and pretrained["tokens"] <= size["tokens"]
+    assert "model.size auto" in exp
+    run(project, "dvc", "exp", "apply", "HEAD")
+
     exp = run(project, "dvc", "exp", "run", "-S", "tokenizer.vocab_size=330")
-    assert ran_stages(exp) == {"tokenizer", "shard", "pretrain"}
+    assert ran_stages(exp) == {"tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size", "pretrain"}
     assert json.loads((project / "metrics/tokenizer.json").read_text())["vocab_size"] == 330
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))
     change = diff["metrics/tokenizer.json"]["vocab_size"]
     assert change["old"] == 300 and change["new"] == 330
     run(project, "dvc", "exp", "apply", "HEAD")  # back to the baseline's outputs
 
+    exp = run(project, "dvc", "exp", "run", "-S", "train.max_steps=8")
+    assert ran_stages(exp) == {"pretrain"}  # pretrain's length is not the sweep's business
+    run(project, "dvc", "exp", "apply", "HEAD")
+
     exp = run(project, "dvc", "exp", "run", "-S", "train.precision=bf16")
-    assert ran_stages(exp) == {"pretrain"}
+    assert ran_stages(exp) == {"scaling_sweep", "scaling_fit", "scaling_size", "pretrain"}  # both train in it
     assert "bf16" in exp  # the run says what it trains in
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))["metrics/pretrain.json"]
     assert diff["val_loss"]["old"] != diff["val_loss"]["new"]  # bf16 rounding moves the numbers, a little

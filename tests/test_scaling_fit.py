@@ -70,6 +70,40 @@ def test_isoflop_exponents_match_the_law():
     assert len(iso["minima"]) == 4
 
 
+def test_budget_without_a_valley_is_skipped_not_fitted():
+    # Two budgets whose grids bracket the optimum, and one whose grid lies wholly right of it.
+    good = isoflop_runs(budgets=(1e18, 1e19), per_budget=5)
+    c = 1e20
+    n = compute_optimal(TRUE, c)[0] * np.exp(np.linspace(1.0, 3.0, 5))
+    off = Runs(n, c / (6 * n), np.full(5, c), predict(TRUE, n, c / (6 * n)), "synthetic")
+    runs = Runs(*(np.concatenate([getattr(good, k), getattr(off, k)]) for k in ("params", "tokens", "flops", "loss")),
+                "synthetic")
+    iso = isoflop_fit(runs)
+    assert [m["flops"] for m in iso["minima"]] == [1e18, 1e19] and len(iso["profiles"]) == 3
+    assert iso["skipped"] == ["1e+20 (no valley: the smallest model is best, the grid does not bracket the optimum)"]
+    assert iso["a"] == pytest.approx(isoflop_fit(good)["a"])
+    # With a single valley left there are no exponents, but still a parametric fit (not an error).
+    one = Runs(*(np.concatenate([getattr(good, k)[:5], getattr(off, k)]) for k in ("params", "tokens", "flops",
+                                                                                    "loss")), "synthetic")
+    assert isoflop_fit(one)["a"] is None
+
+
+def test_budget_column_groups_runs_that_miss_their_budget(tmp_path):
+    # A sweep's runs overshoot or undershoot C by up to a step's worth of tokens: the `budget` column, not
+    # the rounded flops, says which IsoFLOP profile a run belongs to.
+    runs = isoflop_runs(budgets=(1e18, 1e19), per_budget=4)
+    jitter = 1 + 0.03 * np.tile([-1, 1, -1, 1], 2)
+    path = tmp_path / "runs.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["params", "tokens", "flops", "loss", "budget"])
+        for n, d, c, loss, j in zip(runs.params, runs.tokens, runs.flops, runs.loss, jitter):
+            w.writerow([n, d * j, c * j, loss, c])
+    loaded = load_runs(path)
+    assert list(loaded.budget) == list(runs.flops)
+    assert len(isoflop_fit(loaded)["minima"]) == 2
+
+
 def test_isoflop_on_cs336_file(shared_data):
     path = shared_data / CS336
     runs = load_runs(path)
@@ -104,10 +138,15 @@ def write_csv(path, runs: Runs, extra=True):
 def test_cli_end_to_end_on_csv(tmp_path):
     runs_csv = write_csv(tmp_path / "runs.csv", isoflop_runs(per_budget=6, noise=0.002))
     out, plots = tmp_path / "fit" / "fit.json", tmp_path / "plots"
+    metrics = tmp_path / "metrics.json"
     result = CliRunner().invoke(app, ["scaling", "fit", "--runs", str(runs_csv), "--out", str(out),
-                                      "--target-flops", "1e23", "--plots", str(plots), "--bootstrap", "5"])
+                                      "--target-flops", "1e23", "--plots", str(plots), "--bootstrap", "5",
+                                      "--metrics", str(metrics)])
     assert result.exit_code == 0, result.output
     fit = json.loads(out.read_text())
+    summary = json.loads(metrics.read_text())  # scalars only, for dvc metrics
+    assert summary["alpha"] == pytest.approx(fit["alpha"], rel=1e-5) and summary["n_points"] == 24
+    assert "budgets" not in summary and summary["ci"]["E"]["low"] <= summary["ci"]["E"]["high"]
     for key in ("E", "A", "B", "alpha", "beta", "a", "b", "n_opt", "d_opt", "predicted_loss", "n_points",
                 "n_budgets", "ci", "budgets"):
         assert key in fit, key

@@ -61,14 +61,14 @@ def test_special_tokens_reserved_first(shakespeare):
 def test_vocab_and_metrics(shakespeare):
     tok = load_tokenizer(shakespeare.tokenizer)
     metrics = json.loads((shakespeare.root / "metrics/tokenizer.json").read_text())
-    assert tok.get_vocab_size() == metrics["vocab_size"] == 4096
+    assert tok.get_vocab_size() == metrics["vocab_size"] == 1024
     # bytes/token recomputed independently: one text at a time through the plain HF tokenizer
     ordinary = load_tokenizer(shakespeare.tokenizer, ordinary=True)
     texts = pq.read_table(shakespeare.corpus / "val.parquet")["text"].to_pylist()
     n_bytes = sum(len(t.encode()) for t in texts)
     n_tokens = sum(len(ordinary.encode(t).ids) for t in texts)
     assert metrics["bytes_per_token_val"] == pytest.approx(n_bytes / n_tokens, rel=1e-3)
-    assert 2.5 < metrics["bytes_per_token_val"] < 6  # BPE on English; bytes-level would be 1.0
+    assert 2.2 < metrics["bytes_per_token_val"] < 6  # BPE on English; bytes-level would be 1.0
 
 
 def test_tiktoken_identical_to_hf_on_whole_val_split(shakespeare):
