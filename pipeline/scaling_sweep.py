@@ -34,7 +34,7 @@ from model import ModelConfig
 from pipeline.errors import UserError
 from pipeline.files import atomic_write_bytes, write_metrics
 from pipeline.params import ModelParams, ScalingParams, TrainParams
-from pipeline.pretrain import LMData, train_lm
+from pipeline.pretrain import CADENCE, LMData, train_lm
 from pipeline.progress import console
 from pipeline.scaling_size import count_params
 
@@ -85,9 +85,9 @@ def plan(scaling: ScalingParams, model: ModelParams, train: TrainParams, vocab_s
                 warmup_steps=round(scaling.warmup_fraction * steps), eval_every=steps,
                 eval_tokens=scaling.eval_tokens, log_every=min(train.log_every, steps), keep_checkpoints=1)
             identity = {"model": config.to_dict(), "tokenizer_sha256": tokenizer_sha256,
+                        # pretrain's identity, plus the eval budget: here the final eval is the result
                         "train": {k: v for k, v in dataclasses.asdict(run_train).items()
-                                  if k not in ("device", "compile", "kernels", "checkpoint_every", "log_every",
-                                               "keep_checkpoints")}}
+                                  if k not in CADENCE or k in ("eval_every", "eval_tokens")}}
             fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
             runs.append(SweepRun(f"C{budget:.3g}_L{depth}", budget, depth, config, n, n_non_embedding, run_train,
                                  fingerprint))
@@ -146,6 +146,8 @@ def sweep(scaling: ScalingParams, model: ModelParams, train: TrainParams, shards
     write_rows(csv_path, [rows[r.name] for r in runs])
     metrics = {"runs": len(runs), "trained": len(todo), "reused": len(runs) - len(todo),
                "trained_flops": float(f"{todo_flops:.4g}"), "seconds": round(time.perf_counter() - start, 1),
+               # the whole grid's training time, as runs.csv records it: the same after a rerun that reuses runs
+               "train_seconds": round(sum(float(rows[r.name]["seconds"]) for r in runs), 1),
                "best_loss": min(float(rows[r.name]["loss"]) for r in runs)}
     write_metrics("scaling_sweep", metrics)
     return metrics
