@@ -11,7 +11,7 @@ Stop tokens are kept: a row that stopped ends with its stop id, so the caller ca
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -78,28 +78,50 @@ def generate(model: GPT, prompt_ids: Sequence[Sequence[int]], max_new_tokens: in
 
 def _generate_batch(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, generator, dtype):
     """Prompts (B, L) of one length -> list of B token lists."""
-    B, L = prompts.shape
     if max_new_tokens == 0:
-        return [[] for _ in range(B)]
-    cache = KVCache(model.config, B, L + max_new_tokens - 1, prompts.device, dtype)
-    stop = torch.tensor(stop_ids, dtype=torch.long, device=prompts.device)
-    done = torch.zeros(B, dtype=torch.bool, device=prompts.device)
-    logits = model(prompts, cache=cache, pos=0)[:, -1]
-    new = []
-    for step in range(max_new_tokens):
-        token = sample_next(logits, temperature, top_k, top_p, generator)
-        new.append(token)
-        done |= torch.isin(token, stop)
-        if step == max_new_tokens - 1 or bool(done.all()):
-            break
-        # Rows that already stopped keep decoding (their extra tokens are cut below): the batch stays whole.
-        logits = model(token[:, None], cache=cache, pos=L + step)[:, -1]
-    rows = torch.stack(new, dim=1).tolist()
+        return [[] for _ in range(len(prompts))]
+    steps = _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, generator, dtype)
+    rows = torch.stack(list(steps), dim=1).tolist()
     stops = set(stop_ids)
     for r, tokens in enumerate(rows):
         end = next((j + 1 for j, t in enumerate(tokens) if t in stops), len(tokens))
         rows[r] = tokens[:end]
     return rows
+
+
+def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, generator,
+            dtype) -> Iterator[torch.Tensor]:
+    """Prefill prompts (B, L), then yield one new token per row (B,) per step until every row has stopped."""
+    B, L = prompts.shape
+    cache = KVCache(model.config, B, L + max_new_tokens - 1, prompts.device, dtype)
+    stop = torch.tensor(stop_ids, dtype=torch.long, device=prompts.device)
+    done = torch.zeros(B, dtype=torch.bool, device=prompts.device)
+    logits = model(prompts, cache=cache, pos=0)[:, -1]
+    for step in range(max_new_tokens):
+        token = sample_next(logits, temperature, top_k, top_p, generator)
+        yield token
+        done |= torch.isin(token, stop)
+        if step == max_new_tokens - 1 or bool(done.all()):
+            return
+        # Rows that already stopped keep decoding (their extra tokens are cut by the caller): the batch stays whole.
+        logits = model(token[:, None], cache=cache, pos=L + step)[:, -1]
+
+
+@torch.inference_mode()
+def stream(model: GPT, prompt_ids: Sequence[int], max_new_tokens: int, *, temperature: float = 1.0,
+           top_k: int | None = None, top_p: float | None = None, stop_ids: Iterable[int] = (),
+           seed: int | None = None) -> Iterator[int]:
+    """The new tokens of one prompt as they are sampled (for a chat that prints as it goes); the same tokens
+    as `generate` for that prompt alone. The model must be in eval mode."""
+    stop_ids = sorted(set(stop_ids))
+    _check_args(model.config, [prompt_ids], max_new_tokens, temperature, top_k, top_p, stop_ids)
+    param = next(model.parameters())
+    generator = None if seed is None else torch.Generator(device=param.device).manual_seed(seed)
+    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=param.device)
+    if max_new_tokens == 0:
+        return
+    for token in _decode(model, prompt, max_new_tokens, temperature, top_k, top_p, stop_ids, generator, param.dtype):
+        yield int(token[0])
 
 
 def _check_args(config, prompt_ids, max_new_tokens, temperature, top_k, top_p, stop_ids) -> None:

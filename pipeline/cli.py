@@ -168,6 +168,45 @@ def train_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     _print_metrics("pretrain", metrics)
 
 
+@app.command("sft")
+@reports_errors
+def sft_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+                base: Annotated[Path, typer.Option(help="The model to start from.")] = Path("data/models/base"),
+                tokenizer: TokenizerOpt = TOKENIZER, corpus: CorpusOpt = CORPUS,
+                out: OutOpt = Path("data/models/sft"),
+                checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = Path("data/checkpoints/sft")):
+    """Supervised fine-tuning on chat examples: the built-in task or a dataset (stage `sft`).
+
+    Reads the `sft` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
+    mean sft.
+    """
+    from pipeline.params import SFTParams, TrainParams, load_sections
+    from pipeline.sft import sft
+
+    sft_params, train = load_sections((SFTParams, TrainParams), params, set_)
+    _print_metrics("sft", sft(sft_params, train, base, tokenizer, corpus, out, checkpoints))
+
+
+@app.command("dpo")
+@reports_errors
+def dpo_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+                sft_model: Annotated[Path, typer.Option("--sft", help="The SFT model: policy start and reference.")] =
+                Path("data/models/sft"),
+                tokenizer: TokenizerOpt = TOKENIZER, corpus: CorpusOpt = CORPUS,
+                out: OutOpt = Path("data/models/dpo"),
+                checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = Path("data/checkpoints/dpo")):
+    """Direct preference optimisation from the SFT model on preference pairs (stage `dpo`).
+
+    Reads the `dpo` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
+    mean dpo.
+    """
+    from pipeline.dpo import dpo
+    from pipeline.params import DPOParams, TrainParams, load_sections
+
+    dpo_params, train = load_sections((DPOParams, TrainParams), params, set_)
+    _print_metrics("dpo", dpo(dpo_params, train, sft_model, tokenizer, corpus, out, checkpoints))
+
+
 @app.command("generate")
 @reports_errors
 def generate_command(
@@ -192,6 +231,46 @@ def generate_command(
         typer.echo(text + out)
         if len(prompt) > 1:
             typer.echo("-" * 40)
+
+
+@app.command("chat")
+@reports_errors
+def chat_command(
+        model: Annotated[Path, typer.Option(help="A chat model folder (SFT or DPO).")] = Path("data/models/dpo"),
+        tokenizer: TokenizerOpt = TOKENIZER,
+        system: Annotated[str | None, typer.Option(help="A system message that opens the conversation.")] = None,
+        max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer (default: a quarter of the "
+                                                                "context).")] = None,
+        temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.7,
+        top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens.")] = None,
+        top_p: Annotated[float | None, typer.Option(help="Sample among the likeliest tokens holding this mass.")]
+        = 0.9,
+        seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
+        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
+    """Talk to a chat model: each line you type is a user turn, the answer streams back (/reset starts over,
+    /quit or end of input stops)."""
+    from pipeline.sample import ChatSession, Sampling, TextModel
+    from pipeline.train import pick_device
+
+    session = ChatSession(TextModel(model, tokenizer, pick_device(device)),
+                          Sampling(max_new_tokens, temperature, top_k, top_p, seed), system)
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        if line.strip() in ("/quit", "/exit"):
+            break
+        if line.strip() == "/reset":
+            session.turns = []
+            continue
+        if not line.strip():
+            continue
+        typer.echo("kiln> ", nl=False)
+        for piece in session.reply(line):
+            typer.echo(piece, nl=False)
+        typer.echo()
 
 
 @scaling_app.command("sweep")
@@ -292,7 +371,8 @@ def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     A step is forward, backward, clipping and AdamW on random token ids, for the shape in the `model` section
     (`--set model.key=value` changes it).
     """
-    from pipeline.bench_train import bench_train as run, parse_variants
+    from pipeline.bench_train import bench_train as run
+    from pipeline.bench_train import parse_variants
     from pipeline.params import ModelParams, load_section
 
     run(load_section(ModelParams, params, set_), parse_variants(variants), vocab_size, batch_size, seq_len, steps,

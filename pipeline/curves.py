@@ -18,9 +18,12 @@ PLOTS = Path("plots/metrics")
 
 
 def metric_files(directory: Path) -> dict[str, Path]:
-    """metric name -> its TSV under a DVCLive directory."""
+    """metric name -> its TSV under a DVCLive directory; DVCLive keeps a name such as `val/rewards/chosen` as
+    folders, with the last part as the column."""
     folder = Path(directory) / PLOTS
-    return {p.stem: p for p in sorted(folder.glob("*.tsv"))} if folder.is_dir() else {}
+    if not folder.is_dir():
+        return {}
+    return {p.relative_to(folder).with_suffix("").as_posix(): p for p in sorted(folder.rglob("*.tsv"))}
 
 
 def read_metric(path: Path) -> list[tuple[int, float]]:

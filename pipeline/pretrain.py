@@ -24,7 +24,7 @@ from pipeline.progress import console
 from pipeline.scaling_size import SHAPE_KEYS, SIZE_FILE, auto_size, describe
 from pipeline.throughput import peak_flops
 from pipeline.tokenizer import load_tokenizer, token_bytes
-from pipeline.train import Run, autocast, check_kernels, pick_device, setup_precision, train
+from pipeline.train import Run, autocast, prepare_device, train
 
 MODEL_DIR = Path("data/models/base")
 CHECKPOINT_DIR = Path("data/checkpoints/pretrain")
@@ -99,9 +99,7 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
     scaling sweep go through here, so they share the data order, the schedule and the evaluation."""
     seq_len = config.max_seq_len
     torch.manual_seed(params.seed)
-    device = pick_device(params.device)
-    setup_precision(device, params.precision)
-    check_kernels(params.kernels, device, "params: train.kernels")
+    device = prepare_device(params)
     model = GPT(config).to(device).set_kernels(params.kernels)
     steps = total_steps(params)
     fingerprint = {"model": config.to_dict(), "tokenizer_sha256": data.tokenizer_sha256,

@@ -6,12 +6,13 @@ text without any error, so the two are checked against each other before anythin
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from model import generate, load_model
+from model import generate, load_model, stream
 from pipeline.errors import UserError
 from pipeline.files import sha256_file
 from pipeline.prepare import SURROGATE
@@ -72,3 +73,41 @@ class TextModel:
         outs = generate(self.model, ids, new, temperature=sampling.temperature,
                         top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[self.eot], seed=sampling.seed)
         return [self.tokenizer.decode([t for t in out if t != self.eot]) for out in outs]
+
+
+class ChatSession:
+    """A conversation with a chat model (SFT or DPO): the whole history is the prompt of every reply, the
+    oldest turns (after a system message) dropped when it no longer fits the context window."""
+
+    def __init__(self, lm: TextModel, sampling: Sampling, system: str | None = None):
+        from pipeline.chat import ChatFormat
+
+        sampling.check()
+        self.lm, self.sampling, self.chat = lm, sampling, ChatFormat(lm.tokenizer)
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.turns: list[dict] = []
+
+    def reply(self, text: str) -> Iterator[str]:
+        """Stream the answer to `text` as pieces of text; the answer joins the history when it is complete."""
+        if bad := SURROGATE.search(text):
+            raise UserError(f"message: not valid Unicode (lone surrogate at character {bad.start()})")
+        context = self.lm.model.config.max_seq_len
+        turns = [*self.turns, {"role": "user", "content": text}]
+        room = self.sampling.max_new_tokens or max(1, context // 4)
+        while len(ids := self.chat.prompt(self.system + turns)) + room - 1 > context and len(turns) > 1:
+            turns = turns[2:]  # the oldest exchange: a user turn and its answer
+        if len(ids) >= context:
+            raise UserError(f"message: {len(ids)} tokens with the chat markers; the model's context is {context}")
+        new, shown = [], ""
+        s = self.sampling
+        for token in stream(self.lm.model, ids, min(room, context + 1 - len(ids)), temperature=s.temperature,
+                            top_k=s.top_k, top_p=s.top_p, stop_ids=[self.chat.im_end, self.chat.eot], seed=s.seed):
+            new.append(token)
+            text_so_far = self.chat.parse_reply(new)
+            if not text_so_far.endswith("\ufffd"):  # a character split across tokens waits for its last byte
+                yield text_so_far[len(shown):]
+                shown = text_so_far
+        answer = self.chat.parse_reply(new)
+        if answer != shown:
+            yield answer[len(shown):]
+        self.turns = [*turns, {"role": "assistant", "content": answer}]

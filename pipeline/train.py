@@ -67,6 +67,14 @@ def check_kernels(kernels: str, device: torch.device, where: str) -> None:
                         "kernels in Triton's (slow) CPU interpreter")
 
 
+def prepare_device(params: TrainParams) -> torch.device:
+    """The device a run trains on, with its precision settings made and its kernel choice checked."""
+    device = pick_device(params.device)
+    setup_precision(device, params.precision)
+    check_kernels(params.kernels, device, "params: train.kernels")
+    return device
+
+
 def build_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device) -> torch.optim.AdamW:
     """AdamW with decoupled weight decay on matrices only: norms' gains and biases are not pulled to zero."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]

@@ -48,11 +48,21 @@ def project(tmp_path):
     params["data"]["val_fraction"] = 0.2
     params["tokenizer"]["vocab_size"] = 300
     params["shard"]["shard_tokens"] = 4096
-    params["model"].update(n_layer=1, n_head=2, n_kv_head=1, d_model=32, max_seq_len=16)
-    params["train"].update(batch_size=4, batch_tokens=128, max_steps=6, warmup_steps=2, eval_every=3,
+    params["model"].update(n_layer=1, n_head=2, n_kv_head=1, d_model=32, max_seq_len=32)
+    params["train"].update(batch_size=4, batch_tokens=256, max_steps=6, warmup_steps=2, eval_every=3,
                            eval_tokens=256, checkpoint_every=3, log_every=2)
-    params["scaling"].update(budgets=[2e7, 4e7], depths=[1, 2, 3], aspect=8, head_dim=4, batch_tokens=64,
+    params["scaling"].update(budgets=[2e7, 4e7], depths=[1, 2, 3], aspect=8, head_dim=4, batch_tokens=128,
                              eval_tokens=256, bootstrap=5, target_flops=1e8)
+    # Post-training on local files in two of the real formats (the built-in task needs longer contexts).
+    chat = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"yo {i}"}]}
+            for i in range(12)]
+    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in chat))
+    pairs = [{"question": f"up {i}?", "response_j": f"yes {i}", "response_k": f"no {i}"} for i in range(12)]
+    (tmp_path / "pairs.json").write_text(json.dumps(pairs))
+    loop = dict(max_steps=4, batch_size=2, batch_examples=4, warmup_steps=1, eval_every=2, checkpoint_every=2,
+                log_every=2, val_examples=3)
+    params["sft"].update(data=str(tmp_path / "chat.jsonl"), **loop)
+    params["dpo"].update(data=str(tmp_path / "pairs.json"), **loop)
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     run(root, "git", "init", "-q")
     run(root, "git", "add", "-A")
@@ -63,10 +73,11 @@ def project(tmp_path):
 def test_repro_noop_and_experiment(project):
     first = run(project, "dvc", "repro")
     assert ran_stages(first) == {"prepare", "tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size",
-                                 "pretrain"}
+                                 "pretrain", "sft", "dpo"}
     for out in ("data/corpus/train.parquet", "data/tokenizer/tokenizer.json", "data/shards/manifest.json",
                 "data/models/base/model.safetensors", "metrics/pretrain/curves.png", "data/scaling/fit.json",
-                "metrics/scaling/isoflops.png"):
+                "metrics/scaling/isoflops.png", "data/models/sft/model.safetensors",
+                "data/models/dpo/model.safetensors", "metrics/dpo/curves.png"):
         assert (project / out).is_file()
     assert json.loads((project / "metrics/tokenizer.json").read_text())["vocab_size"] == 300
     assert len((project / "data/scaling/runs.csv").read_text().splitlines()) == 1 + 6
@@ -75,7 +86,12 @@ def test_repro_noop_and_experiment(project):
     assert json.loads((project / "data/scaling/size.json").read_text()) == {"size": "fixed"}
     shown = json.loads(run(project, "dvc", "plots", "show", "--json"))
     assert not shown.get("errors")
-    assert {"isoflop profiles", "compute-optimal N and D", "metrics/scaling/optimum.png"} <= set(shown["data"])
+    assert {"isoflop profiles", "compute-optimal N and D", "metrics/scaling/optimum.png", "sft loss",
+            "dpo preference accuracy"} <= set(shown["data"])
+    sft = json.loads((project / "metrics/sft.json").read_text())
+    assert sft["examples"] == 9 and sft["val_examples"] == 3 and sft["val_loss"] < sft["base"]["val_loss"]
+    dpo = json.loads((project / "metrics/dpo.json").read_text())
+    assert dpo["pairs"] == 9 and {"val/rewards/accuracies", "train/rewards/margins", "val/logps/chosen"} <= set(dpo)
 
     second = run(project, "dvc", "repro")
     assert ran_stages(second) == set()
@@ -94,7 +110,7 @@ def test_repro_noop_and_experiment(project):
 
     # model.size=auto: pretrain takes the shape the fit gives for scaling.target_flops, and says so.
     exp = run(project, "dvc", "exp", "run", "-S", "model.size=auto", "-S", "scaling.approach=parametric")
-    assert ran_stages(exp) == {"scaling_sweep", "scaling_size", "pretrain"}  # the sweep: a no-op rerun
+    assert ran_stages(exp) == {"scaling_sweep", "scaling_size", "pretrain", "sft", "dpo"}  # sweep: a no-op rerun
     size = json.loads((project / "data/scaling/size.json").read_text())
     pretrained = json.loads((project / "metrics/pretrain.json").read_text())
     assert pretrained["size_auto"]["n_layer"] == size["n_layer"] and pretrained["tokens"] <= size["tokens"]
@@ -102,7 +118,8 @@ def test_repro_noop_and_experiment(project):
     run(project, "dvc", "exp", "apply", "HEAD")
 
     exp = run(project, "dvc", "exp", "run", "-S", "tokenizer.vocab_size=330")
-    assert ran_stages(exp) == {"tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size", "pretrain"}
+    assert ran_stages(exp) == {"tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size", "pretrain",
+                               "sft", "dpo"}
     assert json.loads((project / "metrics/tokenizer.json").read_text())["vocab_size"] == 330
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))
     change = diff["metrics/tokenizer.json"]["vocab_size"]
@@ -110,12 +127,20 @@ def test_repro_noop_and_experiment(project):
     run(project, "dvc", "exp", "apply", "HEAD")  # back to the baseline's outputs
 
     exp = run(project, "dvc", "exp", "run", "-S", "train.max_steps=8")
-    assert ran_stages(exp) == {"pretrain"}  # pretrain's length is not the sweep's business
+    assert ran_stages(exp) == {"pretrain", "sft", "dpo"}  # pretrain's length is not the sweep's business
     run(project, "dvc", "exp", "apply", "HEAD")
 
+
     exp = run(project, "dvc", "exp", "run", "-S", "train.precision=bf16")
-    assert ran_stages(exp) == {"scaling_sweep", "scaling_fit", "scaling_size", "pretrain"}  # both train in it
+    assert ran_stages(exp) == {"scaling_sweep", "scaling_fit", "scaling_size", "pretrain", "sft", "dpo"}  # all in it
     assert "bf16" in exp  # the run says what it trains in
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))["metrics/pretrain.json"]
     assert diff["val_loss"]["old"] != diff["val_loss"]["new"]  # bf16 rounding moves the numbers, a little
     assert abs(diff["val_loss"]["new"] - diff["val_loss"]["old"]) < 0.1
+
+    # On top of that experiment's workspace (no `exp apply` in between: the stages' resume state and curves
+    # persist outside the cache, so DVC would see them changed), a DPO knob reruns DPO alone.
+    exp = run(project, "dvc", "exp", "run", "-S", "dpo.beta=0.3")
+    assert ran_stages(exp) == {"dpo"}
+    diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))["metrics/dpo.json"]
+    assert diff["val/rewards/margins"]["old"] != diff["val/rewards/margins"]["new"]

@@ -1,0 +1,101 @@
+"""Stage `sft`: data/models/base -> data/models/sft/, supervised fine-tuning on chat-format examples.
+
+The loss is the cross-entropy on assistant tokens only (their `<|im_end|>` included), averaged over all such
+tokens of an optimizer step, however they fall across micro-batches. Examples are padded rows (see
+pipeline/posttrain.py for why not packed). Held-out: the masked loss, and for the built-in task the accuracy
+of picking the true answer among four, measured on the base model before training too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import torch
+
+from model import save_model
+from pipeline.chat import ChatFormat
+from pipeline.checkpoints import Checkpoints
+from pipeline.curves import plot_png
+from pipeline.errors import UserError
+from pipeline.files import write_metrics
+from pipeline.params import SFTParams, TrainParams
+from pipeline.posttrain import ChoiceScorer, ExampleBatches, fits, load_chat_data, load_start, score_rows, to_rows
+from pipeline.pretrain import CADENCE
+from pipeline.progress import console
+from pipeline.tokenizer import load_tokenizer
+from pipeline.train import Run, accumulation_steps, train
+
+BASE_DIR = Path("data/models/base")
+MODEL_DIR = Path("data/models/sft")
+CHECKPOINT_DIR = Path("data/checkpoints/sft")
+CURVES_DIR = Path("metrics/sft")
+PANELS = [["loss", "val_loss"], ["val_accuracy", "val_accuracy_title", "val_accuracy_speaker", "val_accuracy_continue"],
+          ["lr"], ["grad_norm"]]
+
+
+def masked_loss(model, batch):
+    """Summed cross-entropy of the assistant tokens over (targets in the step / accumulation steps)."""
+    x, y, per_micro = batch
+    return model(x, y, reduction="sum") / per_micro
+
+
+def rows_of(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, what: str):
+    """Padded (x, y) rows of the conversations that keep an answer token within seq_len (the rest counted)."""
+    rendered = [chat.render(c) for c in conversations]
+    kept = [r for r in rendered if fits(r, seq_len)]
+    if len(kept) < len(rendered):
+        console.print(f"{what}: skipped {len(rendered) - len(kept):,} examples with no answer token within "
+                      f"max_seq_len={seq_len}", highlight=False)
+    if not kept and rendered:
+        raise UserError(f"{what}: no example has an answer token within max_seq_len={seq_len}")
+    return to_rows(kept, seq_len, chat.pad, what)
+
+
+def rows_sha256(*tensors: torch.Tensor) -> str:
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_path: Path, corpus_dir: Path,
+        out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR) -> dict:
+    torch.manual_seed(params.seed)
+    model, meta, start_sha = load_start(base_dir, tokenizer_path, train_params)
+    config, seq_len = model.config, model.config.max_seq_len
+    loop = params.loop_params(train_params, seq_len)
+    chat = ChatFormat(load_tokenizer(tokenizer_path, ordinary=True))
+    data = load_chat_data(params, chat, seq_len, corpus_dir)
+    x, y = rows_of(data.train, chat, seq_len, "sft train")
+    val_x, val_y = rows_of(data.val, chat, seq_len, "sft held-out")
+    scorer = ChoiceScorer(data.items, chat, seq_len)
+    val_targets = int((val_y != -100).sum())
+
+    def evaluate(m) -> dict:
+        out = scorer.accuracy(m, params.batch_size, loop.precision)
+        if val_targets:
+            out["val_loss"] = -score_rows(m, val_x, val_y, params.batch_size, loop.precision).sum().item() / val_targets
+        return out
+
+    before = evaluate(model)
+    fingerprint = {"start": start_sha, "data": rows_sha256(x, y),
+                   "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
+    micro = params.batch_size * seq_len
+    run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=masked_loss,
+              batches=ExampleBatches((x, y), params.batch_size, accumulation_steps(loop, micro), params.seed,
+                                     per_token=True),
+              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints),
+              curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name="sft")
+    console.print(f"sft: {len(x):,} train and {len(val_x):,} held-out examples "
+                  f"({(y != -100).float().sum(1).mean():.1f} answer tokens each on average), {loop.max_steps} steps "
+                  f"x {params.batch_examples} examples, from {base_dir}", highlight=False)
+    result = train(model, run)
+    save_model(model, config, out_dir, {"tokenizer_sha256": meta.get("tokenizer_sha256"), "chat_format": "chatml",
+                                        "init": {"model": str(base_dir), "sha256": start_sha}})
+    metrics = {**result, "examples": len(x), "val_examples": len(val_x),
+               "base": {k: round(v, 5) for k, v in before.items()}}
+    plot_png(curves_dir, curves_dir / "curves.png", PANELS, f"sft: {len(x):,} examples, {result['steps']} steps")
+    write_metrics("sft", metrics)
+    return metrics

@@ -1,0 +1,141 @@
+"""SFT and DPO end to end on tiny models, the built-in task, and the commands' errors."""
+
+import contextlib
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from model import GPT, ModelConfig, generate, load_model, save_model
+from pipeline.chat import ChatFormat
+from pipeline.cli import app
+from pipeline.corpus_task import task_items
+from pipeline.dpo import dpo
+from pipeline.files import sha256_file
+from pipeline.params import DPOParams, SFTParams, TrainParams, build_section
+from pipeline.sft import sft
+from pipeline.tokenizer import load_tokenizer
+
+ANSWERS = ["Claudius", "Gertrude", "Ophelia", "Polonius", "Laertes", "Horatio", "Yorick", "Osric"]
+TRAIN = {"device": "cpu", "keep_checkpoints": 1}
+LOOP = {"max_steps": 300, "batch_size": 4, "batch_examples": 4, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 5,
+        "eval_every": 150, "checkpoint_every": 150, "log_every": 50, "val_examples": 2}
+
+
+def questions() -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"Name number {i}?"},
+                          {"role": "assistant", "content": name}]} for i, name in enumerate(ANSWERS)]
+
+
+def save_base(tokenizer: Path, out: Path) -> Path:
+    """A randomly initialised tiny model saved as a base model for `tokenizer`."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=load_tokenizer(tokenizer).get_vocab_size(), n_layer=2, n_head=2, n_kv_head=2,
+                         d_model=64, max_seq_len=64)
+    return save_model(GPT(config), config, out, {"tokenizer_sha256": sha256_file(tokenizer)})
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def greedy_answers(model_dir: Path, tokenizer: Path, conversations: list[list[dict]]) -> list[str]:
+    chat = ChatFormat(load_tokenizer(tokenizer, ordinary=True))
+    model, _ = load_model(model_dir)
+    prompts = [chat.prompt(c[:-1]) for c in conversations]
+    outs = generate(model, prompts, 8, temperature=0, stop_ids=[chat.im_end])
+    return [chat.parse_reply(o) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def sft_model(tiny, tmp_path_factory):
+    """SFT of a random tiny model on 8 question/name examples (2 of them held out)."""
+    root = tmp_path_factory.mktemp("sft")
+    data = write_jsonl(root / "sft.jsonl", questions())
+    base = save_base(tiny.tokenizer, root / "base")
+    with contextlib.chdir(root):
+        metrics = sft(build_section(SFTParams, {"data": str(data), **LOOP}), build_section(TrainParams, TRAIN), base,
+                      tiny.tokenizer, tiny.corpus, root / "sft", root / "ck-sft", root / "curves-sft")
+    return root / "sft", metrics
+
+
+def test_sft_reproduces_its_examples(tiny, sft_model):
+    model_dir, metrics = sft_model
+    tmp_path = model_dir.parent
+    assert metrics["examples"] == 6 and metrics["val_examples"] == 2
+    assert metrics["train_loss"] < 0.2 < metrics["base"]["val_loss"]
+    conversations = [row["messages"] for row in questions()]
+    got = greedy_answers(model_dir, tiny.tokenizer, conversations)
+    # The 6 training examples are reproduced exactly (the 2 held out are unknowable names).
+    assert sum(g == c[-1]["content"] for g, c in zip(got, conversations)) >= 6
+    assert json.loads((tmp_path / "metrics/sft.json").read_text())["examples"] == 6
+    assert (tmp_path / "curves-sft/curves.png").is_file()
+
+
+def test_dpo_learns_every_preference(tiny, sft_model, tmp_path):
+    model_dir, _ = sft_model
+    pairs = [{"prompt": f"Name number {i}?", "chosen": name, "rejected": ANSWERS[(i + 3) % len(ANSWERS)]}
+             for i, name in enumerate(ANSWERS)]
+    data = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    params = build_section(DPOParams, {"data": str(data), **LOOP, "lr": 3e-3, "min_lr": 3e-4, "beta": 0.5})
+    with contextlib.chdir(tmp_path):
+        metrics = dpo(params, build_section(TrainParams, TRAIN), model_dir, tiny.tokenizer, tiny.corpus,
+                      tmp_path / "dpo", tmp_path / "ck-dpo", tmp_path / "curves-dpo")
+    # At the start the policy is the reference: every reward is 0, so no pair counts as won.
+    assert "train/rewards/accuracies" not in metrics["sft"]
+    assert metrics["train/rewards/accuracies"] == 1.0
+    assert metrics["train/rewards/margins"] > 0 and metrics["train/rewards/chosen"] > metrics["train/rewards/rejected"]
+    assert metrics["train/logps/chosen"] > metrics["train/logps/rejected"]
+    assert metrics["pairs"] == 6 and metrics["val_pairs"] == 2
+    assert (tmp_path / "dpo/model.safetensors").is_file()
+    curves = tmp_path / "curves-dpo/plots/metrics"
+    assert (curves / "val/rewards/accuracies.tsv").is_file() and (curves / "loss.tsv").is_file()
+
+
+def test_builtin_task_holds_out_val_passages_only(shakespeare):
+    chat = ChatFormat(load_tokenizer(shakespeare.tokenizer, ordinary=True))
+    train, val = task_items(shakespeare.corpus, chat, 128, 60, 30, seed=5)
+    assert len(train) == 60 and len(val) == 30
+    assert {i.kind for i in val} == {"title", "speaker", "continue"}
+    text = {split: "\n".join(pq.read_table(shakespeare.corpus / f"{split}.parquet").column("text").to_pylist())
+            for split in ("train", "val")}
+    titles = set(pq.read_table(shakespeare.corpus / "train.parquet").column("source").to_pylist())
+    for item in val:
+        passage = item.prompt[0]["content"].split("\n\n", 1)[1]
+        lines = [line for line in passage.splitlines() if len(line.strip()) > 30]
+        assert all(line in text["val"] for line in lines)
+        assert not any(line in text["train"] for line in lines[:1]), "a held-out passage is in the train split"
+        assert len(set(item.choices)) == 4 and item.answer not in item.wrong
+        assert len(chat.render(item.conversation(max(item.choices, key=len))).ids) <= 129
+        if item.kind == "title":
+            assert item.answer in titles | {"A Lover's Complaint"} and set(item.wrong) <= titles | {
+                "A Lover's Complaint"}
+        if item.kind == "speaker":
+            assert passage.startswith(item.answer + ".")
+    assert task_items(shakespeare.corpus, chat, 128, 60, 30, seed=5)[1] == val  # deterministic
+
+
+def test_commands_refuse_bad_input(tiny, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(app, ["sft", "--set", "format=xml", "--tokenizer", str(tiny.tokenizer)])
+    assert result.exit_code == 2 and "sft.format='xml'" in result.output
+    result = runner.invoke(app, ["dpo", "--set", "loss=ipo", "--set", "label_smoothing=0.1"])
+    assert result.exit_code == 2 and "dpo.label_smoothing" in result.output
+    result = runner.invoke(app, ["dpo", "--sft", str(tmp_path / "nothing"), "--tokenizer", str(tiny.tokenizer)])
+    assert result.exit_code == 2 and "nothing" in result.output and "Traceback" not in result.output
+    result = runner.invoke(app, ["sft", "--set", "batch_examples=10", "--set", "batch_size=4"])
+    assert result.exit_code == 2 and "sft.batch_examples" in result.output
+
+
+def test_chat_streams_answers_and_keeps_the_conversation(tiny, sft_model):
+    model_dir, _ = sft_model
+    runner = CliRunner()
+    result = runner.invoke(app, ["chat", "--model", str(model_dir), "--tokenizer", str(tiny.tokenizer),
+                                 "--temperature", "0", "--max-new-tokens", "16"],
+                           input="Name number 0?\n/reset\nName number 1?\n")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == ["kiln> Claudius", "kiln> Gertrude"]
