@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from model import save_model
 from pipeline.chat import ChatFormat
 from pipeline.chat_data import Pair
 from pipeline.checkpoints import Checkpoints
@@ -28,21 +27,10 @@ from pipeline.curves import plot_png
 from pipeline.errors import UserError
 from pipeline.files import write_metrics
 from pipeline.params import DPOParams, TrainParams
-from pipeline.posttrain import (
-    IGNORE,
-    ChoiceScorer,
-    ExampleBatches,
-    answer_logps,
-    fits,
-    load_chat_data,
-    load_start,
-    score_rows,
-    to_rows,
-)
+from pipeline.posttrain import IGNORE, ChoiceScorer, ExampleBatches, answer_logps, fits, score_rows, start, to_rows
 from pipeline.pretrain import CADENCE
 from pipeline.progress import console
 from pipeline.sft import rows_sha256
-from pipeline.tokenizer import load_tokenizer
 from pipeline.train import Run, accumulation_steps, train
 
 SFT_DIR = Path("data/models/sft")
@@ -129,12 +117,8 @@ def pair_metrics(params: DPOParams, rows: PairRows, pc: torch.Tensor, pr: torch.
 
 def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_path: Path, corpus_dir: Path,
         out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR) -> dict:
-    torch.manual_seed(params.seed)
-    model, meta, start_sha = load_start(sft_dir, tokenizer_path, train_params)
-    config, seq_len = model.config, model.config.max_seq_len
-    loop = params.loop_params(train_params, seq_len)
-    chat = ChatFormat(load_tokenizer(tokenizer_path, ordinary=True))
-    data = load_chat_data(params, chat, seq_len, corpus_dir)
+    s = start(params, train_params, sft_dir, tokenizer_path, corpus_dir)
+    model, loop, chat, data, seq_len = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len
     train_rows = pair_rows(data.train, chat, seq_len, "dpo train")
     val_rows = pair_rows(data.val, chat, seq_len, "dpo held-out")
     average = params.loss == "ipo"
@@ -164,7 +148,7 @@ def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_p
 
     before = evaluate(model)
     tensors = (*train_rows.chosen, *train_rows.rejected, train_rows.ref_chosen.float(), train_rows.ref_rejected.float())
-    fingerprint = {"start": start_sha, "data": rows_sha256(*tensors[:4]),
+    fingerprint = {"start": s.sha256, "data": rows_sha256(*tensors[:4]),
                    "dpo": {"beta": params.beta, "label_smoothing": params.label_smoothing, "loss": params.loss},
                    "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
     micro = 2 * params.batch_size * seq_len
@@ -176,8 +160,7 @@ def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_p
                   f"beta {params.beta}, {loop.max_steps} steps x {params.batch_examples} pairs, from {sft_dir}",
                   highlight=False)
     result = train(model, run)
-    save_model(model, config, out_dir, {"tokenizer_sha256": meta.get("tokenizer_sha256"), "chat_format": "chatml",
-                                        "init": {"model": str(sft_dir), "sha256": start_sha}})
+    s.save(out_dir)
     metrics = {**result, "pairs": len(train_rows), "val_pairs": len(val_rows),
                "sft": {k: round(v, 5) for k, v in before.items() if not k.startswith(("train/rewards", "val/rewards"))}}
     plot_png(curves_dir, curves_dir / "curves.png", PANELS, f"dpo: {len(train_rows):,} pairs, {result['steps']} steps")

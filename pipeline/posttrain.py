@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model import load_model
+from model import load_model, save_model
 from pipeline.chat import ChatFormat, Rendered
 from pipeline.chat_data import load_conversations, load_pairs
 from pipeline.corpus_task import TaskItem, task_items
@@ -26,15 +26,37 @@ from pipeline.errors import UserError
 from pipeline.files import sha256_file
 from pipeline.params import PostTrainParams, TrainParams
 from pipeline.progress import console
+from pipeline.tokenizer import load_tokenizer
 from pipeline.train import autocast, prepare_device
 
 IGNORE = -100
 
 
-def load_start(model_dir: Path, tokenizer_path: Path, params: TrainParams) -> tuple[torch.nn.Module, dict, str]:
-    """(model on the training device, its config.json extras, sha256 of its weights) for the model a stage
-    starts from; refuses a tokenizer other than the one the model was trained with."""
-    device = prepare_device(params)
+@dataclass
+class Start:
+    """What a post-training stage has before it trains: the model it starts from (on the training device), the
+    loop's params, the chat format and the data."""
+
+    model: torch.nn.Module
+    model_dir: Path
+    tokenizer_sha256: str | None
+    sha256: str  # of the starting weights: part of the run's fingerprint
+    loop: TrainParams
+    chat: ChatFormat
+    data: ChatData
+
+    def save(self, out_dir: Path) -> None:
+        save_model(self.model, self.model.config, out_dir, {
+            "tokenizer_sha256": self.tokenizer_sha256, "chat_format": "chatml",
+            "init": {"model": str(self.model_dir), "sha256": self.sha256}})
+
+
+def start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokenizer_path: Path,
+          corpus_dir: Path) -> Start:
+    """Load the model a stage starts from, refusing a tokenizer other than the one it was trained with, and
+    the stage's data rendered for its context length."""
+    torch.manual_seed(params.seed)
+    device = prepare_device(train)
     try:
         model, meta = load_model(model_dir, device)
     except ValueError as e:
@@ -42,7 +64,11 @@ def load_start(model_dir: Path, tokenizer_path: Path, params: TrainParams) -> tu
     want, got = meta.get("tokenizer_sha256"), sha256_file(tokenizer_path)
     if want is not None and want != got:
         raise UserError(f"{tokenizer_path}: not the tokenizer {model_dir} was trained with")
-    return model.set_kernels(params.kernels), meta, sha256_file(Path(model_dir) / "model.safetensors")
+    seq_len = model.config.max_seq_len
+    chat = ChatFormat(load_tokenizer(tokenizer_path, ordinary=True))
+    return Start(model.set_kernels(train.kernels), Path(model_dir), want,
+                 sha256_file(Path(model_dir) / "model.safetensors"), params.loop_params(train, seq_len), chat,
+                 load_chat_data(params, chat, seq_len, corpus_dir))
 
 
 def to_rows(rendered: list[Rendered], seq_len: int, pad: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:

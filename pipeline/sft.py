@@ -14,17 +14,15 @@ from pathlib import Path
 
 import torch
 
-from model import save_model
 from pipeline.chat import ChatFormat
 from pipeline.checkpoints import Checkpoints
 from pipeline.curves import plot_png
 from pipeline.errors import UserError
 from pipeline.files import write_metrics
 from pipeline.params import SFTParams, TrainParams
-from pipeline.posttrain import ChoiceScorer, ExampleBatches, fits, load_chat_data, load_start, score_rows, to_rows
+from pipeline.posttrain import ChoiceScorer, ExampleBatches, fits, score_rows, start, to_rows
 from pipeline.pretrain import CADENCE
 from pipeline.progress import console
-from pipeline.tokenizer import load_tokenizer
 from pipeline.train import Run, accumulation_steps, train
 
 BASE_DIR = Path("data/models/base")
@@ -62,12 +60,8 @@ def rows_sha256(*tensors: torch.Tensor) -> str:
 
 def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_path: Path, corpus_dir: Path,
         out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR) -> dict:
-    torch.manual_seed(params.seed)
-    model, meta, start_sha = load_start(base_dir, tokenizer_path, train_params)
-    config, seq_len = model.config, model.config.max_seq_len
-    loop = params.loop_params(train_params, seq_len)
-    chat = ChatFormat(load_tokenizer(tokenizer_path, ordinary=True))
-    data = load_chat_data(params, chat, seq_len, corpus_dir)
+    s = start(params, train_params, base_dir, tokenizer_path, corpus_dir)
+    model, loop, chat, data, seq_len = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len
     x, y = rows_of(data.train, chat, seq_len, "sft train")
     val_x, val_y = rows_of(data.val, chat, seq_len, "sft held-out")
     scorer = ChoiceScorer(data.items, chat, seq_len)
@@ -80,7 +74,7 @@ def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_
         return out
 
     before = evaluate(model)
-    fingerprint = {"start": start_sha, "data": rows_sha256(x, y),
+    fingerprint = {"start": s.sha256, "data": rows_sha256(x, y),
                    "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
     micro = params.batch_size * seq_len
     run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=masked_loss,
@@ -92,8 +86,7 @@ def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_
                   f"({(y != -100).float().sum(1).mean():.1f} answer tokens each on average), {loop.max_steps} steps "
                   f"x {params.batch_examples} examples, from {base_dir}", highlight=False)
     result = train(model, run)
-    save_model(model, config, out_dir, {"tokenizer_sha256": meta.get("tokenizer_sha256"), "chat_format": "chatml",
-                                        "init": {"model": str(base_dir), "sha256": start_sha}})
+    s.save(out_dir)
     metrics = {**result, "examples": len(x), "val_examples": len(val_x),
                "base": {k: round(v, 5) for k, v in before.items()}}
     plot_png(curves_dir, curves_dir / "curves.png", PANELS, f"sft: {len(x):,} examples, {result['steps']} steps")
