@@ -129,13 +129,13 @@ def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_p
 
     def evaluate(m) -> dict:
         out = scorer.accuracy(m, params.batch_size, loop.precision)
-        for prefix, rows in (("train", sample), ("val", val_rows)):
-            if len(rows):
-                pc, pr = logps(m, rows, params.batch_size, loop.precision, average)
-                metrics, loss = pair_metrics(params, rows, pc, pr, prefix)
-                out |= metrics
+        if len(sample):
+            pc, pr = logps(m, sample, params.batch_size, loop.precision, average)
+            out |= pair_metrics(params, sample, pc, pr, "train")[0]
         if len(val_rows):
-            out |= {"val_loss": loss, "val/preference_accuracy": (pc > pr).double().mean().item()}
+            pc, pr = logps(m, val_rows, params.batch_size, loop.precision, average)
+            metrics, loss = pair_metrics(params, val_rows, pc, pr, "val")
+            out |= metrics | {"val_loss": loss, "val/preference_accuracy": (pc > pr).double().mean().item()}
         return out
 
     def loss_fn(m, batch):

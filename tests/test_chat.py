@@ -89,8 +89,7 @@ def test_dpo_loss_matches_hand_computed_values():
     assert losses.tolist() == pytest.approx(want_sigmoid, abs=1e-12)
     assert chosen.tolist() == pytest.approx([0.05, -0.1]) and rejected.tolist() == pytest.approx([-0.05, 0.1])
     assert dpo_loss(pc, pr, rc, rr, beta, label_smoothing=0.2)[0].tolist() == pytest.approx(want_smooth, abs=1e-12)
-    assert dpo_loss(pc, pr, rc, rr, beta, loss="ipo")[0].tolist() == pytest.approx([16.0, 49.0], abs=1e-12)
-    assert want_ipo == pytest.approx([16.0, 49.0])
+    assert dpo_loss(pc, pr, rc, rr, beta, loss="ipo")[0].tolist() == pytest.approx(want_ipo, abs=1e-12)
 
 
 @pytest.mark.parametrize("kind,smoothing", [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0)])
