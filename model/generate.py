@@ -1,9 +1,11 @@
-"""Autoregressive sampling with a KV cache: prefill the prompt once, then feed one token per step.
+"""Autoregressive sampling with a preallocated KV cache: prefill the prompts once, then feed one token per step.
 
-Prompts are batched by length: prompts of the same length share every position, so one scalar `pos` and
-the model's plain causal masks are exactly right, with no left-padding, per-row positions or padding masks
-to get subtly wrong. Prompts of different lengths run as separate batches (a loop over lengths), which
-costs speed only when a call mixes many lengths.
+Prompts of different lengths share one batch by left padding: each row's prompt ends in the same cache slot,
+so every step feeds one token per row at one slot index, and the model's `pad` argument gives each row its
+own positions and hides its padding from attention. A row then computes exactly what it would alone.
+
+`cache=False` recomputes the whole sequence at every step instead (the same tokens, greedily): the reference
+the cache is tested against and the baseline `kiln bench generate` measures it against.
 
 Stop tokens are kept: a row that stopped ends with its stop id, so the caller can tell "stopped" from
 "ran out of max_new_tokens" and strip it if unwanted.
@@ -41,62 +43,61 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
 
 def generate(model: GPT, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 1.0,
              top_k: int | None = None, top_p: float | None = None, stop_ids: Iterable[int] = (),
-             seed: int | None = None) -> list[list[int]]:
+             seed: int | None = None, cache: bool = True) -> list[list[int]]:
     """The new tokens for each prompt (at most max_new_tokens, ending early after a stop id, which is kept).
 
-    `seed` makes a call reproducible (same prompts, same arguments, same device); the draws depend on how
-    prompts group by length, so sampled output is not the same as one call per prompt. Greedy output is.
-    The model is put in eval mode for the call and restored after. Prompt plus new tokens, less the last
-    one (which is never fed back), must fit in max_seq_len.
+    `seed` makes a call reproducible (same prompts, same arguments, same device); a row's draws depend on the
+    batch it is in, so sampled output is not the same as one call per prompt. Greedy output is. The model is
+    put in eval mode for the call and restored after. Prompt plus new tokens, less the last one (which is
+    never fed back), must fit in max_seq_len.
     """
-    config = model.config
     stop_ids = sorted(set(stop_ids))
-    _check_args(config, prompt_ids, max_new_tokens, temperature, top_k, top_p, stop_ids)
-    param = next(model.parameters())
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=param.device).manual_seed(seed)
-
-    by_length: dict[int, list[int]] = {}
-    for i, prompt in enumerate(prompt_ids):
-        by_length.setdefault(len(prompt), []).append(i)
-    out: list[list[int]] = [[] for _ in prompt_ids]
+    _check_args(model.config, prompt_ids, max_new_tokens, temperature, top_k, top_p, stop_ids)
+    if max_new_tokens == 0:
+        return [[] for _ in prompt_ids]
+    generator = _generator(model, seed)
+    prompts, pad = left_pad(prompt_ids, next(model.parameters()).device)
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            for rows in by_length.values():
-                prompts = torch.tensor([list(prompt_ids[i]) for i in rows], dtype=torch.long, device=param.device)
-                new = _generate_batch(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids,
-                                      generator, param.dtype)
-                for i, tokens in zip(rows, new):
-                    out[i] = tokens
+            steps = decode_steps(model, prompts, pad, max_new_tokens, temperature, top_k, top_p, stop_ids, generator,
+                            cache)
+            rows = torch.stack(list(steps), dim=1).tolist()
     finally:
         model.train(was_training)
-    return out
-
-
-def _generate_batch(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, generator, dtype):
-    """Prompts (B, L) of one length -> list of B token lists."""
-    if max_new_tokens == 0:
-        return [[] for _ in range(len(prompts))]
-    steps = _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, generator, dtype)
-    rows = torch.stack(list(steps), dim=1).tolist()
     stops = set(stop_ids)
-    for r, tokens in enumerate(rows):
-        end = next((j + 1 for j, t in enumerate(tokens) if t in stops), len(tokens))
-        rows[r] = tokens[:end]
-    return rows
+    return [tokens[:next((j + 1 for j, t in enumerate(tokens) if t in stops), len(tokens))] for tokens in rows]
 
 
-def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids, generator,
-            dtype) -> Iterator[torch.Tensor]:
+def left_pad(prompt_ids: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prompts as one (B, L) tensor, each right-aligned, and the padding of each row (None when there is none:
+    the model then takes its plain causal path)."""
+    L = max(map(len, prompt_ids))
+    pad = [L - len(p) for p in prompt_ids]
+    # The pad value is never attended to; 0 is just a valid id for the embedding lookup.
+    prompts = torch.tensor([[0] * n + list(p) for n, p in zip(pad, prompt_ids)], dtype=torch.long, device=device)
+    return prompts, torch.tensor(pad, device=device) if any(pad) else None
+
+
+def _generator(model: GPT, seed: int | None) -> torch.Generator | None:
+    if seed is None:
+        return None
+    return torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+
+
+def decode_steps(model, prompts, pad, max_new_tokens, temperature, top_k, top_p, stop_ids, generator,
+            use_cache=True) -> Iterator[torch.Tensor]:
     """Prefill prompts (B, L), then yield one new token per row (B,) per step until every row has stopped."""
     B, L = prompts.shape
-    cache = KVCache(model.config, B, L + max_new_tokens - 1, prompts.device, dtype)
     stop = torch.tensor(stop_ids, dtype=torch.long, device=prompts.device)
     done = torch.zeros(B, dtype=torch.bool, device=prompts.device)
-    logits = model(prompts, cache=cache, pos=0)[:, -1]
+    cache = None
+    if use_cache:
+        dtype = next(model.parameters()).dtype
+        cache = KVCache(model.config, B, L + max_new_tokens - 1, prompts.device, dtype)
+    seq = prompts
+    logits = model(prompts, cache=cache, pos=0, pad=pad)[:, -1]
     for step in range(max_new_tokens):
         token = sample_next(logits, temperature, top_k, top_p, generator)
         yield token
@@ -104,7 +105,11 @@ def _decode(model, prompts, max_new_tokens, temperature, top_k, top_p, stop_ids,
         if step == max_new_tokens - 1 or bool(done.all()):
             return
         # Rows that already stopped keep decoding (their extra tokens are cut by the caller): the batch stays whole.
-        logits = model(token[:, None], cache=cache, pos=L + step)[:, -1]
+        if use_cache:
+            logits = model(token[:, None], cache=cache, pos=L + step, pad=pad)[:, -1]
+        else:
+            seq = torch.cat([seq, token[:, None]], dim=1)
+            logits = model(seq, pad=pad)[:, -1]
 
 
 @torch.inference_mode()
@@ -115,12 +120,11 @@ def stream(model: GPT, prompt_ids: Sequence[int], max_new_tokens: int, *, temper
     as `generate` for that prompt alone. The model must be in eval mode."""
     stop_ids = sorted(set(stop_ids))
     _check_args(model.config, [prompt_ids], max_new_tokens, temperature, top_k, top_p, stop_ids)
-    param = next(model.parameters())
-    generator = None if seed is None else torch.Generator(device=param.device).manual_seed(seed)
-    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=param.device)
     if max_new_tokens == 0:
         return
-    for token in _decode(model, prompt, max_new_tokens, temperature, top_k, top_p, stop_ids, generator, param.dtype):
+    prompt = torch.tensor([list(prompt_ids)], dtype=torch.long, device=next(model.parameters()).device)
+    for token in decode_steps(model, prompt, None, max_new_tokens, temperature, top_k, top_p, stop_ids,
+                         _generator(model, seed)):
         yield int(token[0])
 
 

@@ -158,7 +158,8 @@ def rope_tables(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each (x1[i], x2[i]) pair by its angle; x is (B, H, T, head_dim), cos/sin are (T, head_dim/2).
+    """Rotate each (x1[i], x2[i]) pair by its angle; x is (B, H, T, head_dim), cos/sin are (T, head_dim/2), or
+    (B, 1, T, head_dim/2) when each row has its own positions.
 
     Pairs are the two halves of the head (HF Llama's "rotate_half" layout, not interleaved), so Llama weights
     convert without permuting q/k rows. The dot product q·k then depends only on the distance between tokens.
@@ -168,19 +169,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-def decode_mask(pos: int, T: int, device) -> tuple[torch.Tensor | None, bool]:
-    """(attn_mask, is_causal) for T new queries at positions [pos, pos+T) over keys [0, pos+T).
+def attention_mask(pos: int, T: int, pad: torch.Tensor | None, device) -> tuple[torch.Tensor | None, bool]:
+    """(attn_mask, is_causal) for T new queries in cache slots [pos, pos+T) over keys in slots [0, pos+T).
 
-    SDPA's is_causal aligns the triangle to the top-left, which is right only when queries and keys start
-    together (pos == 0). A single new token may see every key, so needs no mask. Otherwise (a prompt chunk
-    after a prefix) query pos+i may see keys 0..pos+i: an explicit boolean mask, True = may attend.
+    Without padding: SDPA's is_causal aligns the triangle to the top-left, which is right only when queries and
+    keys start together (pos == 0); a single new token may see every key, so needs no mask; otherwise (a chunk
+    after a prefix) query pos+i may see keys 0..pos+i, an explicit boolean mask (True = may attend).
+
+    With `pad` (B,), row b's first pad[b] slots hold left padding that no query may see. A query that is itself
+    padding sees only its own slot: an SDPA row with no key at all is NaN, which would become the next layer's
+    key/value at that slot and poison every real row through 0 * NaN in the attention product.
     """
-    if pos == 0:
-        return None, T > 1
-    if T == 1:
-        return None, False
-    q_pos = torch.arange(pos, pos + T, device=device)
-    return q_pos[:, None] >= torch.arange(pos + T, device=device)[None, :], False
+    if pad is None:
+        if pos == 0:
+            return None, T > 1
+        if T == 1:
+            return None, False
+        q_slot = torch.arange(pos, pos + T, device=device)
+        return q_slot[:, None] >= torch.arange(pos + T, device=device)[None, :], False
+    q_slot = torch.arange(pos, pos + T, device=device)[:, None]
+    k_slot = torch.arange(pos + T, device=device)[None, :]
+    real = k_slot >= pad.view(-1, 1, 1, 1)  # (B, 1, 1, S)
+    return ((k_slot <= q_slot) & real) | (k_slot == q_slot), False
+
+
+def positions(pos: int, T: int, pad: torch.Tensor | None, device) -> torch.Tensor:
+    """Token positions of slots [pos, pos+T): (T,), or (B, T) with left padding (row b starts at slot pad[b];
+    its padding gets position 0, which no real token attends to)."""
+    slots = torch.arange(pos, pos + T, device=device)
+    return slots if pad is None else (slots[None, :] - pad[:, None]).clamp(min=0)
 
 
 class Attention(nn.Module):
@@ -197,36 +214,35 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=bias)
         self.resid_drop = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope, cache: KVCache | None, layer: int, pos: int) -> torch.Tensor:
+    def forward(self, x, rope, cache: KVCache | None, layer: int, pos: int, mask) -> torch.Tensor:
         B, T, _ = x.shape
         fused = use_triton(self.backend, x)
+        attn_mask, is_causal = mask
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
-        if rope is not None and fused:
+        # Per-row positions (left padding) come as (B, 1, T, D/2) tables, which the kernel does not take.
+        if rope is not None and fused and rope[0].dim() == 2:
             from kernels.rope import rope as rotate
 
             q, k = rotate(q, k, *rope, backend="triton")
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if rope is not None and not fused:
+        if rope is not None and not (fused and rope[0].dim() == 2):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if fused and cache is None and not (self.training and self.dropout):
+        if fused and cache is None and attn_mask is None and not (self.training and self.dropout):
             # Reads each kv head in place for its query heads: no GQA copy.
             from kernels.flash_attention import flash_attention
 
             y = flash_attention(q, k, v, causal=True, backend="triton")
             return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
-        if cache is None:
-            mask, is_causal = None, True
-        else:
+        if cache is not None:
             k, v = cache.update(layer, pos, k, v)
-            mask, is_causal = decode_mask(pos, T, x.device)
         if self.n_kv_head != self.n_head:
             # GQA: query head h reads kv head h // n_rep (HF's repeat_kv layout). SDPA's enable_gqa would
             # avoid the copy but is missing from some torch versions we support.
             n_rep = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
         return self.resid_drop(self.o_proj(y))
@@ -287,8 +303,8 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, cache: KVCache | None, layer: int, pos: int) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, cache, layer, pos)
+    def forward(self, x, rope, cache: KVCache | None, layer: int, pos: int, mask) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, cache, layer, pos, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -346,13 +362,16 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache: KVCache | None = None,
-                pos: int = 0, reduction: str = "mean") -> torch.Tensor:
+                pos: int = 0, pad: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
         """idx (B, T) token ids at positions [pos, pos+T).
 
         Without targets: logits (B, T, vocab_size) — the padded vocabulary rows are cut off, so they can never
         be predicted or sampled. With targets (B, T) int64: the cross-entropy in float32, ignoring -100;
         reduction "mean" (over non-ignored tokens), "sum", or "none" ((B, T), 0 where ignored).
         With a cache, keys/values of the new tokens are stored at [pos, pos+T) and attention covers [0, pos+T).
+        `pad` (B,) int64 batches sequences of different lengths by left padding: row b's first pad[b] slots
+        (of the cache, or of idx without one) are padding, never attended to, and its tokens' positions count
+        from slot pad[b], so each row computes what it would alone.
         """
         c = self.config
         B, T = idx.shape
@@ -360,13 +379,20 @@ class GPT(nn.Module):
             raise ValueError(f"positions [{pos}, {pos + T}) exceed max_seq_len={c.max_seq_len}")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction: {reduction!r} is not one of {', '.join(REDUCTIONS)}")
+        if pad is not None and pad.shape != (B,):
+            raise ValueError(f"pad: expected shape ({B},), got {tuple(pad.shape)}")
         x = self.tok_emb(idx)
+        at = positions(pos, T, pad, idx.device)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(pos, pos + T, device=idx.device))
+            x = x + self.pos_emb(at)
         x = self.drop(x)
-        rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]) if c.arch == "llama" else None
+        rope = None
+        if c.arch == "llama":
+            rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]) if pad is None else \
+                (self.rope_cos[at][:, None], self.rope_sin[at][:, None])
+        mask = attention_mask(pos, T, pad, idx.device)
         for layer, block in enumerate(self.blocks):
-            x = block(x, rope, cache, layer, pos)
+            x = block(x, rope, cache, layer, pos, mask)
         h = self.norm(x)
         if targets is not None and use_triton(self.backend, h):
             return self._fused_loss(h, targets, reduction)

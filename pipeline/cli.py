@@ -379,6 +379,35 @@ def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
         warmup, device, out, kernels)
 
 
+@bench_app.command("generate")
+@reports_errors
+def bench_generate(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+                   model: Annotated[Path | None, typer.Option(
+                       help="A trained model folder (default: random weights in the `model` section's shape).")] = None,
+                   vocab_size: Annotated[int, typer.Option(help="Vocabulary of the random model.")] = 4096,
+                   batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,16",
+                   prompt_len: Annotated[int | None, typer.Option(help="Prompt tokens (default: half the context).")]
+                   = None,
+                   new_tokens: Annotated[int | None, typer.Option(
+                       help="Tokens generated per row (default: the rest of the context).")] = None,
+                   repeats: Annotated[int, typer.Option(help="Timed calls per variant (the median is reported).")] = 3,
+                   dtype: Annotated[str, typer.Option(help="Weights and cache dtype: fp32 | bf16 | fp16.")] = "fp32",
+                   device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
+                   = "auto",
+                   out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                   Path("metrics/bench/generate.json")):
+    """Prefill and decode tokens/s of generation with and without the KV cache, for each batch size, in one run."""
+    from pipeline.bench_generate import bench_generate as run
+    from pipeline.params import ModelParams, load_section
+
+    try:
+        sizes = [int(b) for b in batch_sizes.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{batch_sizes!r}: expected comma-separated integers", param_hint="--batch-sizes")
+    run(load_section(ModelParams, params, set_), model, vocab_size, sizes, prompt_len, new_tokens, repeats, dtype,
+        device, out)
+
+
 @bench_app.command("kernels")
 @reports_errors
 def bench_kernels(ops: Annotated[str | None, typer.Option(

@@ -1,0 +1,74 @@
+"""`kiln bench generate` on a CPU at a tiny shape: the table's rows, the JSON and the input checks."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from model import GPT, ModelConfig, save_model
+from pipeline.cli import app
+
+TINY = {"n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "max_seq_len": 24}
+ARGS = ["--vocab-size", "300", "--batch-sizes", "1,3", "--prompt-len", "5", "--new-tokens", "6", "--repeats", "1",
+        "--device", "cpu"]
+
+
+@pytest.fixture
+def params(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"model": TINY}), encoding="utf-8")
+    return path
+
+
+def test_cli_times_every_batch_with_and_without_cache(tmp_path, params):
+    out = tmp_path / "bench" / "generate.json"
+    result = CliRunner().invoke(app, ["bench", "generate", "--params", str(params), *ARGS, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["model"]["n_kv_head"] == 1 and report["model_dir"] is None
+    assert (report["prompt_len"], report["new_tokens"], report["dtype"]) == (5, 6, "fp32")
+    rows = {(row["batch_size"], row["cache"]): row for row in report["results"]}
+    assert list(rows) == [(1, True), (1, False), (3, True), (3, False)]
+    for (batch, cache), row in rows.items():
+        assert row["prefill_tokens_per_s"] == pytest.approx(batch * 5 / (row["prefill_ms"] / 1e3), rel=1e-2)
+        assert row["decode_tokens_per_s"] == pytest.approx(batch / (row["decode_ms_per_token"] / 1e3), rel=1e-2)
+        uncached = rows[batch, False]["decode_tokens_per_s"]
+        assert row["decode_speedup_vs_no_cache"] == pytest.approx(row["decode_tokens_per_s"] / uncached, abs=0.01)
+    assert "batch 3, no cache" in result.output
+
+
+def test_cli_loads_a_trained_model(tmp_path, params):
+    m = GPT(ModelConfig(vocab_size=50, **TINY))
+    save_model(m, m.config, tmp_path / "m", {})
+    out = tmp_path / "g.json"
+    result = CliRunner().invoke(app, ["bench", "generate", "--model", str(tmp_path / "m"), *ARGS, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["model"]["vocab_size"] == 50 and report["model_dir"] == str(tmp_path / "m")
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--batch-sizes", "1,x"], "--batch-sizes"),
+    (["--batch-sizes", "0"], "--batch-sizes 0"),
+    (["--new-tokens", "30"], "--new-tokens 30"),
+    (["--dtype", "fp8"], "--dtype 'fp8'"),
+    (["--model", "nowhere"], "nowhere"),
+])
+def test_cli_bad_input_exits_2(tmp_path, params, args, named):
+    out = tmp_path / "g.json"
+    result = CliRunner().invoke(app, ["bench", "generate", "--params", str(params), *ARGS, *args, "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert named in result.output and not out.exists()
+
+
+def test_imports_without_the_data_stack(monkeypatch):
+    for name in [m for m in sys.modules if m.split(".")[0] in ("pipeline", "model")]:
+        monkeypatch.delitem(sys.modules, name)
+    for name in ("dvc", "dvclive", "datasets", "tokenizers", "tiktoken", "pyarrow"):
+        monkeypatch.setitem(sys.modules, name, None)
+    importlib.import_module("pipeline.bench_generate")
