@@ -207,6 +207,31 @@ def dpo_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     _print_metrics("dpo", dpo(dpo_params, train, sft_model, tokenizer, corpus, out, checkpoints))
 
 
+@app.command("eval")
+@reports_errors
+def eval_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+                 models: Annotated[Path, typer.Option(help="The folder holding the eval.models folders.")] =
+                 Path("data/models"),
+                 shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json (val split).")] =
+                 Path("data/shards"),
+                 tokenizer: TokenizerOpt = TOKENIZER, corpus: CorpusOpt = CORPUS,
+                 metrics: Annotated[Path, typer.Option(help="Folder for eval.json.")] = Path("metrics"),
+                 samples: Annotated[Path, typer.Option(help="Folder for <model>.md generations.")] =
+                 Path("metrics/samples")):
+    """Val loss/perplexity/bits per byte, multiple-choice tasks, post-training accuracy and samples of every
+    model in eval.models, side by side in metrics/eval.json (stage `evaluate`).
+
+    Reads the `eval` section, `train` for the device, precision and kernels, and `sft`/`dpo` for their held-out
+    data; bare `--set` keys mean eval.
+    """
+    from pipeline.evaluate import evaluate
+    from pipeline.params import DPOParams, EvalParams, SFTParams, TrainParams, load_sections
+
+    eval_params, train, sft_params, dpo_params = load_sections((EvalParams, TrainParams, SFTParams, DPOParams), params,
+                                                               set_)
+    evaluate(eval_params, train, sft_params, dpo_params, shards, tokenizer, corpus, models, metrics, samples)
+
+
 @app.command("generate")
 @reports_errors
 def generate_command(

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 from pipeline.chat import ChatFormat
 from pipeline.chat_data import Pair
 from pipeline.errors import UserError
+from pipeline.eval_tasks import MCItem
 from pipeline.progress import console
 
 KINDS = ("title", "speaker", "continue")
@@ -99,14 +100,15 @@ class TaskBuilder:
         sample = "\n".join(line for d in docs[:200] for line in d.lines)
         self.chars_per_token = len(sample) / max(1, len(chat.encode(sample)))
 
-    def build(self, n: int, seed: int) -> list[TaskItem]:
+    def build(self, n: int, seed: int, kinds: tuple[str, ...] | None = None) -> list[TaskItem]:
+        kinds = kinds or self.kinds
         rng = np.random.default_rng(seed)
         items: list[TaskItem] = []
         for attempt in range(20 * n):
             if len(items) == n:
                 break
             # By attempt, not by item: a kind this corpus cannot make (no speaker names) yields to the others.
-            item = self._item(self.kinds[attempt % len(self.kinds)], rng)
+            item = self._item(kinds[attempt % len(kinds)], rng)
             if item is not None:
                 items.append(item)
         if not items:
@@ -182,11 +184,38 @@ class TaskBuilder:
 def task_items(corpus_dir: Path, chat: ChatFormat, seq_len: int, n_train: int, n_val: int,
                seed: int) -> tuple[list[TaskItem], list[TaskItem]]:
     """(train items, held-out items) of the built-in task; the same seed gives the same items."""
-    train_docs, val_docs = read_documents(corpus_dir, "train"), read_documents(corpus_dir, "val")
-    titles = sorted({d.source for d in train_docs + val_docs})
-    builder = TaskBuilder(train_docs, titles, chat, seq_len)
+    train_docs = read_documents(corpus_dir, "train")
+    builder = TaskBuilder(train_docs, corpus_titles(corpus_dir), chat, seq_len)
     train = builder.build(n_train, seed)
-    val = TaskBuilder(val_docs, titles, chat, seq_len).build(n_val, seed + 1)
+    val = held_out_items(corpus_dir, chat, seq_len, n_val, seed)
     console.print(f"builtin task: {len(train):,} train and {len(val):,} held-out items ({', '.join(builder.kinds)}) "
-                  f"from {len(train_docs)} + {len(val_docs)} documents, {len(titles)} titles", highlight=False)
+                  f"from {len(train_docs)} documents and the val split, {len(builder.titles)} titles",
+                  highlight=False)
     return train, val
+
+
+def held_out_items(corpus_dir: Path, chat: ChatFormat, seq_len: int, n_val: int, seed: int) -> list[TaskItem]:
+    """The held-out items `task_items` gives for this seed, without building the train items (for eval)."""
+    return TaskBuilder(read_documents(corpus_dir, "val"), corpus_titles(corpus_dir), chat, seq_len).build(n_val,
+                                                                                                          seed + 1)
+
+
+def corpus_titles(corpus_dir: Path) -> list[str]:
+    """Every source title of both splits: the wrong answers of `title` questions."""
+    return sorted({d.source for split in ("train", "val") for d in read_documents(corpus_dir, split)})
+
+
+def cloze_items(corpus_dir: Path, chat: ChatFormat, seq_len: int, n: int, seed: int) -> list[MCItem]:
+    """The built-in eval task: `continue` questions of the val split as plain text, no chat markers: the
+    passage is the context and "\n" + each candidate line a continuation, so a base model is scored on what
+    pretraining taught it. The true line's position is drawn per item: with gold always first, a tie (two
+    equal lines) would count as a hit."""
+    header = f"{QUESTIONS['continue']}\n\n"
+    items = TaskBuilder(read_documents(corpus_dir, "val"), [], chat, seq_len).build(n, seed, kinds=("continue",))
+    rng = np.random.default_rng(seed)
+    out = []
+    for item in items:
+        order = rng.permutation(len(item.choices))
+        out.append(MCItem((item.prompt[0]["content"].removeprefix(header),) * len(order),
+                          tuple(f"\n{item.choices[i]}" for i in order), int(np.argmin(order))))
+    return out

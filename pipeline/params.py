@@ -186,7 +186,7 @@ def _coerce(key: str, value, tp):
             return float(value)
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
-        if option in (str, bool) and isinstance(value, option):
+        if option in (str, bool, dict) and isinstance(value, option):
             return value
         if typing.get_origin(option) is list and isinstance(value, list):
             (item,) = typing.get_args(option)
@@ -429,3 +429,73 @@ class DPOParams(PostTrainParams):
             raise self.bad("loss", "sigmoid or ipo")
         if self.loss == "ipo" and self.label_smoothing:
             raise self.bad("label_smoothing", "0 with dpo.loss=ipo (label smoothing is a sigmoid-loss variant)")
+
+
+DEFAULT_SAMPLES = ["ROMEO.\nBut soft, what light", "To be, or not to be", "Who speaks first in this passage?\n\nKING."]
+
+
+@dataclass
+class EvalParams(Section):
+    """The evaluate stage: which models, how many val tokens, which multiple-choice tasks, which samples."""
+
+    SECTION: ClassVar[str] = "eval"
+    models: list[str] = dataclasses.field(default_factory=lambda: ["base", "sft", "dpo"])  # folders of data/models
+    tokens: int = 65536  # val tokens for loss, perplexity and bits per byte: the same budget for every model
+    batch_size: int = 16  # rows per forward
+    # Each task: {name, data, format, split, shots, limit, delimiter}; data `builtin` is the corpus cloze task.
+    tasks: list[dict] = dataclasses.field(default_factory=lambda: [{"name": "cloze", "data": "builtin", "limit": 500}])
+    posttrain: bool = True  # the built-in post-training task's held-out accuracy and preference accuracy
+    samples: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_SAMPLES))
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy, the same text on every run
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def check(self) -> None:
+        if not self.models or len(set(self.models)) < len(self.models):
+            raise self.bad("models", "a non-empty list of distinct model folder names")
+        for name in self.models:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
+                raise self.bad("models", f"folder names under data/models (got {name!r})")
+        for name in ("tokens", "batch_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise self.bad(name, "a positive integer")
+        if self.temperature < 0:
+            raise self.bad("temperature", "0 (greedy) or more")
+        if self.top_k is not None and self.top_k < 1:
+            raise self.bad("top_k", "a positive integer or null")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise self.bad("top_p", "a number in (0, 1] or null")
+        self.task_specs()
+
+    def task_specs(self) -> list:
+        """`tasks` as TaskSpecs, each key type-checked; errors name the entry (`eval.tasks[1].gold`)."""
+        from pipeline.eval_tasks import TASK_FORMATS, TaskSpec
+
+        hints = typing.get_type_hints(TaskSpec)
+        specs, names = [], set()
+        for i, entry in enumerate(self.tasks):
+            key = f"{self.SECTION}.tasks[{i}]"
+            unknown = sorted(set(entry) - set(hints))
+            if unknown:
+                raise UserError(f"params: {key}: unknown key {unknown[0]!r} (expected {', '.join(hints)})")
+            for field in ("name", "data"):
+                if field not in entry:
+                    raise UserError(f"params: {key}: missing key {field!r}")
+            spec = TaskSpec(**{k: _coerce(f"{key}.{k}", v, hints[k]) for k, v in entry.items()})
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", spec.name) or spec.name in names:
+                raise UserError(f"params: {key}.name={spec.name!r}: expected a distinct name of letters, digits, "
+                                "_ . -")
+            if spec.format not in ("auto", *TASK_FORMATS):
+                raise UserError(f"params: {key}.format={spec.format!r}: expected auto or one of "
+                                f"{', '.join(TASK_FORMATS)}")
+            if spec.shots < 0 or (spec.limit is not None and spec.limit < 1):
+                bad = "shots" if spec.shots < 0 else "limit"
+                raise UserError(f"params: {key}.{bad}={getattr(spec, bad)!r}: expected "
+                                + ("0 or more" if bad == "shots" else "a positive integer or null"))
+            if spec.data == "builtin" and spec.limit is None:
+                raise UserError(f"params: {key}.limit: the number of cloze items to derive when data is builtin")
+            names.add(spec.name)
+            specs.append(spec)
+        return specs

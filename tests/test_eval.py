@@ -1,0 +1,185 @@
+"""The evaluate stage: multiple-choice scoring against a by-hand computation, and `kiln eval` end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from model import GPT, ModelConfig, save_model
+from pipeline.cli import app
+from pipeline.eval_tasks import MCItem
+from pipeline.files import sha256_file
+from pipeline.scoring import encode_request, score_items
+from pipeline.tokenizer import EOT, load_tokenizer
+
+
+def scrambled(vocab_size: int, max_seq_len: int, seed: int = 0) -> GPT:
+    """A float64 random model with noisy weights, so log-probabilities differ clearly between choices."""
+    torch.manual_seed(seed)
+    m = GPT(ModelConfig(vocab_size=vocab_size, n_layer=2, n_head=2, n_kv_head=1, d_model=32, max_seq_len=max_seq_len))
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return m.double().eval()
+
+
+def by_hand(m: GPT, tok, eot: int, context: str, continuation: str) -> tuple[float, bool]:
+    """Summed log-prob and greediness of a continuation: one unpadded forward over exactly this request."""
+    request = encode_request(tok, eot, context, continuation, m.config.max_seq_len)
+    ids = torch.tensor(request.ids)
+    with torch.no_grad():
+        logp = torch.log_softmax(m(ids[None, :-1])[0], dim=-1)
+    total, greedy = 0.0, True
+    for pos in range(len(ids) - 1 - request.n_target, len(ids) - 1):
+        total += logp[pos, ids[pos + 1]].item()
+        greedy &= int(logp[pos].argmax()) == int(ids[pos + 1])
+    return total, greedy
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return load_tokenizer(tiny.tokenizer, ordinary=True)
+
+
+def test_encode_request_moves_trailing_space_and_cuts_from_the_left(tok):
+    eot = tok.token_to_id(EOT)
+    r = encode_request(tok, eot, "the king ", "said", 64)
+    assert r.ids[0] == eot and tok.decode(list(r.ids[1:])) == "the king said"
+    assert tok.decode(list(r.ids[-r.n_target:])) == " said"  # the space belongs to the continuation
+    long = encode_request(tok, eot, "the queen of Denmark " * 20, "speak", 16)
+    assert len(long.ids) == 17 and tok.decode(list(long.ids[-long.n_target:])) == " speak"
+
+
+def test_multiple_choice_scores_match_a_hand_computation(tok):
+    eot = tok.token_to_id(EOT)
+    m = scrambled(tok.get_vocab_size(), 24)
+    items = [
+        MCItem(("doc 1: the king",) * 4, (" said", " of Denmark well,", " O", " café 東京"), 2),
+        MCItem(("the queen said ", "the king said "), (" speak to me",) * 2, 1),  # partial scoring: contexts differ
+        MCItem(("night " * 30,) * 2, (" day", " hear me"), 0),  # longer than the context window: cut on the left
+        MCItem(("",) * 3, ("naïve", "1234", "x=y+1;"), 0),  # empty context: only <|endoftext|> before it
+    ]
+    # Rows of 3: the first item (4 choices) takes a batch alone, the others share theirs.
+    got = score_items(m, tok, eot, items, lambada=False, batch_rows=3, precision="fp32")
+    hits = norm = 0
+    for item in items:
+        scores = [by_hand(m, tok, eot, c, k)[0] for c, k in zip(item.contexts, item.continuations)]
+        per_byte = [s / len(k.encode()) for s, k in zip(scores, item.continuations)]
+        hits += max(range(item.n_choices), key=lambda i: (scores[i], -i)) == item.gold
+        norm += max(range(item.n_choices), key=lambda i: (per_byte[i], -i)) == item.gold
+    assert got.items == 4
+    assert got.metrics == {"acc": hits / 4, "acc_norm": norm / 4}
+    assert 0 < hits + norm < 8  # the items are not all right or all wrong, so the comparison can fail
+
+
+def test_lambada_accuracy_and_perplexity_match_a_hand_computation(tok):
+    eot = tok.token_to_id(EOT)
+    m = scrambled(tok.get_vocab_size(), 32, seed=3)
+    items = []
+    for context in ("the king of", "doc 7: well, said the", "speak to me", "O night", "the queen", "hear me, O"):
+        ids = [eot, *tok.encode(context).ids]
+        with torch.no_grad():
+            top = int(m(torch.tensor([ids]))[0, -1].argmax())
+        word = tok.decode([top])
+        items.append(MCItem((context,), (word,), 0))  # the model's own greedy token: a hit if it round-trips
+        items.append(MCItem((context,), (" Denmark",), 0))
+    got = score_items(m, tok, eot, items, lambada=True, batch_rows=4, precision="fp32")
+    hand = [by_hand(m, tok, eot, item.contexts[0], item.continuations[0]) for item in items]
+    assert got.metrics["acc"] == pytest.approx(sum(g for _, g in hand) / len(items), abs=1e-12)
+    assert got.metrics["ppl"] == pytest.approx(math.exp(-sum(s for s, _ in hand) / len(items)), rel=1e-9)
+    assert 0 < got.metrics["acc"] < 1
+
+
+# --- kiln eval end to end -------------------------------------------------------------------------------
+
+EVAL = {"models": ["base", "sft", "dpo"], "tokens": 2048, "batch_size": 8, "samples": ["ROMEO.", "To be"],
+        "max_new_tokens": 8}
+POST = {"val_examples": 12}
+
+
+@pytest.fixture(scope="module")
+def workspace(shakespeare, tmp_path_factory):
+    """Three random models in a base -> sft -> dpo chain (as the stages record it) for the default corpus."""
+    root = tmp_path_factory.mktemp("eval")
+    tokenizer = shakespeare.tokenizer
+    config = ModelConfig(vocab_size=load_tokenizer(tokenizer).get_vocab_size(), n_layer=1, n_head=2, n_kv_head=2,
+                         d_model=32, max_seq_len=128)
+    init = None
+    for seed, name in enumerate(("base", "sft", "dpo")):
+        torch.manual_seed(seed)
+        meta = {"tokenizer_sha256": sha256_file(tokenizer)}
+        if init is not None:
+            meta |= {"chat_format": "chatml", "init": {"model": str(init), "sha256": "x"}}
+        init = save_model(GPT(config), config, root / "models" / name, meta)
+    return root
+
+
+def run_eval(shakespeare, root: Path, eval_params: dict, out: str = "out") -> tuple[object, Path]:
+    params = root / f"{out}.yaml"
+    params.write_text(yaml.safe_dump({"eval": eval_params, "train": {"device": "cpu"}, "sft": POST, "dpo": POST}))
+    result = CliRunner().invoke(app, [
+        "eval", "--params", str(params), "--models", str(root / "models"), "--shards", str(shakespeare.shards),
+        "--tokenizer", str(shakespeare.tokenizer), "--corpus", str(shakespeare.corpus),
+        "--metrics", str(root / out), "--samples", str(root / out / "samples")])
+    return result, root / out
+
+
+def test_eval_reports_every_model_side_by_side_and_is_deterministic(shakespeare, workspace, tmp_path):
+    task = tmp_path / "task.jsonl"
+    rows = [{"query": "ROMEO. But soft,", "choices": [" what light", " hear me"], "gold": 0},
+            {"query": "Good night,", "choices": [" good night", " sweet"], "gold": 5},  # gold out of range
+            {"query": "To be", "choices": [], "gold": 0},                               # empty choice list
+            {"choices": [" a", " b"], "gold": 1}]                                       # no query
+    task.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    params = {**EVAL, "tasks": [{"name": "cloze", "data": "builtin", "limit": 16},
+                                {"name": "mine", "data": str(task), "format": "query"}]}
+    result, out = run_eval(shakespeare, workspace, params)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "eval.json").read_text())
+    models = ["base", "sft", "dpo"]
+    for metric in ("val_loss", "val_bpb", "val_ppl", "cloze/acc", "cloze/acc_norm", "mine/acc", "mine/acc_norm",
+                   "posttrain/accuracy", "posttrain/preference_accuracy"):
+        assert list(report[metric]) == models, metric
+    assert list(report["posttrain/reward_accuracy"]) == ["sft", "dpo"]  # base has no model it started from
+    for name in models:
+        assert report["val_ppl"][name] == pytest.approx(math.exp(report["val_loss"][name]), rel=1e-4)
+        assert 0 <= report["cloze/acc"][name] <= 1
+    assert report["items"] == {"cloze": 16, "mine": 1, "posttrain": 12, "posttrain_pairs": 12}
+    assert "3 rows skipped" in " ".join(result.output.split())
+    base_samples = (out / "samples" / "base.md").read_text()
+    assert "plain continuation" in base_samples and "ROMEO." in base_samples
+    assert "chat format" in (out / "samples" / "dpo.md").read_text()
+
+    again, out2 = run_eval(shakespeare, workspace, params, out="again")
+    assert again.exit_code == 0, again.output
+    assert (out2 / "eval.json").read_text() == (out / "eval.json").read_text()
+    assert (out2 / "samples" / "sft.md").read_text() == (out / "samples" / "sft.md").read_text()
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"models": ["base", "rlhf"]}, "rlhf"),
+    ({"tasks": [{"name": "x", "data": "nowhere.jsonl"}]}, "nowhere.jsonl"),
+    ({"tasks": [{"name": "x", "data": "builtin"}]}, "eval.tasks[0].limit"),
+    ({"tasks": [{"name": "x", "data": "a.jsonl", "gold": 1}]}, "eval.tasks[0]: unknown key 'gold'"),
+    ({"tasks": [{"data": "a.jsonl"}]}, "missing key 'name'"),
+    ({"tasks": [{"name": "x", "data": "a.jsonl", "format": "csv"}]}, "eval.tasks[0].format"),
+    ({"tokens": 0}, "eval.tokens"),
+])
+def test_eval_bad_input_exits_2_naming_it(shakespeare, workspace, change, named):
+    result, out = run_eval(shakespeare, workspace, {**EVAL, **change}, out="bad")
+    assert result.exit_code == 2, result.output
+    assert named in result.output and "Traceback" not in result.output
+    assert not (out / "eval.json").exists()
+
+
+def test_eval_refuses_a_model_folder_without_weights(shakespeare, workspace, tmp_path):
+    (workspace / "models" / "empty").mkdir(exist_ok=True)
+    result, out = run_eval(shakespeare, workspace, {**EVAL, "models": ["base", "empty"]}, out="noweights")
+    assert result.exit_code == 2 and "no model.safetensors" in result.output
+    assert not (out / "eval.json").exists()
