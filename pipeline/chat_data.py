@@ -40,7 +40,7 @@ class Pair:
     rejected: list[dict]  # the dispreferred one
 
 
-class _Skip(Exception):
+class Skip(Exception):
     """A row that cannot be used; the message is the reason it is counted under."""
 
 
@@ -78,6 +78,28 @@ def _guarded(rows: Iterator[dict], where: str) -> Iterator[dict]:
         yield from rows
     except Exception as e:
         raise UserError(f"{where}: {_first_line(e)}") from None
+
+
+def convert_rows(rows: Iterator[dict], convert: Callable[[dict], object], limit: int | None,
+                 where: str) -> tuple[list, Counter, int]:
+    """(converted rows, skipped rows by reason, rows read): rows are converted until `limit` are usable; a row
+    whose conversion raises `Skip` is counted under its reason. No usable row is an error."""
+    used, skipped, read = [], Counter(), 0
+    for row in rows:
+        if len(used) == limit:
+            break
+        read += 1
+        try:
+            used.append(convert(row))
+        except Skip as e:
+            skipped[str(e)] += 1
+    if not used:
+        raise UserError(f"{where}: no usable row among {read:,}" + (f" ({reasons(skipped)})" if skipped else ""))
+    return used, skipped, read
+
+
+def reasons(skipped: Counter) -> str:
+    return ", ".join(f"{reason}: {n:,}" for reason, n in skipped.most_common())
 
 
 def _first_line(e: Exception) -> str:
@@ -121,33 +143,22 @@ def _load(spec: str, fmt: str, split: str, max_rows: int | None, key: str, kind:
     if first is None:
         raise UserError(f"{where}: no rows")
     convert = converters[detect_format(first, kind, key) if fmt == "auto" else fmt]
-    used, skipped, read = [], Counter(), 0
-    for row in itertools.chain([first], rows):
-        if len(used) == max_rows:
-            break
-        read += 1
-        try:
-            used.append(convert(row))
-        except _Skip as e:
-            skipped[str(e)] += 1
-    reasons = ", ".join(f"{reason} {n:,}" for reason, n in skipped.most_common())
-    if not used:
-        raise UserError(f"{where}: no usable row among {read:,} ({reasons})")
+    used, skipped, read = convert_rows(itertools.chain([first], rows), convert, max_rows, where)
     console.print(f"{key}: {read:,} rows read, {len(used):,} used, {read - len(used):,} skipped"
-                  + (f" ({reasons})" if reasons else ""), highlight=False)
+                  + (f" ({reasons(skipped)})" if skipped else ""), highlight=False)
     return used
 
 
 def _field(row: dict, name: str) -> object:
     if row.get(name) is None:
-        raise _Skip("missing field")
+        raise Skip("missing field")
     return row[name]
 
 
 def _text(row: dict, name: str) -> str:
     value = _field(row, name)
     if not isinstance(value, str):
-        raise _Skip("bad messages")
+        raise Skip("bad messages")
     return value
 
 
@@ -155,14 +166,14 @@ def _joined(row: dict, name: str, extra: str) -> str:
     """Alpaca's `input` and Dolly's `context` are optional and follow the instruction after a blank line."""
     more = row.get(extra) or ""
     if not isinstance(more, str):
-        raise _Skip("bad messages")
+        raise Skip("bad messages")
     return _text(row, name) + ("\n\n" + more if more.strip() else "")
 
 
 def _messages(value: object) -> list[dict]:
     if not isinstance(value, list) or not all(
             isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in value):
-        raise _Skip("bad messages")
+        raise Skip("bad messages")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
@@ -178,7 +189,7 @@ def _has_answer(messages: list[dict]) -> bool:
 def _conversation(messages: list[dict]) -> list[dict]:
     """SFT trains on the final message, so it must be a non-blank assistant answer."""
     if not _has_answer(messages[-1:]):
-        raise _Skip("empty answer")
+        raise Skip("empty answer")
     return messages
 
 
@@ -196,9 +207,9 @@ SFT_CONVERTERS: dict[str, Callable[[dict], list[dict]]] = {
 
 def _pair(prompt: list[dict], chosen: list[dict], rejected: list[dict]) -> Pair:
     if chosen == rejected:
-        raise _Skip("chosen == rejected")
+        raise Skip("chosen == rejected")
     if not (_has_answer(chosen) and _has_answer(rejected)):
-        raise _Skip("empty answer")
+        raise Skip("empty answer")
     return Pair(prompt, chosen, rejected)
 
 
@@ -213,10 +224,10 @@ def _split_shared(chosen: list[dict], rejected: list[dict]) -> Pair:
 def _transcript(value: object) -> list[dict]:
     """An HH transcript, "\\n\\nHuman: ...\\n\\nAssistant: ...", as messages."""
     if not isinstance(value, str):
-        raise _Skip("bad messages")
+        raise Skip("bad messages")
     head, *turns = HH_TURN.split(value)
     if head.strip() or not turns:
-        raise _Skip("bad messages")
+        raise Skip("bad messages")
     return [{"role": HH_ROLES[who], "content": said.strip()} for who, said in zip(turns[::2], turns[1::2])]
 
 
@@ -225,7 +236,7 @@ def _pairs(row: dict) -> Pair:
     answers = [_as_messages(answer, "assistant") for answer in (chosen, rejected)]
     if row.get("prompt") is None:
         if isinstance(chosen, str) or isinstance(rejected, str):
-            raise _Skip("missing field")  # a bare answer string with nothing to answer
+            raise Skip("missing field")  # a bare answer string with nothing to answer
         return _split_shared(*answers)
     prompt = _as_messages(row["prompt"], "user")
     # Some sets repeat the prompt at the start of each answer list.

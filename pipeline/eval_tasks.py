@@ -14,13 +14,12 @@ import csv
 import gzip
 import itertools
 import re
-from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from pipeline.chat_data import read_rows
+from pipeline.chat_data import Skip, convert_rows, read_rows, reasons
 from pipeline.errors import UserError
 from pipeline.progress import console
 
@@ -67,10 +66,6 @@ class Task:
     skipped: dict[str, int]  # reason -> count of rows that could not be used
 
 
-class _Skip(Exception):
-    """A row that cannot be used; the message is the reason it is counted under."""
-
-
 def detect_task_format(row: dict, key: str) -> str:
     fmt = next((fmt for fmt, columns in TASK_COLUMNS.items() if all(c in row for c in columns)), None)
     if fmt is None:
@@ -98,61 +93,50 @@ def load_task(spec: TaskSpec, key: str) -> Task:
         rows = itertools.chain([first], rows)
     convert = (partial(_mmlu_item, shots=_shot_picker(spec, key, where)) if fmt == "mmlu"
                else partial(CONVERTERS[fmt], delimiter=spec.delimiter))
-    items, skipped, read = [], Counter(), 0
-    for row in rows:
-        if len(items) == spec.limit:
-            break
-        read += 1
-        try:
-            items.append(convert(row))
-        except _Skip as e:
-            skipped[str(e)] += 1
-    reasons = ", ".join(f"{reason}: {n:,}" for reason, n in skipped.most_common())
-    if not items:
-        raise UserError(f"{where}: no usable row among {read:,}" + (f" ({reasons})" if reasons else ""))
+    items, skipped, read = convert_rows(rows, convert, spec.limit, where)
     console.print(f"{key} {spec.name}: {len(items):,} items"
-                  + (f", skipped {read - len(items):,} ({reasons})" if reasons else ""), highlight=False)
+                  + (f", skipped {read - len(items):,} ({reasons(skipped)})" if skipped else ""), highlight=False)
     return Task(spec.name, fmt, items, dict(skipped))
 
 
 def _field(row: dict, name: str) -> object:
     if row.get(name) is None:
-        raise _Skip(f"missing field {name!r}")
+        raise Skip(f"missing field {name!r}")
     return row[name]
 
 
 def _string(row: dict, name: str) -> str:
     value = _field(row, name)
     if not isinstance(value, str):
-        raise _Skip(f"{name} not a string")
+        raise Skip(f"{name} not a string")
     return value
 
 
 def _text(row: dict, name: str, empty: str = "empty context") -> str:
     value = _string(row, name)
     if not value.strip():
-        raise _Skip(empty)
+        raise Skip(empty)
     return value
 
 
 def _choices(row: dict, name: str) -> list[str]:
     value = _field(row, name)
     if not isinstance(value, list):
-        raise _Skip(f"{name} not a list")
+        raise Skip(f"{name} not a list")
     if not value:
-        raise _Skip("empty choice list")
+        raise Skip("empty choice list")
     if len(value) < 2:
-        raise _Skip("fewer than 2 choices")
+        raise Skip("fewer than 2 choices")
     if not all(isinstance(choice, str) for choice in value):
-        raise _Skip("choice not a string")
+        raise Skip("choice not a string")
     return value
 
 
 def _gold(value: object, n_choices: int) -> int:
     if type(value) is not int:  # bool is an int too, and never a valid label
-        raise _Skip("gold not an int")
+        raise Skip("gold not an int")
     if not 0 <= value < n_choices:
-        raise _Skip("gold out of range")
+        raise Skip("gold out of range")
     return value
 
 
@@ -166,7 +150,7 @@ def _partial(row: dict, delimiter: str) -> MCItem:
     """WinoGrande-style partial scoring: the options differ in the context, and only the shared rest is scored."""
     contexts, continuation = _choices(row, "context_options"), _text(row, "continuation", "empty continuation")
     if not all(c.strip() for c in contexts):
-        raise _Skip("empty context")
+        raise Skip("empty context")
     return MCItem(tuple(contexts), (delimiter + continuation,) * len(contexts),
                   _gold(_field(row, "gold"), len(contexts)))
 
@@ -179,7 +163,7 @@ def _hellaswag_text(text: str) -> str:
 def _hellaswag(row: dict, delimiter: str) -> MCItem:
     label = row.get("label")
     if label is None or label == "":  # the public test split has its labels blanked
-        raise _Skip("no gold label")
+        raise Skip("no gold label")
     endings = _choices(row, "endings")
     context = _hellaswag_text(_string(row, "activity_label") + ": " + _string(row, "ctx_a") + " "
                               + _string(row, "ctx_b").capitalize())
@@ -232,11 +216,11 @@ def _mmlu_question(row: dict) -> tuple[str, str, int]:
     """(subject, question block, gold) from a CSV row (answer letter) or a Hugging Face row (answer index)."""
     subject, question, choices = _string(row, "subject"), _text(row, "question"), _choices(row, "choices")
     if len(choices) != len(MMLU_LETTERS):
-        raise _Skip("not 4 choices")
+        raise Skip("not 4 choices")
     answer = _field(row, "answer")
     if isinstance(answer, str):
         if answer not in MMLU_LETTERS:
-            raise _Skip("answer letter not in ABCD")
+            raise Skip("answer letter not in ABCD")
         answer = MMLU_LETTERS.index(answer)
     block = question.strip() + "".join(f"\n{letter}. {c}" for letter, c in zip(MMLU_LETTERS, choices)) + "\nAnswer:"
     return subject, block, _gold(answer, len(choices))
@@ -299,5 +283,5 @@ def _usable(rows: Iterator[dict]) -> Iterator[tuple[str, str, int]]:
     for row in rows:
         try:
             yield _mmlu_question(row)
-        except _Skip:
+        except Skip:
             pass

@@ -76,7 +76,7 @@ def test_alpaca_input_follows_the_instruction_after_a_blank_line(shared_data):
 
 
 def test_the_wrong_explicit_format_uses_no_row(shared_data):
-    with pytest.raises(UserError, match=r"no usable row among 100 \(missing field 100\)"):
+    with pytest.raises(UserError, match=r"no usable row among 100 \(missing field: 100\)"):
         load_conversations(str(shared_data / "sft/torchtune/alpaca_tiny.json"), "dolly")
 
 
@@ -99,7 +99,7 @@ def test_hh_transcripts_split_into_prompt_and_answers(shared_data, capsys):
     pairs = load_pairs(str(path), "auto")
     assert len(pairs) == len(usable)
     assert (f"2,312 rows read, {len(usable):,} used, {len(raw) - len(usable)} skipped "
-            f"(empty answer {len(raw) - len(usable)})") in summary(capsys)
+            f"(empty answer: {len(raw) - len(usable)})") in summary(capsys)
     for pair, r in zip(pairs, usable):
         assert pair.prompt and pair.prompt[-1]["role"] == "user"
         assert pair.chosen != pair.rejected
@@ -141,14 +141,14 @@ def test_bad_message_rows_are_counted_and_skipped(tmp_path, capsys):
         {"messages": good[1:]},
     ])
     assert load_conversations(spec, "auto") == [[good[0], user("Hi"), good[2]], [user("Hi"), good[2]]]
-    assert ("6 rows read, 2 used, 4 skipped (empty answer 2, bad messages 1, missing field 1)"
+    assert ("6 rows read, 2 used, 4 skipped (empty answer: 2, bad messages: 1, missing field: 1)"
             in summary(capsys))
     assert load_conversations(spec, "messages", max_rows=1) == [[good[0], user("Hi"), good[2]]]
 
 
 def test_a_file_of_only_bad_rows_is_an_error(tmp_path):
     spec = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "Q", "response": ""}, {"prompt": "Q", "response": None}])
-    with pytest.raises(UserError, match=r"sft\.data=.*no usable row among 2 \(empty answer 1, missing field 1\)"):
+    with pytest.raises(UserError, match=r"sft\.data=.*no usable row among 2 \(empty answer: 1, missing field: 1\)"):
         load_conversations(spec, "auto")
 
 
@@ -187,7 +187,7 @@ def test_hh_transcripts_written_by_hand(tmp_path, capsys):
     ])
     assert load_pairs(spec, "auto") == [
         Pair([user("hi"), assistant("hello"), user("joke?")], [assistant("a good one")], [assistant("no")])]
-    assert ("4 rows read, 1 used, 3 skipped (bad messages 1, chosen == rejected 1, empty answer 1)"
+    assert ("4 rows read, 1 used, 3 skipped (bad messages: 1, chosen == rejected: 1, empty answer: 1)"
             in summary(capsys))
 
 
