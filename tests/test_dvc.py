@@ -63,6 +63,11 @@ def project(tmp_path):
                 log_every=2, val_examples=3)
     params["sft"].update(data=str(tmp_path / "chat.jsonl"), **loop)
     params["dpo"].update(data=str(tmp_path / "pairs.json"), **loop)
+    # The built-in cloze task needs scenes of several lines; these documents are one line each.
+    task = [{"query": f"doc {i}: the", "choices": [" king", " queen", " night"], "gold": i % 3} for i in range(6)]
+    (tmp_path / "task.jsonl").write_text("".join(json.dumps(row) + "\n" for row in task))
+    params["eval"].update(tokens=256, batch_size=4, samples=["doc 1:"], max_new_tokens=4,
+                          tasks=[{"name": "mine", "data": str(tmp_path / "task.jsonl")}])
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     run(root, "git", "init", "-q")
     run(root, "git", "add", "-A")
@@ -73,7 +78,7 @@ def project(tmp_path):
 def test_repro_noop_and_experiment(project):
     first = run(project, "dvc", "repro")
     assert ran_stages(first) == {"prepare", "tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size",
-                                 "pretrain", "sft", "dpo"}
+                                 "pretrain", "sft", "dpo", "evaluate"}
     for out in ("data/corpus/train.parquet", "data/tokenizer/tokenizer.json", "data/shards/manifest.json",
                 "data/models/base/model.safetensors", "metrics/pretrain/curves.png", "data/scaling/fit.json",
                 "metrics/scaling/isoflops.png", "data/models/sft/model.safetensors",
@@ -92,6 +97,11 @@ def test_repro_noop_and_experiment(project):
     assert sft["examples"] == 9 and sft["val_examples"] == 3 and sft["val_loss"] < sft["base"]["val_loss"]
     dpo = json.loads((project / "metrics/dpo.json").read_text())
     assert dpo["pairs"] == 9 and {"val/rewards/accuracies", "train/rewards/margins", "val/logps/chosen"} <= set(dpo)
+    report = json.loads((project / "metrics/eval.json").read_text())
+    for metric in ("val_bpb", "mine/acc", "posttrain/preference_accuracy"):
+        assert list(report[metric]) == ["base", "sft", "dpo"]
+    assert report["items"] == {"mine": 6, "posttrain": 0, "posttrain_pairs": 3}
+    assert (project / "metrics/samples/dpo.md").is_file()
 
     second = run(project, "dvc", "repro")
     assert ran_stages(second) == set()
@@ -110,7 +120,7 @@ def test_repro_noop_and_experiment(project):
 
     # model.size=auto: pretrain takes the shape the fit gives for scaling.target_flops, and says so.
     exp = run(project, "dvc", "exp", "run", "-S", "model.size=auto", "-S", "scaling.approach=parametric")
-    assert ran_stages(exp) == {"scaling_sweep", "scaling_size", "pretrain", "sft", "dpo"}  # sweep: a no-op rerun
+    assert ran_stages(exp) == {"scaling_sweep", "scaling_size", "pretrain", "sft", "dpo", "evaluate"}  # sweep: no-op
     size = json.loads((project / "data/scaling/size.json").read_text())
     pretrained = json.loads((project / "metrics/pretrain.json").read_text())
     assert pretrained["size_auto"]["n_layer"] == size["n_layer"] and pretrained["tokens"] <= size["tokens"]
@@ -119,7 +129,7 @@ def test_repro_noop_and_experiment(project):
 
     exp = run(project, "dvc", "exp", "run", "-S", "tokenizer.vocab_size=330")
     assert ran_stages(exp) == {"tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size", "pretrain",
-                               "sft", "dpo"}
+                               "sft", "dpo", "evaluate"}
     assert json.loads((project / "metrics/tokenizer.json").read_text())["vocab_size"] == 330
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))
     change = diff["metrics/tokenizer.json"]["vocab_size"]
@@ -127,12 +137,13 @@ def test_repro_noop_and_experiment(project):
     run(project, "dvc", "exp", "apply", "HEAD")  # back to the baseline's outputs
 
     exp = run(project, "dvc", "exp", "run", "-S", "train.max_steps=8")
-    assert ran_stages(exp) == {"pretrain", "sft", "dpo"}  # pretrain's length is not the sweep's business
+    assert ran_stages(exp) == {"pretrain", "sft", "dpo", "evaluate"}  # pretrain's length is not the sweep's business
     run(project, "dvc", "exp", "apply", "HEAD")
 
 
     exp = run(project, "dvc", "exp", "run", "-S", "train.precision=bf16")
-    assert ran_stages(exp) == {"scaling_sweep", "scaling_fit", "scaling_size", "pretrain", "sft", "dpo"}  # all in it
+    assert ran_stages(exp) == {"scaling_sweep", "scaling_fit", "scaling_size", "pretrain", "sft", "dpo",
+                               "evaluate"}  # everything that trains or measures
     assert "bf16" in exp  # the run says what it trains in
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))["metrics/pretrain.json"]
     assert diff["val_loss"]["old"] != diff["val_loss"]["new"]  # bf16 rounding moves the numbers, a little
@@ -140,7 +151,14 @@ def test_repro_noop_and_experiment(project):
 
     # On top of that experiment's workspace (no `exp apply` in between: the stages' resume state and curves
     # persist outside the cache, so DVC would see them changed), a DPO knob reruns DPO alone.
+    before = json.loads((project / "metrics/eval.json").read_text())
     exp = run(project, "dvc", "exp", "run", "-S", "dpo.beta=0.3")
-    assert ran_stages(exp) == {"dpo"}
-    diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))["metrics/dpo.json"]
-    assert diff["val/rewards/margins"]["old"] != diff["val/rewards/margins"]["new"]
+    assert ran_stages(exp) == {"dpo", "evaluate"}
+    diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))
+    assert diff["metrics/dpo.json"]["val/rewards/margins"]["old"] != diff["metrics/dpo.json"]["val/rewards/margins"]["new"]
+    assert {"val_loss.base", "val_loss.sft", "val_loss.dpo"} <= set(diff["metrics/eval.json"])  # vs the fp32 commit
+    # The re-evaluation moves the DPO model's numbers only.
+    after = json.loads((project / "metrics/eval.json").read_text())
+    assert after["val_loss"]["dpo"] != before["val_loss"]["dpo"]
+    assert {k: v for k, v in after["val_loss"].items() if k != "dpo"} == \
+        {k: v for k, v in before["val_loss"].items() if k != "dpo"}
