@@ -23,7 +23,7 @@ import torch
 from model import generate, load_config
 from pipeline.chat import ChatFormat
 from pipeline.corpus_task import cloze_items, held_out_items
-from pipeline.dpo import logps, pair_rows
+from pipeline.dpo import PairRows, logps, pair_rows
 from pipeline.errors import UserError
 from pipeline.eval_tasks import Task, load_task
 from pipeline.files import atomic_write_bytes, sha256_file, write_metrics
@@ -45,7 +45,7 @@ class PostTrainData:
     """The held-out data of the post-training stages: built-in items (accuracy) and preference pairs."""
 
     scorer: ChoiceScorer
-    pairs: object  # dpo.PairRows
+    pairs: PairRows
 
 
 def check_models(params: EvalParams, models_dir: Path) -> dict[str, Path]:
