@@ -33,7 +33,7 @@ from pipeline.posttrain import ChoiceScorer, load_chat_data
 from pipeline.pretrain import byte_lengths, evaluate_lm
 from pipeline.progress import Progress, console
 from pipeline.sample import Sampling, TextModel
-from pipeline.scoring import score_items
+from pipeline.scoring import ChoiceTask
 from pipeline.train import prepare_device
 
 MODELS_DIR = Path("data/models")
@@ -118,6 +118,7 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
     chat = ChatFormat(first.tokenizer)
     seq_len = first.model.config.max_seq_len
     tasks = load_tasks(params, chat, corpus_dir, seq_len)
+    scorers = [ChoiceTask(first.tokenizer, chat.eot, task.items, seq_len, task.format == "lambada") for task in tasks]
     post = load_posttrain(sft, dpo, chat, seq_len, corpus_dir) if params.posttrain else None
     sampling = Sampling(params.max_new_tokens, params.temperature, params.top_k, params.top_p, params.seed)
     sampling.check()
@@ -140,11 +141,10 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
                                      train.precision)
             out |= lm_metrics | {"val_ppl": math.exp(lm_metrics["val_loss"])}
             progress.advance(1)
-            for task in tasks:
+            for task, scorer in zip(tasks, scorers):
                 progress.advance(0, part=task.name)
-                score = score_items(model, lm.tokenizer, chat.eot, task.items, task.format == "lambada",
-                                    params.batch_size, train.precision)
-                out |= {f"{task.name}/{k}": v for k, v in score.metrics.items()}
+                out |= {f"{task.name}/{k}": v for k, v in scorer.score(model, params.batch_size,
+                                                                       train.precision).items()}
                 progress.advance(1)
             if post is not None:
                 progress.advance(0, part="posttrain")

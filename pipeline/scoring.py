@@ -90,28 +90,30 @@ def _batches(groups: list[int], batch_rows: int):
         yield rows
 
 
-@dataclass
-class TaskScore:
-    items: int
-    metrics: dict[str, float]
+class ChoiceTask:
+    """Items encoded once (the same requests serve every model evaluated), scored per model."""
 
+    def __init__(self, tokenizer, eot: int, items: list[MCItem], max_len: int, lambada: bool = False):
+        self.items, self.lambada, self.max_len = items, lambada, max_len
+        self.requests = [encode_request(tokenizer, eot, c, k, max_len)
+                         for item in items for c, k in zip(item.contexts, item.continuations)]
 
-def score_items(model, tokenizer, eot: int, items: list[MCItem], lambada: bool, batch_rows: int,
-                precision: str) -> TaskScore:
-    """acc and acc_norm of multiple-choice items; for LAMBADA-style items (one continuation each), acc = the
-    continuation is the greedy one and ppl = exp(-mean summed log-probability), the harness's definitions."""
-    max_len = model.config.max_seq_len
-    requests = [encode_request(tokenizer, eot, c, k, max_len)
-                for item in items for c, k in zip(item.contexts, item.continuations)]
-    logp, greedy = score_requests(model, requests, [item.n_choices for item in items], batch_rows, precision)
-    if lambada:
-        return TaskScore(len(items), {"acc": greedy.double().mean().item(), "ppl": math.exp(-logp.mean().item())})
-    hits = norm_hits = 0
-    at = 0
-    for item in items:
-        scores = logp[at:at + item.n_choices]
-        at += item.n_choices
-        sizes = torch.tensor([max(1, len(k.encode("utf-8"))) for k in item.continuations], dtype=torch.float64)
-        hits += int(scores.argmax()) == item.gold
-        norm_hits += int((scores / sizes).argmax()) == item.gold
-    return TaskScore(len(items), {"acc": hits / len(items), "acc_norm": norm_hits / len(items)})
+    def score(self, model, batch_rows: int, precision: str) -> dict[str, float]:
+        """acc and acc_norm; for LAMBADA-style items (one continuation each), acc = the continuation is the
+        greedy one and ppl = exp(-mean summed log-probability), the harness's definitions."""
+        if model.config.max_seq_len != self.max_len:
+            raise ValueError(f"requests were cut for max_seq_len={self.max_len}, the model has "
+                             f"{model.config.max_seq_len}")
+        items = self.items
+        logp, greedy = score_requests(model, self.requests, [item.n_choices for item in items], batch_rows,
+                                      precision)
+        if self.lambada:
+            return {"acc": greedy.double().mean().item(), "ppl": math.exp(-logp.mean().item())}
+        hits = norm_hits = at = 0
+        for item in items:
+            scores = logp[at:at + item.n_choices]
+            at += item.n_choices
+            sizes = torch.tensor([max(1, len(k.encode("utf-8"))) for k in item.continuations], dtype=torch.float64)
+            hits += int(scores.argmax()) == item.gold
+            norm_hits += int((scores / sizes).argmax()) == item.gold
+        return {"acc": hits / len(items), "acc_norm": norm_hits / len(items)}

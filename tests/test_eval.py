@@ -15,7 +15,7 @@ from model import GPT, ModelConfig, save_model
 from pipeline.cli import app
 from pipeline.eval_tasks import MCItem
 from pipeline.files import sha256_file
-from pipeline.scoring import encode_request, score_items
+from pipeline.scoring import ChoiceTask, encode_request
 from pipeline.tokenizer import EOT, load_tokenizer
 
 
@@ -66,15 +66,16 @@ def test_multiple_choice_scores_match_a_hand_computation(tok):
         MCItem(("",) * 3, ("naïve", "1234", "x=y+1;"), 0),  # empty context: only <|endoftext|> before it
     ]
     # Rows of 3: the first item (4 choices) takes a batch alone, the others share theirs.
-    got = score_items(m, tok, eot, items, lambada=False, batch_rows=3, precision="fp32")
+    task = ChoiceTask(tok, eot, items, m.config.max_seq_len)
+    got = task.score(m, batch_rows=3, precision="fp32")
     hits = norm = 0
     for item in items:
         scores = [by_hand(m, tok, eot, c, k)[0] for c, k in zip(item.contexts, item.continuations)]
         per_byte = [s / len(k.encode()) for s, k in zip(scores, item.continuations)]
         hits += max(range(item.n_choices), key=lambda i: (scores[i], -i)) == item.gold
         norm += max(range(item.n_choices), key=lambda i: (per_byte[i], -i)) == item.gold
-    assert got.items == 4
-    assert got.metrics == {"acc": hits / 4, "acc_norm": norm / 4}
+    assert len(task.requests) == 11
+    assert got == {"acc": hits / 4, "acc_norm": norm / 4}
     assert 0 < hits + norm < 8  # the items are not all right or all wrong, so the comparison can fail
 
 
@@ -89,11 +90,11 @@ def test_lambada_accuracy_and_perplexity_match_a_hand_computation(tok):
         word = tok.decode([top])
         items.append(MCItem((context,), (word,), 0))  # the model's own greedy token: a hit if it round-trips
         items.append(MCItem((context,), (" Denmark",), 0))
-    got = score_items(m, tok, eot, items, lambada=True, batch_rows=4, precision="fp32")
+    got = ChoiceTask(tok, eot, items, m.config.max_seq_len, lambada=True).score(m, batch_rows=4, precision="fp32")
     hand = [by_hand(m, tok, eot, item.contexts[0], item.continuations[0]) for item in items]
-    assert got.metrics["acc"] == pytest.approx(sum(g for _, g in hand) / len(items), abs=1e-12)
-    assert got.metrics["ppl"] == pytest.approx(math.exp(-sum(s for s, _ in hand) / len(items)), rel=1e-9)
-    assert 0 < got.metrics["acc"] < 1
+    assert got["acc"] == pytest.approx(sum(g for _, g in hand) / len(items), abs=1e-12)
+    assert got["ppl"] == pytest.approx(math.exp(-sum(s for s, _ in hand) / len(items)), rel=1e-9)
+    assert 0 < got["acc"] < 1
 
 
 # --- kiln eval end to end -------------------------------------------------------------------------------
