@@ -159,13 +159,23 @@ def train_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     """Pretrain the base model on the shards, resuming from the newest checkpoint (stage `pretrain`).
 
     Reads the `model` and `train` sections; `--set` takes `model.*` and `train.*` keys (bare keys mean train).
+    With `train.nproc_per_node` > 1 it starts itself under torchrun on this machine; run it under your own
+    `torchrun` (`torchrun ... -m pipeline.cli train`) for several machines.
     """
+    from pipeline import distributed
     from pipeline.params import ModelParams, TrainParams, load_sections
     from pipeline.pretrain import pretrain
 
     train, model = load_sections((TrainParams, ModelParams), params, set_)
-    metrics = pretrain(model, train, shards, tokenizer, out, checkpoints, size)
-    _print_metrics("pretrain", metrics)
+    world = distributed.from_env()
+    if train.nproc_per_node > 1 and not distributed.launched():
+        raise typer.Exit(distributed.relaunch(train.nproc_per_node, sys.argv[1:]))
+    try:
+        metrics = pretrain(model, train, shards, tokenizer, out, checkpoints, size)
+    finally:
+        distributed.leave()
+    if world.main:
+        _print_metrics("pretrain", metrics)
 
 
 @app.command("sft")
@@ -463,3 +473,7 @@ def _print_metrics(stage: str, metrics: dict) -> None:
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":  # `python -m pipeline.cli`, as torchrun starts it
+    main()

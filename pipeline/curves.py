@@ -33,9 +33,13 @@ def read_metric(path: Path) -> list[tuple[int, float]]:
 
 class Curves:
     """A DVCLive run in `directory`. Resuming from step S first drops rows logged after S (they belong to
-    the steps that will be trained again), so no step appears twice in a curve."""
+    the steps that will be trained again), so no step appears twice in a curve. A run's other ranks pass
+    `write=False`: one process logs."""
 
-    def __init__(self, directory: Path, resume_step: int):
+    def __init__(self, directory: Path, resume_step: int, write: bool = True):
+        self.live = None
+        if not write:
+            return
         from dvclive import Live
 
         if resume_step:
@@ -44,13 +48,16 @@ class Curves:
         self.live = Live(str(directory), resume=bool(resume_step), save_dvc_exp=False, dvcyaml=None, report=None)
 
     def add(self, step: int, values: dict[str, float]) -> None:
+        if self.live is None:
+            return
         self.live.step = step
         for name, value in values.items():
             self.live.log_metric(name, value)
         self.live.make_summary()
 
     def end(self) -> None:
-        self.live.end()
+        if self.live is not None:
+            self.live.end()
 
 
 def _drop_rows_after(path: Path, step: int) -> None:

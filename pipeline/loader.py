@@ -5,7 +5,9 @@
 
 `TokenBatches` yields `(x, y)` int64 tensors of shape `(B, T)`, `y` being `x` shifted by one token.
 Batch `step` depends only on `(seed, step, rank, world_size)`, never on what was read before, so its state
-is one integer and a resumed run sees exactly the batches an uninterrupted run would have seen.
+is one integer and a resumed run sees exactly the batches an uninterrupted run would have seen. A run resumed
+with another global micro-batch (`batch_size * world_size`, e.g. on another number of GPUs) goes on after the
+windows already consumed, in the new shape.
 - random windows (training): the starts of the whole global batch (`B * world_size` windows) come from one
   generator seeded with `(seed, step)` and each rank takes its own slice, so ranks never share a draw and
   the global batch does not depend on how it is split across processes;
@@ -119,7 +121,8 @@ class TokenBatches:
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
-        for key in ("seed", "batch_size", "seq_len", "world_size", "random", "tokenizer_sha256"):
+        for key in ("seed", "seq_len", "random", "tokenizer_sha256"):
             if state.get(key) != mine[key]:
                 raise UserError(f"resume state: data loader {key}={state.get(key)!r}, this run has {mine[key]!r}")
-        self.step = int(state["step"])
+        rows_then = int(state["batch_size"]) * int(state["world_size"])
+        self.step = int(state["step"]) * rows_then // (self.batch_size * self.world_size)

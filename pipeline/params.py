@@ -262,8 +262,16 @@ class TrainParams(Section):
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     log_every: int = 10
+    # Processes on this node: > 1 makes `kiln train` start itself under torchrun (one per GPU, or CPU processes).
+    nproc_per_node: int = 1
+    parallel: str = "ddp"  # ddp (replicated model) | fsdp (FSDP2: parameters, gradients, optimizer state sharded)
+    zero1: bool = False  # ddp only: shard AdamW's state across processes (ZeroRedundancyOptimizer)
 
     def check(self) -> None:
+        if self.parallel not in ("ddp", "fsdp"):
+            raise self.bad("parallel", "ddp or fsdp")
+        if self.zero1 and self.parallel != "ddp":
+            raise self.bad("zero1", "false with train.parallel=fsdp (FSDP shards the optimizer state already)")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
             raise self.bad("device", "auto, cpu, cuda, cuda:N or mps")
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -275,7 +283,7 @@ class TrainParams(Section):
         if (self.max_steps is None) == (self.tokens is None):
             raise self.bad("max_steps", "exactly one of train.max_steps and train.tokens to be set")
         for name in ("batch_size", "batch_tokens", "eval_every", "eval_tokens", "checkpoint_every",
-                     "keep_checkpoints", "log_every"):
+                     "keep_checkpoints", "log_every", "nproc_per_node"):
             if getattr(self, name) < 1:
                 raise self.bad(name, "a positive integer")
         for name in ("max_steps", "tokens"):

@@ -14,8 +14,10 @@ from pathlib import Path
 import torch
 
 from model import GPT, ModelConfig, save_model
+from pipeline import distributed
 from pipeline.checkpoints import Checkpoints
 from pipeline.curves import plot_png
+from pipeline.distributed import SINGLE, World
 from pipeline.errors import UserError
 from pipeline.files import sha256_file, write_metrics
 from pipeline.loader import ShardSet, TokenBatches
@@ -31,9 +33,10 @@ CHECKPOINT_DIR = Path("data/checkpoints/pretrain")
 CURVES_DIR = Path("metrics/pretrain")
 PANELS = [["loss", "val_loss"], ["val_bpb"], ["lr"], ["grad_norm"], ["tokens_per_s"]]
 # Params that change the cadence of logging and saving, or only how the same math is computed (device,
-# compile, kernels), not what is trained: not part of the run's identity, so a run may resume across them.
+# compile, kernels, how the global batch is split into micro-batches and processes), not what is trained: not
+# part of the run's identity, so a run may resume across them.
 CADENCE = ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "log_every", "device", "compile",
-           "kernels")
+           "kernels", "batch_size", "nproc_per_node", "parallel", "zero1")
 
 
 def lm_loss(model, batch):
@@ -50,25 +53,32 @@ def byte_lengths(tokenizer_path: Path) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_lm(model, shards: ShardSet, bytes_per_token: torch.Tensor, batch_size: int, seq_len: int,
-                max_tokens: int, precision: str) -> dict:
-    """Loss over every target token; bpb = nats over non-special targets / (ln 2 * their UTF-8 bytes)."""
+                max_tokens: int, precision: str, world: World = SINGLE) -> dict:
+    """Loss over every target token; bpb = nats over non-special targets / (ln 2 * their UTF-8 bytes).
+
+    The same val prefix whatever the world size: its batches are dealt out to the ranks and the sums added up.
+    Every rank runs as many forwards as the busiest one (an FSDP forward is collective); the spare ones count
+    for nothing."""
     model.eval()
     device = next(model.parameters()).device
     lengths = bytes_per_token.to(device)
-    batches = TokenBatches(shards, batch_size, seq_len, random=False)
-    nats = torch.zeros((), dtype=torch.float64, device=device)
-    text_nats = torch.zeros_like(nats)
-    n_tokens = n_bytes = 0
-    for _, (x, y) in zip(range(math.ceil(max_tokens / (batch_size * seq_len))), batches):
-        x, y = x.to(device), y.to(device)
+    batches = TokenBatches(shards, batch_size, seq_len, random=False, rank=world.rank, world_size=world.size)
+    n_batches = min(math.ceil(max_tokens / (batch_size * seq_len)),
+                    math.ceil((shards.tokens - 1) // seq_len / batch_size))
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats, text nats, tokens, bytes
+    for i in range(math.ceil(n_batches / world.size)):
+        mine = i * world.size + world.rank < n_batches
+        if mine or i == 0:  # a rank left without a batch forwards the split's first one
+            x, y = (t.to(device) for t in next(batches if mine else TokenBatches(shards, batch_size, seq_len,
+                                                                                 random=False)))
         with autocast(device, precision):
             losses = model(x, y, reduction="none").double()
-        b = lengths[y]
-        nats += losses.sum()
-        text_nats += (losses * (b > 0)).sum()
-        n_tokens += y.numel()
-        n_bytes += int(b.sum())
-    return {"val_loss": (nats / n_tokens).item(), "val_bpb": (text_nats / (math.log(2) * n_bytes)).item()}
+        if mine:
+            b = lengths[y]
+            sums += torch.stack([losses.sum(), (losses * (b > 0)).sum(), losses.new_tensor(y.numel()),
+                                 b.sum().double()])
+    nats, text_nats, n_tokens, n_bytes = distributed.total(sums).tolist()
+    return {"val_loss": nats / n_tokens, "val_bpb": text_nats / (math.log(2) * n_bytes)}
 
 
 @dataclass
@@ -96,25 +106,29 @@ def total_steps(params: TrainParams) -> int:
 def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_dir: Path, curves_dir: Path,
              name: str) -> tuple[GPT, dict]:
     """Next-token training of a fresh model on `data` with the one loop; the pretrain stage and every run of the
-    scaling sweep go through here, so they share the data order, the schedule and the evaluation."""
+    scaling sweep go through here, so they share the data order, the schedule and the evaluation. Under
+    torchrun every rank calls it; the model it returns is then wrapped (see `distributed.full_state_dict`)."""
     seq_len = config.max_seq_len
-    torch.manual_seed(params.seed)
-    device = prepare_device(params)
+    world = distributed.from_env()
+    torch.manual_seed(params.seed)  # every rank builds the same initial weights
+    device = prepare_device(params, world)
     model = GPT(config).to(device).set_kernels(params.kernels)
     steps = total_steps(params)
     fingerprint = {"model": config.to_dict(), "tokenizer_sha256": data.tokenizer_sha256,
                    "train": {k: v for k, v in dataclasses.asdict(params).items() if k not in CADENCE}}
     run = Run(
         params=params, total_steps=steps, micro_batch_tokens=params.batch_size * seq_len, loss_fn=lm_loss,
-        batches=TokenBatches(data.train, params.batch_size, seq_len, seed=params.seed),
+        batches=TokenBatches(data.train, params.batch_size, seq_len, seed=params.seed, rank=world.rank,
+                             world_size=world.size),
         evaluate=lambda m: evaluate_lm(m, data.val, data.bytes_per_token, params.batch_size, seq_len,
-                                       params.eval_tokens, params.precision),
-        checkpoints=Checkpoints(checkpoint_dir, fingerprint, params.keep_checkpoints),
-        curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name=name,
+                                       params.eval_tokens, params.precision, world),
+        checkpoints=Checkpoints(checkpoint_dir, fingerprint, params.keep_checkpoints, world),
+        curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name=name, world=world,
     )
+    processes = f" x {world.size} processes ({params.parallel})" if world.size > 1 else ""
     console.print(f"{name}: {config.arch} {model.num_params() / 1e6:.3g}M params "
                   f"({model.num_params(embeddings=False) / 1e6:.3g}M non-embedding), {steps} steps x "
-                  f"{params.batch_tokens} tokens on {device} in {params.precision}", highlight=False)
+                  f"{params.batch_tokens} tokens on {device}{processes} in {params.precision}", highlight=False)
     return model, train(model, run)
 
 
@@ -132,8 +146,11 @@ def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, t
     else:
         config = model_params.config(data.train.vocab_size)
     model, result = train_lm(config, params, data, checkpoint_dir, CURVES_DIR, "pretrain")
+    weights = distributed.full_state_dict(model)
+    if not distributed.from_env().main:
+        return result
     _, peak_source = peak_flops(model.tok_emb.weight.device, params.precision)
-    save_model(model, config, out_dir, {"tokenizer_sha256": data.tokenizer_sha256, "mfu_peak_source": peak_source})
+    save_model(weights, config, out_dir, {"tokenizer_sha256": data.tokenizer_sha256, "mfu_peak_source": peak_source})
     unigram = unigram_entropy(data.train)
     console.print(f"pretrain: val loss {result.get('val_loss', float('nan')):.4f} nats/token vs the corpus's "
                   f"unigram entropy {unigram:.4f}", highlight=False)

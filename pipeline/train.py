@@ -2,7 +2,9 @@
 
 It owns the machinery that does not depend on the loss: device and precision, AdamW with decay on matrices
 only, warmup + cosine or WSD schedule, gradient accumulation to `train.batch_tokens` per step, clipping,
-periodic evaluation, checkpoints and resume, the NaN guard, throughput/MFU accounting and the curves.
+periodic evaluation, checkpoints and resume, the NaN guard, throughput/MFU accounting and the curves. Under
+torchrun it trains the model wrapped in DDP or FSDP2 (`pipeline.distributed`): `batches` then yields this
+rank's share of each global micro-batch, and the loss it reports is the mean over ranks.
 
 `loss_fn(model, batch)` returns the mean loss of one micro-batch; `batches` yields micro-batches forever and
 has `state_dict()` / `load_state_dict()`; `evaluate(model)` returns a dict of numbers.
@@ -21,8 +23,10 @@ from pathlib import Path
 import torch
 
 from kernels.backend import interpreting
+from pipeline import distributed
 from pipeline.checkpoints import Checkpoints
 from pipeline.curves import Curves
+from pipeline.distributed import SINGLE, World
 from pipeline.errors import StageError, UserError
 from pipeline.params import TrainParams
 from pipeline.progress import Progress, console
@@ -67,21 +71,28 @@ def check_kernels(kernels: str, device: torch.device, where: str) -> None:
                         "kernels in Triton's (slow) CPU interpreter")
 
 
-def prepare_device(params: TrainParams) -> torch.device:
-    """The device a run trains on, with its precision settings made and its kernel choice checked."""
-    device = pick_device(params.device)
+def prepare_device(params: TrainParams, world: World = SINGLE) -> torch.device:
+    """The device a run trains on (this rank's GPU in a torchrun job, which it joins), with its precision
+    settings made and its kernel choice checked."""
+    device = distributed.join(world, pick_device(params.device))
     setup_precision(device, params.precision)
     check_kernels(params.kernels, device, "params: train.kernels")
     return device
 
 
-def build_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on matrices only: norms' gains and biases are not pulled to zero."""
+def build_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device,
+                    zero1: bool = False) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay on matrices only: norms' gains and biases are not pulled to zero.
+    `zero1`: each rank keeps (and updates) the AdamW state of its share of the parameters only."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=params.lr, betas=(params.beta1, params.beta2),
-                             fused=device.type == "cuda")
+    kwargs = {"lr": params.lr, "betas": (params.beta1, params.beta2), "fused": device.type == "cuda"}
+    if zero1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def lr_at(step: int, total: int, params: TrainParams) -> float:
@@ -112,6 +123,7 @@ class Run:
     curves_dir: Path
     flops_per_token: float
     name: str = "train"
+    world: World = SINGLE
 
 
 def accumulation_steps(params: TrainParams, micro_batch_tokens: int, world_size: int = 1) -> int:
@@ -123,10 +135,12 @@ def accumulation_steps(params: TrainParams, micro_batch_tokens: int, world_size:
 
 
 def train(model: torch.nn.Module, run: Run) -> dict:
-    params = run.params
+    """Train `model` in place (under torchrun: wrapped for the run; `distributed.full_state_dict` gathers it)."""
+    params, world = run.params, run.world
     device = next(model.parameters()).device
-    accum = accumulation_steps(params, run.micro_batch_tokens)
-    optimizer = build_optimizer(model, params, device)
+    accum = accumulation_steps(params, run.micro_batch_tokens, world.size)
+    model = distributed.wrap(model, params.parallel, PRECISIONS[params.precision], device)
+    optimizer = build_optimizer(model, params, device, zero1=params.zero1 and world.size > 1)
     scaler = torch.amp.GradScaler(device.type, enabled=params.precision == "fp16")
     step, seconds_before, loss = 0, 0.0, float("nan")
     latest = run.checkpoints.latest()
@@ -136,7 +150,7 @@ def train(model: torch.nn.Module, run: Run) -> dict:
         step, seconds_before, loss = state["step"], state.get("train_seconds", 0.0), state.get("train_loss", loss)
         console.print(f"{run.name}: resuming from {latest} (step {step})", highlight=False)
     forward = torch.compile(model) if params.compile else model
-    curves = Curves(run.curves_dir, step)
+    curves = Curves(run.curves_dir, step, write=world.main)
     peak, _ = peak_flops(device, params.precision)
     tokens_per_step = params.batch_tokens
     last_eval: dict = {}
@@ -149,13 +163,14 @@ def train(model: torch.nn.Module, run: Run) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             total = torch.zeros((), device=device)
-            for _ in range(accum):
+            for micro in range(accum):
                 batch = [t.to(device, non_blocking=True) for t in next(run.batches)]
-                with autocast(device, params.precision):
-                    micro_loss = run.loss_fn(forward, batch) / accum
-                scaler.scale(micro_loss).backward()
+                with distributed.gradient_sync(model, sync=micro == accum - 1):
+                    with autocast(device, params.precision):
+                        micro_loss = run.loss_fn(forward, batch) / accum
+                    scaler.scale(micro_loss).backward()
                 total += micro_loss.detach()
-            loss = total.item()
+            loss = distributed.mean(total).item()
             if not math.isfinite(loss):  # before the update, so the weights in memory stay good too
                 kept = run.checkpoints.latest()
                 raise StageError(f"{run.name}: loss is {loss} at step {step + 1}; stopped. "
@@ -172,7 +187,8 @@ def train(model: torch.nn.Module, run: Run) -> dict:
                     torch.cuda.synchronize()
                 elapsed = time.perf_counter() - timer_start
                 tps = timer_tokens / elapsed
-                curves.add(step, {"loss": round(loss, 5), "lr": lr, "grad_norm": round(norm.item(), 5),
+                grad_norm = distributed.whole(norm).item()
+                curves.add(step, {"loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
                                   "tokens_per_s": round(tps, 1)})
                 mfu = run.flops_per_token * tps / peak if peak else None
                 progress.advance(0, loss=loss, lr=lr, **{"tok/s": round(tps)},
