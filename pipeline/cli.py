@@ -28,6 +28,9 @@ app.add_typer(data_app, name="data")
 app.add_typer(tokenizer_app, name="tokenizer")
 app.add_typer(bench_app, name="bench")
 app.add_typer(scaling_app, name="scaling")
+convert_app = typer.Typer(help="Hugging Face interop: GPT-2 and Llama checkpoints in, transformers folders out.",
+                          no_args_is_help=True)
+app.add_typer(convert_app, name="convert")
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to read.")]
 SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
@@ -457,6 +460,34 @@ def bench_kernels(ops: Annotated[str | None, typer.Option(
     from pipeline.bench_kernels import bench_kernels as run
 
     run(ops.split(",") if ops else None, quick, compile_baseline, out)
+
+
+@convert_app.command("from-hf")
+@reports_errors
+def convert_from_hf(
+        src: Annotated[str, typer.Argument(help="An HF model folder (config.json + safetensors), or a hub id to "
+                                                "download.")],
+        out: Annotated[Path, typer.Argument(help="The kiln model folder to write (replaced whole).")]):
+    """Convert a GPT2LMHeadModel or LlamaForCausalLM into a kiln model folder (with its tokenizer.json, if any),
+    refusing any setting kiln's model would not compute exactly."""
+    from pipeline.convert import from_hf
+
+    from_hf(src, out)
+
+
+@convert_app.command("to-hf")
+@reports_errors
+def convert_to_hf(
+        model: Annotated[Path, typer.Argument(help="A kiln model folder (config.json + model.safetensors).")],
+        out: Annotated[Path, typer.Argument(help="The transformers folder to write (replaced whole).")],
+        tokenizer: Annotated[Path | None, typer.Option(help="The model's tokenizer.json (default: MODEL/tokenizer.json "
+                                                            "if there, else data/tokenizer/tokenizer.json).")] = None):
+    """Convert a kiln model into a folder that transformers' AutoModelForCausalLM and AutoTokenizer load."""
+    from pipeline.convert import to_hf
+
+    if tokenizer is None:
+        tokenizer = model / "tokenizer.json" if (model / "tokenizer.json").is_file() else TOKENIZER
+    to_hf(model, out, tokenizer)
 
 
 def _is_utf8(data: bytes) -> bool:
