@@ -190,7 +190,7 @@ def train(model: torch.nn.Module, run: Run) -> dict:
                 grad_norm = distributed.whole(norm).item()
                 curves.add(step, {"loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
                                   "tokens_per_s": round(tps, 1)})
-                mfu = run.flops_per_token * tps / peak if peak else None
+                mfu = run.flops_per_token * tps / (peak * world.size) if peak else None  # tps counts every rank
                 progress.advance(0, loss=loss, lr=lr, **{"tok/s": round(tps)},
                                  **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
                 timer_tokens, timer_start = 0, time.perf_counter()
@@ -213,7 +213,7 @@ def train(model: torch.nn.Module, run: Run) -> dict:
               "tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tps, 1)}
     peak, _ = peak_flops(device, params.precision)  # again: on a CPU the best of two measurements
     if peak:
-        result["mfu"] = round(run.flops_per_token * tps / peak, 5)
+        result["mfu"] = round(run.flops_per_token * tps / (peak * world.size), 5)
     result["peak_memory_gb"] = round(peak_memory_bytes(device) / 1e9, 3)
     return result
 
