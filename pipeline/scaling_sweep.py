@@ -85,9 +85,10 @@ def plan(scaling: ScalingParams, model: ModelParams, train: TrainParams, vocab_s
                 warmup_steps=round(scaling.warmup_fraction * steps), eval_every=steps,
                 eval_tokens=scaling.eval_tokens, log_every=min(train.log_every, steps), keep_checkpoints=1)
             identity = {"model": config.to_dict(), "tokenizer_sha256": tokenizer_sha256,
-                        # pretrain's identity, plus the eval budget: here the final eval is the result
+                        # pretrain's identity, plus the eval budget (here the final eval is the result) and
+                        # the micro-batch, which picks the windows a one-process run draws
                         "train": {k: v for k, v in dataclasses.asdict(run_train).items()
-                                  if k not in CADENCE or k in ("eval_every", "eval_tokens")}}
+                                  if k not in CADENCE or k in ("eval_every", "eval_tokens", "batch_size")}}
             fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
             runs.append(SweepRun(f"C{budget:.3g}_L{depth}", budget, depth, config, n, n_non_embedding, run_train,
                                  fingerprint))
