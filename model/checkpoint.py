@@ -109,16 +109,24 @@ def _replace_dir(new: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_config(model_dir: Path) -> tuple[ModelConfig, dict]:
-    """(config, meta) from model_dir/config.json, where meta is everything beside "model"."""
-    path = Path(model_dir) / CONFIG
+def read_json_object(path: Path) -> dict:
+    """A JSON object from `path`; ValueError naming the file if it is missing, unreadable or not an object."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path}: not found") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: cannot read ({e})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def load_config(model_dir: Path) -> tuple[ModelConfig, dict]:
+    """(config, meta) from model_dir/config.json, where meta is everything beside "model"."""
+    path = Path(model_dir) / CONFIG
+    data = read_json_object(path)
+    if not isinstance(data.get("model"), dict):
         raise ValueError(f"{path}: expected an object with a 'model' object")
     try:
         config = ModelConfig.from_dict(data.pop("model"))

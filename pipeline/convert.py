@@ -13,7 +13,6 @@ needs `transformers` (an optional dependency; the tests use it as the independen
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 from pathlib import Path
@@ -21,12 +20,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import ModelConfig, load_model, save_model
+from model import ModelConfig, save_model
+from model.checkpoint import read_json_object
 from model.hf import EMBEDDING, hf_config, hf_shapes, kiln_config, to_hf_tensors, to_kiln_tensors
 from pipeline.chat import IM_END, IM_START, PAD
 from pipeline.errors import UserError
 from pipeline.files import atomic_dir, sha256_file, write_json
 from pipeline.progress import console
+from pipeline.sample import TextModel
 from pipeline.tokenizer import EOT, TOKENIZER_FILE, load_tokenizer
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
@@ -176,18 +177,8 @@ def _tokenizer_note(out: Path, tokenizer: Path) -> str:
 
 def to_hf(model_dir: Path, out: Path, tokenizer_path: Path) -> None:
     """Write the transformers folder `out` from the kiln model folder `model_dir` and its tokenizer."""
-    try:
-        model, meta = load_model(model_dir)
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    config = model.config
-    if not tokenizer_path.is_file():
-        raise UserError(f"{tokenizer_path}: tokenizer not found (pass --tokenizer)")
-    want, got = meta.get("tokenizer_sha256"), sha256_file(tokenizer_path)
-    if want is not None and want != got:
-        raise UserError(f"{tokenizer_path}: not the tokenizer {model_dir} was trained with "
-                        f"(sha256 {got[:12]}..., the model expects {want[:12]}...)")
-    tok = load_tokenizer(tokenizer_path)
+    text = TextModel(model_dir, tokenizer_path)  # checks that the tokenizer is the model's
+    model, meta, tok, config = text.model, text.meta, text.tokenizer, text.model.config
     if tok.get_vocab_size() > config.vocab_size:
         raise UserError(f"{tokenizer_path}: {tok.get_vocab_size():,} tokens, more than the model's vocab_size="
                         f"{config.vocab_size:,}")
@@ -220,11 +211,6 @@ def to_hf(model_dir: Path, out: Path, tokenizer_path: Path) -> None:
 
 def _read_json(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{path}: not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot read ({e})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object")
-    return data
+        return read_json_object(path)
+    except ValueError as e:
+        raise UserError(str(e)) from None

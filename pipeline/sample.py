@@ -52,6 +52,7 @@ class TextModel:
         if want is not None and want != got:
             raise UserError(f"{tokenizer_path}: not the tokenizer {model_dir} was trained with "
                             f"(sha256 {got[:12]}..., the model expects {want[:12]}...)")
+        self.meta = meta  # config.json beside the model config: tokenizer_sha256, chat_format, init, ...
         self.tokenizer = load_tokenizer(tokenizer_path, ordinary=True)
         self.eot = self.tokenizer.token_to_id(EOT)
 
