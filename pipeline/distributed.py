@@ -121,6 +121,8 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
+    if not dist.is_initialized():  # FSDP needs a process group; one process need not import it
+        return False
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
