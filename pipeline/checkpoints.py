@@ -67,7 +67,7 @@ class Checkpoints:
         """Called by every rank of a run; `model` as the loop trains it (DDP- or FSDP-wrapped under torchrun)."""
         final = step_dir(self.root, step)
         if distributed.is_sharded(model):
-            return self._save_sharded(step, model, optimizer, scaler, loader_state, extra)
+            return self._save_sharded(final, step, model, optimizer, scaler, loader_state, extra)
         if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: gather every rank's share on rank 0
             optimizer.consolidate_state_dict(to=0)
         if self.world.main:
@@ -82,11 +82,11 @@ class Checkpoints:
         distributed.barrier()
         return final
 
-    def _save_sharded(self, step: int, model, optimizer, scaler, loader_state: dict, extra: dict) -> Path:
+    def _save_sharded(self, final: Path, step: int, model, optimizer, scaler, loader_state: dict,
+                      extra: dict) -> Path:
         from torch.distributed.checkpoint import HuggingFaceStorageWriter
         from torch.distributed.checkpoint import save as dcp_save
 
-        final = step_dir(self.root, step)
         tmp = final.with_name(f"{final.name}.tmp-{SHARDED}")  # one name all ranks agree on, without talking
         if self.world.main:
             self._remove_stale()
