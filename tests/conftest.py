@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 # Without a GPU, the Triton kernels run in Triton's interpreter on CPU tensors. Triton reads this when a kernel
 # is decorated, so it must be set before anything imports kernels/.
@@ -35,6 +36,12 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA}: real-data fixtures not found beside this checkout")
     return SHARED_DATA
+
+
+def write_params(path: Path, sections: dict) -> Path:
+    """A params.yaml holding `sections` (the rest of every section takes its defaults)."""
+    path.write_text(yaml.safe_dump(sections), encoding="utf-8")
+    return path
 
 
 @dataclass

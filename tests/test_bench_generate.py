@@ -7,7 +7,7 @@ import json
 import sys
 
 import pytest
-import yaml
+from conftest import write_params
 from typer.testing import CliRunner
 
 from model import GPT, ModelConfig, save_model
@@ -20,9 +20,7 @@ ARGS = ["--vocab-size", "300", "--batch-sizes", "1,3", "--prompt-len", "5", "--n
 
 @pytest.fixture
 def params(tmp_path):
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump({"model": TINY}), encoding="utf-8")
-    return path
+    return write_params(tmp_path / "params.yaml", {"model": TINY})
 
 
 def test_cli_times_every_batch_with_and_without_cache(tmp_path, params):

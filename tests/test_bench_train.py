@@ -7,7 +7,7 @@ import json
 import sys
 
 import pytest
-import yaml
+from conftest import write_params
 from typer.testing import CliRunner
 
 from model import GPT, ModelConfig
@@ -21,9 +21,7 @@ ARGS = ["--vocab-size", "300", "--seq-len", "16", "--batch-size", "2", "--steps"
 
 @pytest.fixture
 def params(tmp_path):
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump({"model": TINY}), encoding="utf-8")
-    return path
+    return write_params(tmp_path / "params.yaml", {"model": TINY})
 
 
 def test_cli_writes_variants_ratios_and_mfu(tmp_path, params):

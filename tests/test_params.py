@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import write_params
 from typer.testing import CliRunner
 
 from pipeline.cli import app
@@ -29,11 +30,6 @@ from pipeline.tokenizer import SPECIAL_TOKENS
 
 REPO = Path(__file__).resolve().parents[1]
 KILN = Path(sys.executable).parent / "kiln"
-
-
-def write_params(path: Path, sections: dict) -> Path:
-    path.write_text(yaml.safe_dump(sections), encoding="utf-8")
-    return path
 
 
 def raises_naming(key: str):
