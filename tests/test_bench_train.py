@@ -27,30 +27,33 @@ def params(tmp_path):
 def test_cli_writes_variants_ratios_and_mfu(tmp_path, params):
     out = tmp_path / "bench" / "train.json"
     result = CliRunner().invoke(app, ["bench", "train", "--params", str(params), "--set", "model.d_ff=64",
-                                      "--variants", "fp32-eager,bf16-eager", *ARGS, "--out", str(out)])
+                                      "--variants", "fp32-eager,bf16-eager,fp32-eager-triton", *ARGS, "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert "fp32-eager" in result.output and "speedup" in result.output
+    assert "fp32-eager-torch" in result.output and "speedup" in result.output
     report = json.loads(out.read_text())
     assert report["model"]["d_ff"] == 64 and report["model"]["vocab_size"] == 300
     assert report["machine"]["cpu_count"] >= 1 and report["device"] == "cpu"
     flops = GPT(ModelConfig(vocab_size=300, **TINY, d_ff=64)).flops_per_token(16)
     assert report["flops_per_token"] == flops
     rows = {row["variant"]: row for row in report["results"]}
-    assert list(rows) == ["fp32-eager", "bf16-eager"] and report["baseline"] == "fp32-eager"
-    assert rows["fp32-eager"]["speedup"] == 1.0
+    assert list(rows) == ["fp32-eager-torch", "bf16-eager-torch", "fp32-eager-triton"]
+    assert report["baseline"] == "fp32-eager-torch" and rows["fp32-eager-torch"]["speedup"] == 1.0
+    assert [row["kernels"] for row in rows.values()] == ["torch", "torch", "triton"]
     for row in rows.values():
         assert row["tokens_per_s"] > 0 and row["step_ms"] > 0
         assert row["compile"] is False and row["compile_seconds"] is None and row["peak_memory_gb"] is None
         assert 0 < row["peak_flops"] <= measured_cpu_peak()  # the best matmul rate seen, never above it
         assert row["mfu"] == pytest.approx(flops * row["tokens_per_s"] / row["peak_flops"], abs=1e-6)
-    assert rows["bf16-eager"]["speedup"] == pytest.approx(
-        rows["bf16-eager"]["tokens_per_s"] / rows["fp32-eager"]["tokens_per_s"], abs=1e-3)
+    assert rows["bf16-eager-torch"]["speedup"] == pytest.approx(
+        rows["bf16-eager-torch"]["tokens_per_s"] / rows["fp32-eager-torch"]["tokens_per_s"], abs=1e-3)
 
 
 @pytest.mark.parametrize("args, named", [
     (["--variants", "fp8-eager"], "fp8"),
     (["--variants", "fp32-jit"], "fp32-jit"),
     (["--variants", ","], "--variants"),
+    (["--variants", "fp32-eager-cuda"], "fp32-eager-cuda"),
+    (["--kernels", "cuda"], "--kernels 'cuda'"),
     (["--seq-len", "33"], "--seq-len 33"),
     (["--steps", "0"], "--steps 0"),
     (["--device", "tpu"], "--device 'tpu'"),
@@ -71,5 +74,6 @@ def test_imports_without_the_data_stack(monkeypatch):
         monkeypatch.delitem(sys.modules, name)  # re-imported below, restored afterwards
     for name in ("dvc", "dvclive", "datasets", "tokenizers", "tiktoken", "pyarrow"):
         monkeypatch.setitem(sys.modules, name, None)  # any import of it now fails
-    importlib.import_module("pipeline.bench_train")
-    importlib.import_module("pipeline.cli")
+    for module in ("pipeline.bench_train", "pipeline.bench_kernels", "pipeline.bench_generate", "pipeline.bench_gpu",
+                   "pipeline.cli"):
+        importlib.import_module(module)
