@@ -1,4 +1,10 @@
-"""What every kernel test needs: float64 references, per-dtype tolerances, and NaN-poisoned allocations.
+"""What every kernel test needs: the device to run on, float64 references, per-dtype tolerances, and
+NaN-poisoned allocations.
+
+Tests build their inputs on the CPU from a seeded generator (the same values on any machine) and move them to
+DEVICE: a CUDA GPU when there is one, so the kernels run natively, else the CPU, where they run in Triton's
+interpreter. Shapes of a real model are far too slow for the interpreter, so tests list them through
+`on_gpu`, which on a CPU-only machine yields no cases at all (nothing is collected, nothing skipped).
 
 Kernels allocate their outputs with `torch.empty`/`torch.empty_like`; under `poisoned_allocations()` those
 come back filled with NaN, so an element a kernel forgot to write fails the comparison instead of passing
@@ -11,9 +17,16 @@ import contextlib
 
 import torch
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 # Max abs error allowed relative to the reference's scale: fp32 kernels accumulate in fp32; bf16 inputs and
 # outputs carry ~3 significant digits (8 mantissa bits), so their error is dominated by the final rounding.
 TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+
+
+def on_gpu(*cases) -> list:
+    """`cases` on a CUDA machine, none otherwise: append to a parametrize list for LLM-scale shapes."""
+    return list(cases) if torch.cuda.is_available() else []
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str = "output",
@@ -28,7 +41,8 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
 
 @contextlib.contextmanager
 def poisoned_allocations():
-    """Every torch.empty / torch.empty_like inside the block returns NaN-filled memory (ints: -1)."""
+    """Every torch.empty / torch.empty_like inside the block returns NaN-filled memory (ints: -1), on whatever
+    device it was asked for (`device=` and every other argument pass through unchanged)."""
     empty, empty_like = torch.empty, torch.empty_like
 
     def poison(t: torch.Tensor) -> torch.Tensor:

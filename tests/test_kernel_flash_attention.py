@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import assert_close, poisoned_allocations
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
 import kernels.flash_attention as fa
 from kernels.flash_attention import flash_attention, reference
@@ -20,12 +20,12 @@ from kernels.flash_attention import flash_attention, reference
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def inputs(B, H, H_kv, T, D, dtype, seed=0):
+def inputs(B, H, H_kv, T, D, dtype, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, T, D, generator=g).to(dtype)
-    k = torch.randn(B, H_kv, T, D, generator=g).to(dtype)
-    v = torch.randn(B, H_kv, T, D, generator=g).to(dtype)
-    do = torch.randn(B, H, T, D, generator=g).to(dtype)
+    q = torch.randn(B, H, T, D, generator=g).to(device, dtype)
+    k = torch.randn(B, H_kv, T, D, generator=g).to(device, dtype)
+    v = torch.randn(B, H_kv, T, D, generator=g).to(device, dtype)
+    do = torch.randn(B, H, T, D, generator=g).to(device, dtype)
     return q, k, v, do
 
 
@@ -64,6 +64,13 @@ GRAD_SCALE = {torch.float32: 1.0, torch.bfloat16: 2.0}
     (1, 2, 1, 17, 64, True),
     (1, 4, 2, 17, 128, False),
     (1, 2, 2, 17, 128, True),
+    *on_gpu(
+        (2, 12, 12, 1024, 64, True),  # GPT-2 small's attention
+        (2, 12, 12, 2048, 64, True),
+        (2, 32, 8, 2048, 128, True),  # Llama-style GQA
+        (2, 12, 12, 1531, 64, True),  # ends inside a block of every tile size
+        (1, 32, 8, 1000, 128, False),
+    ),
 ])
 def test_matches_reference(B, H, H_kv, T, D, causal, dtype):
     check_against_reference(*inputs(B, H, H_kv, T, D, dtype), causal, dtype, grad_scale=GRAD_SCALE[dtype])
@@ -117,14 +124,19 @@ def test_torch_backend_is_reference(dtype):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_auto_on_cpu_uses_reference(monkeypatch):
-    def no_kernels(*args, **kwargs):
-        raise AssertionError("backend='auto' launched the Triton kernels for CPU tensors")
+@pytest.mark.parametrize("device", ["cpu", *on_gpu("cuda")])
+def test_auto_uses_kernels_only_on_cuda(monkeypatch, device):
+    launched = []
 
-    monkeypatch.setattr(fa.FlashAttention, "apply", no_kernels)
-    q, k, v, _ = inputs(1, 2, 1, 5, 16, torch.float32)
+    def record(*args):
+        launched.append(args)
+        return reference(*args)
+
+    monkeypatch.setattr(fa.FlashAttention, "apply", record)
+    q, k, v, _ = inputs(1, 2, 1, 5, 16, torch.float32, device=device)
     torch.testing.assert_close(flash_attention(q, k, v, causal=False), reference(q, k, v, causal=False),
                                atol=0, rtol=0)
+    assert bool(launched) == (device == "cuda")
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

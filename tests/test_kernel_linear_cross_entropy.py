@@ -1,7 +1,8 @@
 """Chunked linear + cross-entropy: loss, grad_hidden and grad_weight against the float64 reference (full
 logits, then the plain cross-entropy) for every reduction, with and without z-loss, ignored tokens (a whole
 chunk of them too), one chunk and several, fp32 and bf16; and a memory guard showing that no tensor of
-N × V elements is ever created, forward or backward.
+N × V elements is ever created, forward or backward. On a GPU the main test also runs a GPT-2-sized LM head:
+4096 tokens, D = 768, V = 50304.
 
 grad_weight sums over at most 37 tokens and the logits over D ≤ 33 products, in fp32 inside each matmul, so
 the per-dtype tolerances hold without `scale`. In bf16 the logits chunk is rounded to bf16 (as eager F.linear
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import assert_close, poisoned_allocations
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -23,13 +24,13 @@ DTYPES = [torch.float32, torch.bfloat16]
 REDUCTIONS = ["mean", "sum", "none"]
 
 
-def inputs(N, V, D, dtype, seed=0):
+def inputs(N, V, D, dtype, seed=0, device=DEVICE):
     """Unit-variance hidden states and weights of std 2/sqrt(D), so logits have std 2 (a softmax about as peaked
     as a trained LM's); tokens 8..15 (one whole chunk of 8) and every fifth token ignored."""
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(N, D, generator=g).to(dtype)
-    weight = (2 / D ** 0.5 * torch.randn(V, D, generator=g)).to(dtype)
-    targets = torch.randint(V, (N,), generator=g)
+    hidden = torch.randn(N, D, generator=g).to(device, dtype)
+    weight = (2 / D ** 0.5 * torch.randn(V, D, generator=g)).to(device, dtype)
+    targets = torch.randint(V, (N,), generator=g).to(device)
     targets[8:16] = -100
     targets[2::5] = -100
     return hidden, weight, targets
@@ -39,6 +40,7 @@ def check_against_reference(hidden, weight, targets, dtype, reduction, z_loss, c
     h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
     want = reference(h64, w64, targets, z_loss=z_loss, reduction=reduction)
     upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    upstream = upstream.to(hidden.device)
     want_dh, want_dw = torch.autograd.grad(want, (h64, w64), upstream)
 
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
@@ -60,6 +62,7 @@ def check_against_reference(hidden, weight, targets, dtype, reduction, z_loss, c
     (37, 1000, 33, None),  # one chunk (the default is up to 4·D rows)
     (37, 1000, 16, 8),  # five chunks, the last one short, chunk 8..15 all ignored
     (3, 50304, 16, 2),
+    *on_gpu((4096, 50304, 768, None)),  # two chunks of 2048
 ])
 def test_matches_reference(N, V, D, chunk_size, reduction, z_loss, dtype):
     check_against_reference(*inputs(N, V, D, dtype), dtype, reduction, z_loss, chunk_size)
@@ -147,7 +150,7 @@ def test_rejects_mismatched_dtypes():
 
 
 def test_torch_and_auto_backends_are_the_reference():
-    hidden, weight, targets = inputs(20, 300, 8, torch.float32)
+    hidden, weight, targets = inputs(20, 300, 8, torch.float32, device="cpu")
     want = reference(hidden, weight, targets, z_loss=1e-4)
     for backend in ("torch", "auto"):  # auto on CPU tensors: the reference
         h = hidden.clone().requires_grad_()

@@ -3,25 +3,32 @@
 against torch.nn.RMSNorm (the module the model uses).
 
 The backward splits rows over a few programs in the interpreter (4; one per SM on a GPU), so 37 rows exercise
-uneven row counts per program and the sum of the per-program dweight partials. dweight sums at most 37 rows
-in fp32, too short a reduction to need a wider tolerance: every comparison is unscaled.
+uneven row counts per program and the sum of the per-program dweight partials. On a GPU the main test also
+runs a real model's activations: 4096-8192 rows, hidden 768-8192.
+
+dweight sums every row in fp32, and that rounding error grows like sqrt(rows) while an element near 0 is held
+to the bare atol: at 8192 x 8192 it reached 2.6x the fp32 tolerance (interpreter, 132 programs as on an H100).
+So fp32 dweight gets sqrt(rows / 128) times the tolerance, which is 1 up to 128 rows: every CPU-sized
+comparison is unscaled. bf16's own rounding (2e-2) dwarfs that error at any size.
 """
 
 from __future__ import annotations
+
+from itertools import product
 
 import pytest
 import torch
 
 import kernels.rms_norm
 from kernels.rms_norm import reference, rms_norm
-from kernel_checks import assert_close, poisoned_allocations
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 def check(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5, seed: int = 1) -> None:
     """Run the Triton path under poisoned allocations and compare y, dx, dweight with float64 autograd."""
-    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x.dtype)
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x.device, x.dtype)
     x64 = x.detach().double().requires_grad_()
     w64 = w.detach().double().requires_grad_()
     y64 = reference(x64, w64, eps)
@@ -34,19 +41,22 @@ def check(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5, seed: int = 1) ->
     assert (y.dtype, dx.dtype, dw.dtype) == (x.dtype, x.dtype, w.dtype)
     assert_close(y, y64, x.dtype, "y")
     assert_close(dx, dx64, x.dtype, "dx")
-    assert_close(dw, dw64, w.dtype, "dweight")
+    rows = x.numel() // x.shape[-1]
+    # A sum over every row in fp32: its rounding error grows like sqrt(rows) (module docstring).
+    dw_scale = max(1.0, (rows / 128) ** 0.5) if w.dtype == torch.float32 else 1.0
+    assert_close(dw, dw64, w.dtype, "dweight", scale=dw_scale)
 
 
-def inputs(shape, dtype, w_dtype=None, scale=3.0, seed=0):
+def inputs(shape, dtype, w_dtype=None, scale=3.0, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(shape, generator=g) * scale).to(dtype)
-    w = (1.0 + 0.5 * torch.randn(shape[-1], generator=g)).to(w_dtype or dtype)
+    x = (torch.randn(shape, generator=g) * scale).to(device, dtype)
+    w = (1.0 + 0.5 * torch.randn(shape[-1], generator=g)).to(device, w_dtype or dtype)
     return x, w
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("hidden", [64, 123, 257])
-@pytest.mark.parametrize("rows", [1, 3, 37])
+@pytest.mark.parametrize("rows,hidden", [*product([1, 3, 37], [64, 123, 257]),
+                                         *on_gpu((8192, 768), (4096, 4096), (8192, 8192))])
 def test_rows_and_hidden(rows, hidden, dtype):
     check(*inputs((rows, hidden), dtype))
 
@@ -79,7 +89,7 @@ def test_bf16_input_fp32_weight():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_matches_nn_rmsnorm(dtype):
     x, w = inputs((4, 123), dtype)
-    module = torch.nn.RMSNorm(123, eps=1e-5).to(dtype)
+    module = torch.nn.RMSNorm(123, eps=1e-5).to(DEVICE, dtype)
     with torch.no_grad():
         module.weight.copy_(w)
         y = module(x)
@@ -92,13 +102,18 @@ def test_torch_backend_is_reference():
     assert torch.equal(rms_norm(x, w, 1e-5, backend="torch"), reference(x, w, 1e-5))
 
 
-def test_auto_on_cpu_uses_reference(monkeypatch):
-    def no_kernels(*args):
-        raise AssertionError("backend='auto' launched the Triton kernels for CPU tensors")
+@pytest.mark.parametrize("device", ["cpu", *on_gpu("cuda")])
+def test_auto_uses_kernels_only_on_cuda(monkeypatch, device):
+    launched = []
 
-    monkeypatch.setattr(kernels.rms_norm.RMSNormFunction, "apply", no_kernels)
-    x, w = inputs((3, 123), torch.float32)
+    def record(*args):
+        launched.append(args)
+        return reference(*args)
+
+    monkeypatch.setattr(kernels.rms_norm.RMSNormFunction, "apply", record)
+    x, w = inputs((3, 123), torch.float32, device=device)
     assert torch.equal(rms_norm(x, w, backend="auto"), reference(x, w))
+    assert bool(launched) == (device == "cuda")
 
 
 def test_hidden_too_large_for_one_program():

@@ -2,14 +2,17 @@
 odd head dims, strided inputs, and agreement with the model's own `apply_rope` on its (B, H, T, D) layout.
 
 Tables come from `model.gpt.rope_tables`, so the angles are the ones the model uses. A rotation is one
-multiply-add per element with no reduction, so every comparison uses the unscaled per-dtype tolerance.
+multiply-add per element with no reduction, so every comparison uses the unscaled per-dtype tolerance. On a GPU
+the main test also runs attention-sized q/k: 2048 positions of 32 q / 8 kv heads of 128, and 12 / 12 of 64.
 """
 
 from __future__ import annotations
 
+from itertools import product
+
 import pytest
 import torch
-from kernel_checks import assert_close, poisoned_allocations
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
 import kernels.rope
 from kernels.rope import reference, rope
@@ -19,16 +22,17 @@ DTYPES = [torch.float32, torch.bfloat16]
 MAX_POS = 32
 
 
-def tables(D: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return rope_tables(ModelConfig(vocab_size=1, n_head=1, n_kv_head=1, d_model=D, max_seq_len=MAX_POS))
+def tables(D: int, max_pos: int = MAX_POS, device=DEVICE) -> tuple[torch.Tensor, torch.Tensor]:
+    config = ModelConfig(vocab_size=1, n_head=1, n_kv_head=1, d_model=D, max_seq_len=max_pos)
+    return tuple(t.to(device) for t in rope_tables(config))
 
 
-def inputs(B, T, H, H_kv, D, dtype, seed=0):
+def inputs(B, T, H, H_kv, D, dtype, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, D, generator=g).to(dtype)
-    k = torch.randn(B, T, H_kv, D, generator=g).to(dtype)
-    dq_rot = torch.randn(B, T, H, D, generator=g).to(dtype)
-    dk_rot = torch.randn(B, T, H_kv, D, generator=g).to(dtype)
+    q = torch.randn(B, T, H, D, generator=g).to(device, dtype)
+    k = torch.randn(B, T, H_kv, D, generator=g).to(device, dtype)
+    dq_rot = torch.randn(B, T, H, D, generator=g).to(device, dtype)
+    dk_rot = torch.randn(B, T, H_kv, D, generator=g).to(device, dtype)
     return q, k, dq_rot, dk_rot
 
 
@@ -50,12 +54,12 @@ def check_against_reference(q, k, dq_rot, dk_rot, cos, sin, pos, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("pos", [0, 5])
-@pytest.mark.parametrize("D", [10, 64])
-@pytest.mark.parametrize("H,H_kv", [(4, 4), (4, 2), (6, 1)])
-@pytest.mark.parametrize("T", [1, 17])
-@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("B,T,H,H_kv,D", [
+    *((B, T, H, H_kv, D) for B, T, (H, H_kv), D in product([1, 2], [1, 17], [(4, 4), (4, 2), (6, 1)], [10, 64])),
+    *on_gpu((2, 2048, 32, 8, 128), (2, 2048, 12, 12, 64)),
+])
 def test_matches_reference(B, T, H, H_kv, D, pos, dtype):
-    cos, sin = tables(D)
+    cos, sin = tables(D, max(MAX_POS, pos + T))
     check_against_reference(*inputs(B, T, H, H_kv, D, dtype), cos, sin, pos, dtype)
 
 
@@ -118,15 +122,20 @@ def test_torch_backend_is_reference(dtype):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
-def test_auto_on_cpu_uses_reference(monkeypatch):
-    def no_kernels(*args, **kwargs):
-        raise AssertionError("backend='auto' launched the Triton kernel for CPU tensors")
+@pytest.mark.parametrize("device", ["cpu", *on_gpu("cuda")])
+def test_auto_uses_kernels_only_on_cuda(monkeypatch, device):
+    launched = []
 
-    monkeypatch.setattr(kernels.rope.RoPEFunction, "apply", no_kernels)
-    q, k, _, _ = inputs(1, 3, 2, 1, 6, torch.float32)
-    cos, sin = tables(6)
+    def record(*args):
+        launched.append(args)
+        return reference(*args)
+
+    monkeypatch.setattr(kernels.rope.RoPEFunction, "apply", record)
+    q, k, _, _ = inputs(1, 3, 2, 1, 6, torch.float32, device=device)
+    cos, sin = tables(6, device=device)
     for a, b in zip(rope(q, k, cos, sin, 1), reference(q, k, cos, sin, 1)):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert bool(launched) == (device == "cuda")
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

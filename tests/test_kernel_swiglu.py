@@ -1,8 +1,9 @@
 """SwiGLU kernel: output and both gradients against the float64 reference, on shapes whose element counts are
 not multiples of the block (including one that spans several blocks), strided inputs, and gates large enough
-to saturate the sigmoid at both ends; plus backend selection and the model's own F.silu(gate) * up.
+to saturate the sigmoid at both ends; plus backend selection and the model's own F.silu(gate) * up. On a GPU
+the main test also runs an MLP's real activations (4096 tokens x d_ff 2048 and 11008).
 
-The op is elementwise with no reduction, so every comparison uses the unscaled per-dtype tolerance.
+The op is elementwise with no reduction, so every comparison, at any size, uses the unscaled per-dtype tolerance.
 """
 
 from __future__ import annotations
@@ -13,17 +14,17 @@ import torch.nn.functional as F
 
 import kernels.swiglu
 from kernels.swiglu import reference, swiglu
-from kernel_checks import assert_close, poisoned_allocations
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def inputs(shape, dtype, seed=0):
+def inputs(shape, dtype, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
     # Gates spread over ±12 reach the flat tails of the sigmoid, where silu' has its extremes and sign change.
-    gate = (torch.randn(shape, generator=g) * 4).to(dtype)
-    up = torch.randn(shape, generator=g).to(dtype)
-    dh = torch.randn(shape, generator=g).to(dtype)
+    gate = (torch.randn(shape, generator=g) * 4).to(device, dtype)
+    up = torch.randn(shape, generator=g).to(device, dtype)
+    dh = torch.randn(shape, generator=g).to(device, dtype)
     return gate, up, dh
 
 
@@ -46,7 +47,8 @@ def check(gate: torch.Tensor, up: torch.Tensor, dh: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1,), (3, 37), (1, 123), (2, 5, 257), (3, 1531)])
+@pytest.mark.parametrize("shape", [(1,), (3, 37), (1, 123), (2, 5, 257), (3, 1531),
+                                   *on_gpu((4096, 2048), (4096, 11008))])
 def test_shapes(shape, dtype):
     # (3, 1531) is 4593 elements: one full block of 4096 and a partial second one.
     check(*inputs(shape, dtype))
@@ -71,13 +73,18 @@ def test_torch_backend_is_reference():
     assert torch.equal(swiglu(gate, up, backend="torch"), reference(gate, up))
 
 
-def test_auto_on_cpu_uses_reference(monkeypatch):
-    def no_kernels(*args):
-        raise AssertionError("backend='auto' launched the Triton kernels for CPU tensors")
+@pytest.mark.parametrize("device", ["cpu", *on_gpu("cuda")])
+def test_auto_uses_kernels_only_on_cuda(monkeypatch, device):
+    launched = []
 
-    monkeypatch.setattr(kernels.swiglu.SwiGLUFunction, "apply", no_kernels)
-    gate, up, _ = inputs((3, 37), torch.float32)
+    def record(*args):
+        launched.append(args)
+        return reference(*args)
+
+    monkeypatch.setattr(kernels.swiglu.SwiGLUFunction, "apply", record)
+    gate, up, _ = inputs((3, 37), torch.float32, device=device)
     assert torch.equal(swiglu(gate, up, backend="auto"), reference(gate, up))
+    assert bool(launched) == (device == "cuda")
 
 
 def test_mismatched_inputs_rejected():

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_checks import DEVICE
 from safetensors import safe_open
 
 import model.checkpoint
@@ -442,12 +443,13 @@ def test_generate_checks_args_and_restores_mode():
 
 @pytest.mark.parametrize("arch, kw", [("llama", {"n_kv_head": 1}), ("gpt2", {"n_kv_head": 2})])
 def test_triton_kernels_match_torch(arch, kw):
-    """set_kernels("triton") (in the interpreter here) computes the same loss and gradients as plain torch."""
+    """set_kernels("triton") (natively on a GPU, in the interpreter on a CPU) computes the same loss and gradients
+    as plain torch on the same device."""
     torch.manual_seed(0)
     config = ModelConfig(vocab_size=100, n_layer=2, n_head=2, d_model=32, max_seq_len=17, arch=arch, **kw)
-    plain = GPT(config)
+    plain = GPT(config).to(DEVICE)
     fused = copy.deepcopy(plain).set_kernels("triton")
-    x, y = torch.randint(0, 100, (2, 2, 17))
+    x, y = torch.randint(0, 100, (2, 2, 17)).to(DEVICE)
     y[0, :3] = -100
     for model in (plain, fused):
         model(x, y).backward()
