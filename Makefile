@@ -38,13 +38,13 @@ GPU_STEPS ?=
 GPU_OUT   := metrics/bench/gpu
 
 gpu-wheels: setup
-	$(BIN)/python -m pipeline.gpu_wheels .whl
+	$(BIN)/python -m kiln.pipeline.tools.gpu_wheels .whl
 
 gpu-check:
 	if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
 	  --upgrade --target /tmp/kiln-site .whl/*.whl; else echo 'no wheels in .whl/ (make gpu-wheels): using what python3 has'; fi
-	mkdir -p $(GPU_OUT)
-	bash -c 'set -o pipefail; PYTHONPATH="$(CURDIR):/tmp/kiln-site" PYTHONUNBUFFERED=1 python3 -m pipeline.cli bench gpu \
+	mkdir -p $(GPU_OUT) /tmp/kiln-path && ln -sfn $(CURDIR) /tmp/kiln-path/kiln
+	bash -c 'set -o pipefail; PYTHONPATH="/tmp/kiln-path:/tmp/kiln-site" PYTHONUNBUFFERED=1 python3 -m kiln.pipeline.cli bench gpu \
 	  --size $(GPU_SIZE) $(if $(GPU_STEPS),--steps $(GPU_STEPS)) --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/console.log'; \
 	status=$$?; if [ -n "$$OUT" ]; then tar czf "$$OUT/gpu-check.tgz" $(GPU_OUT); fi; exit $$status
 

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import use_triton
+from kiln.kernels.backend import use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import interpreting, use_triton
+from kiln.kernels.backend import interpreting, use_triton
 
 # log2(e): scores are exponentiated with exp2, so they are kept in log2 units inside the kernels.
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kernels.backend import use_triton
-from kernels.cross_entropy import check_args, loss_and_grad_rows, loss_dtype, reduce, scale_rows_
-from kernels.cross_entropy import reference as ce_reference
+from kiln.kernels.backend import use_triton
+from kiln.kernels.cross_entropy import check_args, loss_and_grad_rows, loss_dtype, reduce, scale_rows_
+from kiln.kernels.cross_entropy import reference as ce_reference
 
 
 def default_chunk_size(n_tokens: int, d_model: int) -> int:

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import use_triton
+from kiln.kernels.backend import use_triton
 
 # One program holds a whole row in registers (already spilling near this size); LLM hidden sizes (768-16384)
 # stay well below, and wider rows would need a loop over column blocks.

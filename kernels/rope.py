@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import use_triton
+from kiln.kernels.backend import use_triton
 
 # Elements of one (rows, heads, half head) tile: big enough that a program's loads are wide and many are in
 # flight on an H100, small enough to stay in registers. Not tuned on a GPU yet.

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import use_triton
+from kiln.kernels.backend import use_triton
 
 # Elements per program: large enough that each thread moves several 16-byte vectors, so launch and index
 # overhead vanish against the memory traffic.

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.gpt import GPT, ModelConfig
+from kiln.model.gpt import GPT, ModelConfig
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from model.gpt import GPT, KVCache
+from kiln.model.gpt import GPT, KVCache
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,

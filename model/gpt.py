@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 # Only the backend switch at import: the kernel modules import Triton, which macOS and Windows lack, so each is
 # imported where a fused path is taken (and Triton is there).
-from kernels.backend import BACKENDS, use_triton
+from kiln.kernels.backend import BACKENDS, use_triton
 
 ARCHS = ("llama", "gpt2")
 REDUCTIONS = ("mean", "sum", "none")
@@ -223,7 +223,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
         # Per-row positions (left padding) come as (B, 1, T, D/2) tables, which the kernel does not take.
         if rope is not None and fused and rope[0].dim() == 2:
-            from kernels.rope import rope as rotate
+            from kiln.kernels.rope import rope as rotate
 
             q, k = rotate(q, k, *rope, backend="triton")
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -231,7 +231,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if fused and cache is None and attn_mask is None and not (self.training and self.dropout):
             # Reads each kv head in place for its query heads: no GQA copy.
-            from kernels.flash_attention import flash_attention
+            from kiln.kernels.flash_attention import flash_attention
 
             y = flash_attention(q, k, v, causal=True, backend="triton")
             return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
@@ -264,7 +264,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_proj is not None and use_triton(self.backend, x):
-            from kernels.swiglu import swiglu
+            from kiln.kernels.swiglu import swiglu
 
             h = swiglu(self.gate_proj(x), self.up_proj(x), backend="triton")
         elif self.gate_proj is not None:
@@ -281,7 +281,7 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if use_triton(self.backend, x):
-            from kernels.rms_norm import rms_norm
+            from kiln.kernels.rms_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, backend="triton")
         return super().forward(x)
@@ -411,7 +411,7 @@ class GPT(nn.Module):
         if torch.is_autocast_enabled(h.device.type):  # a custom kernel is not autocast: cast as the matmul would
             dtype = torch.get_autocast_dtype(h.device.type)
             h, weight = h.to(dtype), weight.to(dtype)
-        from kernels.linear_cross_entropy import linear_cross_entropy
+        from kiln.kernels.linear_cross_entropy import linear_cross_entropy
 
         loss = linear_cross_entropy(h.reshape(B * T, D), weight, targets.reshape(B * T), reduction=reduction,
                                     backend="triton").float()

@@ -13,8 +13,8 @@ from typing import Annotated
 
 import typer
 
-from pipeline.errors import KilnError
-from pipeline.progress import console
+from kiln.pipeline.errors import KilnError
+from kiln.pipeline.progress import console
 
 app = typer.Typer(help="kiln: an LLM training pipeline, one command per DVC stage.", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False)
@@ -63,8 +63,9 @@ def reports_errors(fn):
 @reports_errors
 def data_prepare(params: ParamsOpt = PARAMS, set_: SetOpt = [], out: OutOpt = Path("data/corpus")):
     """Build train/val parquet files from `data.source` (stage `prepare`)."""
-    from pipeline.params import DataParams, load_section
-    from pipeline.prepare import prepare
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.text.prepare import prepare
+    from kiln.pipeline.text.sources import DataParams
 
     metrics = prepare(load_section(DataParams, params, set_), out)
     _print_metrics("prepare", metrics)
@@ -75,8 +76,8 @@ def data_prepare(params: ParamsOpt = PARAMS, set_: SetOpt = [], out: OutOpt = Pa
 def data_shard(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: CorpusOpt = CORPUS,
                tokenizer: TokenizerOpt = TOKENIZER, out: OutOpt = Path("data/shards")):
     """Tokenize both splits into binary shards and a manifest (stage `shard`)."""
-    from pipeline.params import ShardParams, load_section
-    from pipeline.shard import shard
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.text.shard import ShardParams, shard
 
     metrics = shard(load_section(ShardParams, params, set_), corpus, tokenizer, out)
     _print_metrics("shard", metrics)
@@ -88,8 +89,8 @@ def data_inspect(path: Annotated[Path, typer.Argument(help="A shard file (.bin).
                  tokenizer: TokenizerOpt = TOKENIZER,
                  tokens: Annotated[int, typer.Option("-n", "--tokens", help="How many tokens to decode.")] = 64):
     """Print a shard's header, token count and its first tokens decoded."""
-    from pipeline.shard_format import ShardHeader, open_tokens
-    from pipeline.tokenizer import load_tokenizer
+    from kiln.pipeline.text.shard_format import ShardHeader, open_tokens
+    from kiln.pipeline.text.tokens import load_tokenizer
 
     header = ShardHeader.read(path)
     ids = [int(i) for i in open_tokens(path, header)[:tokens]]
@@ -107,8 +108,8 @@ def data_inspect(path: Annotated[Path, typer.Argument(help="A shard file (.bin).
 def tokenizer_train(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: CorpusOpt = CORPUS,
                     out: OutOpt = Path("data/tokenizer")):
     """Train the byte-level BPE on the train split, or build GPT-2's with `source=gpt2` (stage `tokenizer`)."""
-    from pipeline.params import TokenizerParams, load_section
-    from pipeline.tokenizer import train_tokenizer
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.text.tokenizer import TokenizerParams, train_tokenizer
 
     metrics = train_tokenizer(load_section(TokenizerParams, params, set_), corpus, out)
     _print_metrics("tokenizer", metrics)
@@ -119,9 +120,9 @@ def tokenizer_train(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: Corpu
 def tokenizer_encode(text: Annotated[str, typer.Argument(help="Text to encode ('-' reads stdin).")],
                      tokenizer: TokenizerOpt = TOKENIZER):
     """Print the ids of TEXT, then its pieces (special-token text becomes the special token)."""
-    from pipeline.errors import UserError
-    from pipeline.prepare import SURROGATE
-    from pipeline.tokenizer import load_tokenizer, token_bytes
+    from kiln.pipeline.errors import UserError
+    from kiln.pipeline.text.corpus import SURROGATE
+    from kiln.pipeline.text.tokens import load_tokenizer, token_bytes
 
     tok = load_tokenizer(tokenizer)
     text = sys.stdin.read() if text == "-" else text
@@ -139,8 +140,8 @@ def tokenizer_encode(text: Annotated[str, typer.Argument(help="Text to encode ('
 def tokenizer_decode(ids: Annotated[list[str], typer.Argument(help="Token ids, space- or comma-separated.")],
                      tokenizer: TokenizerOpt = TOKENIZER):
     """Print the text of token IDS."""
-    from pipeline.errors import UserError
-    from pipeline.tokenizer import load_tokenizer
+    from kiln.pipeline.errors import UserError
+    from kiln.pipeline.text.tokens import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     words = [w for item in ids for w in item.replace(",", " ").split()]
@@ -163,11 +164,12 @@ def train_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
 
     Reads the `model` and `train` sections; `--set` takes `model.*` and `train.*` keys (bare keys mean train).
     With `train.nproc_per_node` > 1 it starts itself under torchrun on this machine; run it under your own
-    `torchrun` (`torchrun ... -m pipeline.cli train`) for several machines.
+    `torchrun` (`torchrun ... -m kiln.pipeline.cli train`) for several machines.
     """
-    from pipeline import distributed
-    from pipeline.params import ModelParams, TrainParams, load_sections
-    from pipeline.pretrain import pretrain
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.train import distributed
+    from kiln.pipeline.train.params import ModelParams, TrainParams
+    from kiln.pipeline.train.pretrain import pretrain
 
     train, model = load_sections((TrainParams, ModelParams), params, set_)
     world = distributed.from_env()
@@ -193,8 +195,10 @@ def sft_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     Reads the `sft` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
     mean sft.
     """
-    from pipeline.params import SFTParams, TrainParams, load_sections
-    from pipeline.sft import sft
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.post.params import SFTParams
+    from kiln.pipeline.post.sft import sft
+    from kiln.pipeline.train.params import TrainParams
 
     sft_params, train = load_sections((SFTParams, TrainParams), params, set_)
     _print_metrics("sft", sft(sft_params, train, base, tokenizer, corpus, out, checkpoints))
@@ -213,8 +217,10 @@ def dpo_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     Reads the `dpo` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
     mean dpo.
     """
-    from pipeline.dpo import dpo
-    from pipeline.params import DPOParams, TrainParams, load_sections
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.post.dpo import dpo
+    from kiln.pipeline.post.params import DPOParams
+    from kiln.pipeline.train.params import TrainParams
 
     dpo_params, train = load_sections((DPOParams, TrainParams), params, set_)
     _print_metrics("dpo", dpo(dpo_params, train, sft_model, tokenizer, corpus, out, checkpoints))
@@ -237,8 +243,10 @@ def eval_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     Reads the `eval` section, `train` for the device, precision and kernels, and `sft`/`dpo` for their held-out
     data; bare `--set` keys mean eval.
     """
-    from pipeline.evaluate import evaluate
-    from pipeline.params import DPOParams, EvalParams, SFTParams, TrainParams, load_sections
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.evals.evaluate import EvalParams, evaluate
+    from kiln.pipeline.post.params import DPOParams, SFTParams
+    from kiln.pipeline.train.params import TrainParams
 
     eval_params, train, sft_params, dpo_params = load_sections((EvalParams, TrainParams, SFTParams, DPOParams), params,
                                                                set_)
@@ -260,8 +268,8 @@ def generate_command(
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Continue each --prompt with a trained model, stopping at <|endoftext|>."""
-    from pipeline.sample import Sampling, TextModel
-    from pipeline.train import pick_device
+    from kiln.pipeline.evals.sampling import Sampling, TextModel
+    from kiln.pipeline.train.loop import pick_device
 
     lm = TextModel(model, tokenizer, pick_device(device))
     outs = lm.complete(prompt, Sampling(max_new_tokens, temperature, top_k, top_p, seed))
@@ -287,8 +295,8 @@ def chat_command(
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Talk to a chat model: each line you type is a user turn, the answer streams back (/reset starts over,
     /quit or end of input stops)."""
-    from pipeline.sample import ChatSession, Sampling, TextModel
-    from pipeline.train import pick_device
+    from kiln.pipeline.evals.sampling import ChatSession, Sampling, TextModel
+    from kiln.pipeline.train.loop import pick_device
 
     session = ChatSession(TextModel(model, tokenizer, pick_device(device)),
                           Sampling(max_new_tokens, temperature, top_k, top_p, seed), system)
@@ -327,8 +335,10 @@ def scaling_sweep_command(
     Reads the `scaling`, `model` (arch, sequence length) and `train` (optimiser) sections; bare `--set` keys mean
     scaling.
     """
-    from pipeline.params import ModelParams, ScalingParams, TrainParams, load_sections
-    from pipeline.scaling_sweep import sweep
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.scaling.params import ScalingParams
+    from kiln.pipeline.scaling.sweep import sweep
+    from kiln.pipeline.train.params import ModelParams, TrainParams
 
     scaling, model, train = load_sections((ScalingParams, ModelParams, TrainParams), params, set_)
     _print_metrics("scaling sweep", sweep(scaling, model, train, shards, tokenizer, out, checkpoints))
@@ -346,8 +356,10 @@ def scaling_size_command(
 
     Reads the `scaling` and `model` sections; bare `--set` keys mean scaling.
     """
-    from pipeline.params import ModelParams, ScalingParams, load_sections
-    from pipeline.scaling_size import scaling_size
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.scaling.params import ScalingParams
+    from kiln.pipeline.scaling.size import scaling_size
+    from kiln.pipeline.train.params import ModelParams
 
     scaling, model = load_sections((ScalingParams, ModelParams), params, set_)
     scaling_size(scaling, model, fit, tokenizer, out)
@@ -367,7 +379,7 @@ def scaling_fit_command(
         metrics: Annotated[Path | None, typer.Option(help="Also write the fitted scalars here, for dvc metrics.")]
         = None):
     """Fit IsoFLOP profiles (approach 2) and L(N, D) = E + A/N^alpha + B/D^beta (approach 3) to finished runs."""
-    from pipeline.scaling_fit import print_summary, scaling_fit
+    from kiln.pipeline.scaling.fit import print_summary, scaling_fit
 
     print_summary(scaling_fit(runs, out, target_flops, plots, bootstrap, seed, metrics), out)
 
@@ -380,7 +392,7 @@ def bench_shard(corpus: CorpusOpt = CORPUS, tokenizer: TokenizerOpt = TOKENIZER,
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                 Path("metrics/bench/shard.json")):
     """Sharding throughput against a single-process loop over HF `Tokenizer.encode`, in one run."""
-    from pipeline.bench import bench_shard as run
+    from kiln.pipeline.tools.bench import bench_shard as run
 
     run(corpus, tokenizer, split, max_mb, out)
 
@@ -411,9 +423,10 @@ def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     A step is forward, backward, clipping and AdamW on random token ids, for the shape in the `model` section
     (`--set model.key=value` changes it).
     """
-    from pipeline.bench_train import bench_train as run
-    from pipeline.bench_train import parse_variants
-    from pipeline.params import ModelParams, load_section
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.tools.bench_train import bench_train as run
+    from kiln.pipeline.tools.bench_train import parse_variants
+    from kiln.pipeline.train.params import ModelParams
 
     run(load_section(ModelParams, params, set_), parse_variants(variants, kernels), vocab_size, batch_size, seq_len,
         steps, warmup, device, out)
@@ -437,8 +450,9 @@ def bench_generate(params: ParamsOpt = PARAMS, set_: SetOpt = [],
                    out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                    Path("metrics/bench/generate.json")):
     """Prefill and decode tokens/s of generation with and without the KV cache, for each batch size, in one run."""
-    from pipeline.bench_generate import bench_generate as run
-    from pipeline.params import ModelParams, load_section
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.tools.bench_generate import bench_generate as run
+    from kiln.pipeline.train.params import ModelParams
 
     try:
         sizes = [int(b) for b in batch_sizes.split(",")]
@@ -463,7 +477,7 @@ def bench_kernels(ops: Annotated[str | None, typer.Option(
                   Path("metrics/bench/kernels.json")):
     """Each Triton kernel vs torch eager, torch.compile and Liger-Kernel: ms, GB/s, % of copy bandwidth, peak
     memory, goal met (CUDA; `--size smoke` on CPU)."""
-    from pipeline.bench_kernels import bench_kernels as run
+    from kiln.pipeline.tools.bench_kernels import bench_kernels as run
 
     run(ops.split(",") if ops else None, size, compile_baseline, out)
 
@@ -484,7 +498,7 @@ def bench_gpu(size: Annotated[str, typer.Option(
               = None):
     """The GPU session's whole measurement in one command: native kernel tests, kernel, train-step and generation
     benchmarks, and a real pretrain run of the GPT-2 124M shape; exits 1 if any step failed."""
-    from pipeline.bench_gpu import bench_gpu as run
+    from kiln.pipeline.tools.bench_gpu import bench_gpu as run
 
     summary = run(size, steps.split(",") if steps else None, out, work)
     if any(step["status"] != "ok" for step in summary["steps"]):
@@ -499,7 +513,7 @@ def convert_from_hf(
         out: Annotated[Path, typer.Argument(help="The kiln model folder to write (replaced whole).")]):
     """Convert a GPT2LMHeadModel or LlamaForCausalLM into a kiln model folder (with its tokenizer.json, if any),
     refusing any setting kiln's model would not compute exactly."""
-    from pipeline.convert import from_hf
+    from kiln.pipeline.tools.convert import from_hf
 
     from_hf(src, out)
 
@@ -512,7 +526,7 @@ def convert_to_hf(
         tokenizer: Annotated[Path | None, typer.Option(help="The model's tokenizer.json (default: MODEL/tokenizer.json "
                                                             "if there, else data/tokenizer/tokenizer.json).")] = None):
     """Convert a kiln model into a folder that transformers' AutoModelForCausalLM and AutoTokenizer load."""
-    from pipeline.convert import to_hf
+    from kiln.pipeline.tools.convert import to_hf
 
     if tokenizer is None:
         tokenizer = model / "tokenizer.json" if (model / "tokenizer.json").is_file() else TOKENIZER
@@ -535,5 +549,5 @@ def main() -> None:
     app()
 
 
-if __name__ == "__main__":  # `python -m pipeline.cli`, as torchrun starts it
+if __name__ == "__main__":  # `python -m kiln.pipeline.cli`, as torchrun starts it
     main()

@@ -17,10 +17,11 @@ import yaml
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pipeline.params import DataParams, ShardParams, TokenizerParams, build_section
-from pipeline.prepare import prepare
-from pipeline.shard import shard
-from pipeline.tokenizer import train_tokenizer
+from kiln.pipeline.config import build_section
+from kiln.pipeline.text.prepare import prepare
+from kiln.pipeline.text.shard import ShardParams, shard
+from kiln.pipeline.text.sources import DataParams
+from kiln.pipeline.text.tokenizer import TokenizerParams, train_tokenizer
 
 # Under `pytest -n 2` on two cores each worker would start a full torch thread pool and oversubscribe the CPU
 # (tiny ops measured ~50x slower); one intra-op thread per worker keeps every core busy exactly once.

@@ -7,11 +7,12 @@ import json
 import sys
 
 import pytest
-from conftest import write_params
 from typer.testing import CliRunner
 
-from model import GPT, ModelConfig, save_model
-from pipeline.cli import app
+from kiln.model import GPT, ModelConfig, save_model
+from kiln.pipeline.cli import app
+
+from conftest import write_params
 
 TINY = {"n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "max_seq_len": 24}
 ARGS = ["--vocab-size", "300", "--batch-sizes", "1,3", "--prompt-len", "5", "--new-tokens", "6", "--repeats", "1",
@@ -69,4 +70,4 @@ def test_imports_without_the_data_stack(monkeypatch):
         monkeypatch.delitem(sys.modules, name)
     for name in ("dvc", "dvclive", "datasets", "tokenizers", "tiktoken", "pyarrow"):
         monkeypatch.setitem(sys.modules, name, None)
-    importlib.import_module("pipeline.bench_generate")
+    importlib.import_module("kiln.pipeline.tools.bench_generate")

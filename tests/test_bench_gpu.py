@@ -9,9 +9,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from pipeline.bench_gpu import STEPS
-from pipeline.bench_kernels import OPS
-from pipeline.cli import app
+from kiln.pipeline.cli import app
+from kiln.pipeline.tools.bench_gpu import STEPS
+from kiln.pipeline.tools.bench_kernels import OPS
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,8 @@ def test_kernel_table_has_every_op_and_baseline(smoke):
     assert report["size"] == "smoke" and "interpreter" in report["device_name"]
     assert [row["op"] for row in report["results"]] == list(OPS) and set(report["goals"]) == set(OPS)
     for row in report["results"]:
-        assert row["timings"]["triton"]["fwd_bwd_ms"] > 0 and row["fwd_bwd_speedup_vs_eager"] > 0
+        assert row["timings"]["triton"]["fwd_bwd_ms"] > 0 and row["timings"]["eager"]["fwd_bwd_ms"] > 0
+        assert "fwd_bwd_speedup_vs_eager" in row  # ~0 here: the interpreter against compiled torch
         assert "fwd_bwd_gbs" in row or "fwd_bwd_tflops" in row
         assert row["goal_met"] is None  # no peak memory on a CPU, so no verdict either way
 
@@ -86,7 +87,7 @@ def test_bad_options_exit_2_naming_them(tmp_path, monkeypatch, args, named):
 def test_a_failing_or_hanging_step_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):
     import sys
 
-    from pipeline import bench_gpu
+    from kiln.pipeline.tools import bench_gpu
 
     steps = [bench_gpu.Step("tests", [[sys.executable, "-c", "raise SystemExit(3)"]]),
              bench_gpu.Step("kernels", [[sys.executable, "-c", "import time; time.sleep(60)"]]),

@@ -5,8 +5,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from pipeline.bench_kernels import Case, _row, goal_met
-from pipeline.cli import app
+from kiln.pipeline.cli import app
+from kiln.pipeline.tools.bench_kernels import Case, _row, goal_met
 
 
 def test_without_cuda_it_says_it_needs_a_gpu(monkeypatch, tmp_path):

@@ -7,12 +7,13 @@ import json
 import sys
 
 import pytest
-from conftest import write_params
 from typer.testing import CliRunner
 
-from model import GPT, ModelConfig
-from pipeline.cli import app
-from pipeline.throughput import measured_cpu_peak
+from kiln.model import GPT, ModelConfig
+from kiln.pipeline.cli import app
+from kiln.pipeline.train.throughput import measured_cpu_peak
+
+from conftest import write_params
 
 TINY = {"n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 32, "max_seq_len": 32}
 ARGS = ["--vocab-size", "300", "--seq-len", "16", "--batch-size", "2", "--steps", "2", "--warmup", "1",
@@ -74,6 +75,6 @@ def test_imports_without_the_data_stack(monkeypatch):
         monkeypatch.delitem(sys.modules, name)  # re-imported below, restored afterwards
     for name in ("dvc", "dvclive", "datasets", "tokenizers", "tiktoken", "pyarrow"):
         monkeypatch.setitem(sys.modules, name, None)  # any import of it now fails
-    for module in ("pipeline.bench_train", "pipeline.bench_kernels", "pipeline.bench_generate", "pipeline.bench_gpu",
-                   "pipeline.cli"):
+    for module in ("kiln.pipeline.tools.bench_train", "kiln.pipeline.tools.bench_kernels", "kiln.pipeline.tools.bench_generate", "kiln.pipeline.tools.bench_gpu",
+                   "kiln.pipeline.cli"):
         importlib.import_module(module)

@@ -6,10 +6,10 @@ import re
 import pytest
 import torch
 
-from pipeline.chat import ChatFormat
-from pipeline.dpo import dpo_loss
-from pipeline.posttrain import IGNORE, ExampleBatches, held_out
-from pipeline.tokenizer import load_tokenizer
+from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.post.common import IGNORE, ExampleBatches, held_out
+from kiln.pipeline.post.dpo import dpo_loss
+from kiln.pipeline.text.tokens import load_tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "You answer in verse."},

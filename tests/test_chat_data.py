@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from pipeline.chat_data import Pair, detect_format, load_conversations, load_pairs, read_rows
-from pipeline.errors import UserError
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.post.chat_data import Pair, detect_format, load_conversations, load_pairs, read_rows
 
 
 def raw_rows(path):

@@ -5,17 +5,18 @@ import shutil
 
 import pytest
 import torch
-from conftest import make_documents
 from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from model import GPT, ModelConfig, load_model, save_model
-from model import generate as kiln_generate
-from pipeline.chat import IM_END, ChatFormat
-from pipeline.cli import app
-from pipeline.files import sha256_file
-from pipeline.tokenizer import EOT, load_tokenizer
+from kiln.model import GPT, ModelConfig, load_model, save_model
+from kiln.model import generate as kiln_generate
+from kiln.pipeline.cli import app
+from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.post.chat_format import IM_END, ChatFormat
+from kiln.pipeline.text.tokens import EOT, load_tokenizer
+
+from conftest import make_documents
 
 transformers = pytest.importorskip("transformers")
 

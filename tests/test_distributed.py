@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 from test_train import cli_project, kiln, run
 
-from pipeline.curves import metric_files, read_metric
+from kiln.pipeline.train.curves import metric_files, read_metric
 
 SHAPE = {"batch_tokens": 256, "max_steps": 8, "checkpoint_every": 4, "log_every": 1}  # 2 micro-steps per step
 
@@ -31,7 +31,7 @@ def losses(root):
 
 def torchrun(root, *args):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                           "-m", "pipeline.cli", *args], cwd=root, capture_output=True, text=True)
+                           "-m", "kiln.pipeline.cli", *args], cwd=root, capture_output=True, text=True)
     done.output = done.stdout + done.stderr
     return done
 

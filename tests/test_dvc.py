@@ -46,7 +46,7 @@ def project(tmp_path):
     root.mkdir()
     for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
         shutil.copy(REPO / name, root / name)
-    for package in ("pipeline", "model"):
+    for package in ("pipeline", "model", "kernels"):
         shutil.copytree(REPO / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / ".dvc", root / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache", "config.local"))
     corpus = tmp_path / "corpus"

@@ -11,12 +11,12 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from model import GPT, ModelConfig, save_model
-from pipeline.cli import app
-from pipeline.eval_tasks import MCItem
-from pipeline.files import sha256_file
-from pipeline.scoring import ChoiceTask, encode_request
-from pipeline.tokenizer import EOT, load_tokenizer
+from kiln.model import GPT, ModelConfig, save_model
+from kiln.pipeline.cli import app
+from kiln.pipeline.evals.scoring import ChoiceTask, encode_request
+from kiln.pipeline.evals.tasks import MCItem
+from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.text.tokens import EOT, load_tokenizer
 
 
 def scrambled(vocab_size: int, max_seq_len: int, seed: int = 0) -> GPT:

@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from pipeline.errors import UserError
-from pipeline.eval_tasks import TASK_FORMATS, MCItem, TaskSpec, detect_task_format, load_task
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.evals.tasks import TASK_FORMATS, MCItem, TaskSpec, detect_task_format, load_task
 
 KEY = "eval.tasks[2]"
 KEY_RE = re.escape(KEY)

@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
-from kernels.cross_entropy import cross_entropy, reference
+from kiln.kernels.cross_entropy import cross_entropy, reference
+
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
 DTYPES = [torch.float32, torch.bfloat16]
 REDUCTIONS = ["mean", "sum", "none"]

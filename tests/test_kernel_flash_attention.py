@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
-import kernels.flash_attention as fa
-from kernels.flash_attention import flash_attention, reference
+import kiln.kernels.flash_attention as fa
+from kiln.kernels.flash_attention import flash_attention, reference
+
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from kernels.linear_cross_entropy import default_chunk_size, linear_cross_entropy, reference
+from kiln.kernels.linear_cross_entropy import default_chunk_size, linear_cross_entropy, reference
+
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
 DTYPES = [torch.float32, torch.bfloat16]
 REDUCTIONS = ["mean", "sum", "none"]

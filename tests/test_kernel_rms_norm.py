@@ -19,8 +19,9 @@ from itertools import product
 import pytest
 import torch
 
-import kernels.rms_norm
-from kernels.rms_norm import reference, rms_norm
+import kiln.kernels.rms_norm
+from kiln.kernels.rms_norm import reference, rms_norm
+
 from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -110,13 +111,13 @@ def test_auto_uses_kernels_only_on_cuda(monkeypatch, device):
         launched.append(args)
         return reference(*args)
 
-    monkeypatch.setattr(kernels.rms_norm.RMSNormFunction, "apply", record)
+    monkeypatch.setattr(kiln.kernels.rms_norm.RMSNormFunction, "apply", record)
     x, w = inputs((3, 123), torch.float32, device=device)
     assert torch.equal(rms_norm(x, w, backend="auto"), reference(x, w))
     assert bool(launched) == (device == "cuda")
 
 
 def test_hidden_too_large_for_one_program():
-    x, w = inputs((1, kernels.rms_norm.MAX_HIDDEN + 1), torch.float32)
+    x, w = inputs((1, kiln.kernels.rms_norm.MAX_HIDDEN + 1), torch.float32)
     with pytest.raises(ValueError, match="hidden size"):
         rms_norm(x, w, backend="triton")

@@ -1,7 +1,7 @@
 """RoPE kernel: outputs and q/k gradients against the float64 reference, GQA head counts, position offsets,
 odd head dims, strided inputs, and agreement with the model's own `apply_rope` on its (B, H, T, D) layout.
 
-Tables come from `model.gpt.rope_tables`, so the angles are the ones the model uses. A rotation is one
+Tables come from `kiln.model.gpt.rope_tables`, so the angles are the ones the model uses. A rotation is one
 multiply-add per element with no reduction, so every comparison uses the unscaled per-dtype tolerance. On a GPU
 the main test also runs attention-sized q/k: 2048 positions of 32 q / 8 kv heads of 128, and 12 / 12 of 64.
 """
@@ -12,11 +12,12 @@ from itertools import product
 
 import pytest
 import torch
-from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
-import kernels.rope
-from kernels.rope import reference, rope
-from model.gpt import ModelConfig, apply_rope, rope_tables
+import kiln.kernels.rope
+from kiln.kernels.rope import reference, rope
+from kiln.model.gpt import ModelConfig, apply_rope, rope_tables
+
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
 DTYPES = [torch.float32, torch.bfloat16]
 MAX_POS = 32
@@ -75,7 +76,7 @@ def test_small_tiles(monkeypatch, tile, H, H_kv, D):
     """At test sizes one program holds every row and head; a small tile forces what large models hit: one row
     per program and loops over head blocks, the last one partial (32: 6 q heads in blocks of 4; 64: 3 k heads
     in blocks of 2), or several programs with a partial last row block (128: 34 rows in blocks of 4)."""
-    monkeypatch.setattr(kernels.rope, "TILE_ELEMENTS", tile)
+    monkeypatch.setattr(kiln.kernels.rope, "TILE_ELEMENTS", tile)
     cos, sin = tables(D)
     check_against_reference(*inputs(2, 17, H, H_kv, D, torch.float32), cos, sin, 5, torch.float32)
 
@@ -130,7 +131,7 @@ def test_auto_uses_kernels_only_on_cuda(monkeypatch, device):
         launched.append(args)
         return reference(*args)
 
-    monkeypatch.setattr(kernels.rope.RoPEFunction, "apply", record)
+    monkeypatch.setattr(kiln.kernels.rope.RoPEFunction, "apply", record)
     q, k, _, _ = inputs(1, 3, 2, 1, 6, torch.float32, device=device)
     cos, sin = tables(6, device=device)
     for a, b in zip(rope(q, k, cos, sin, 1), reference(q, k, cos, sin, 1)):

@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels.swiglu
-from kernels.swiglu import reference, swiglu
+import kiln.kernels.swiglu
+from kiln.kernels.swiglu import reference, swiglu
+
 from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -81,7 +82,7 @@ def test_auto_uses_kernels_only_on_cuda(monkeypatch, device):
         launched.append(args)
         return reference(*args)
 
-    monkeypatch.setattr(kernels.swiglu.SwiGLUFunction, "apply", record)
+    monkeypatch.setattr(kiln.kernels.swiglu.SwiGLUFunction, "apply", record)
     gate, up, _ = inputs((3, 37), torch.float32, device=device)
     assert torch.equal(swiglu(gate, up, backend="auto"), reference(gate, up))
     assert bool(launched) == (device == "cuda")

@@ -14,11 +14,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_checks import DEVICE
 from safetensors import safe_open
 
-import model.checkpoint
-from model import GPT, KVCache, ModelConfig, generate, load_config, load_model, save_model
+import kiln.model.checkpoint
+from kiln.model import GPT, KVCache, ModelConfig, generate, load_config, load_model, save_model
+
+from kernel_checks import DEVICE
 
 ARCHS = ["llama", "gpt2"]
 V = 300
@@ -322,9 +323,9 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, fail_in):
         raise OSError("disk full")
 
     if fail_in == "save_file":
-        monkeypatch.setattr(model.checkpoint, "save_file", boom)
+        monkeypatch.setattr(kiln.model.checkpoint, "save_file", boom)
     else:
-        monkeypatch.setattr(model.checkpoint, "_fsync", boom)  # after both files are written, before rename
+        monkeypatch.setattr(kiln.model.checkpoint, "_fsync", boom)  # after both files are written, before rename
     new = make(seed=1)
     with pytest.raises(OSError, match="disk full"):
         save_model(new, new.config, out, {"run": 2})

@@ -1,4 +1,4 @@
-"""params.yaml loading and validation (pipeline/params.py) and how the CLI reports a bad value.
+"""params.yaml loading and validation (pipeline/config.py and the dataclass beside each stage) and how the CLI reports a bad value.
 
 Every bad key or value must stop the command with a `UserError` naming the dotted key, before any work; the
 CLI turns that into exit code 2 and one line on stderr.
@@ -12,21 +12,17 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import write_params
 from typer.testing import CliRunner
 
-from pipeline.cli import app
-from pipeline.errors import UserError
-from pipeline.params import (
-    SECTIONS,
-    DataParams,
-    ShardParams,
-    TokenizerParams,
-    build_section,
-    load_section,
-    read_params_file,
-)
-from pipeline.tokenizer import SPECIAL_TOKENS
+from kiln.pipeline.cli import app
+from kiln.pipeline.config import SECTIONS, build_section, load_section, read_params_file
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.text.shard import ShardParams
+from kiln.pipeline.text.sources import DataParams
+from kiln.pipeline.text.tokenizer import TokenizerParams
+from kiln.pipeline.text.tokens import SPECIAL_TOKENS
+
+from conftest import write_params
 
 REPO = Path(__file__).resolve().parents[1]
 KILN = Path(sys.executable).parent / "kiln"

@@ -9,15 +9,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from model import GPT, ModelConfig, generate, load_model, save_model
-from pipeline.chat import ChatFormat
-from pipeline.cli import app
-from pipeline.corpus_task import task_items
-from pipeline.dpo import dpo
-from pipeline.files import sha256_file
-from pipeline.params import DPOParams, SFTParams, TrainParams, build_section
-from pipeline.sft import sft
-from pipeline.tokenizer import load_tokenizer
+from kiln.model import GPT, ModelConfig, generate, load_model, save_model
+from kiln.pipeline.cli import app
+from kiln.pipeline.config import build_section
+from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.post.corpus_task import task_items
+from kiln.pipeline.post.dpo import dpo
+from kiln.pipeline.post.params import DPOParams, SFTParams
+from kiln.pipeline.post.sft import sft
+from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.train.params import TrainParams
 
 ANSWERS = ["Claudius", "Gertrude", "Ophelia", "Polonius", "Laertes", "Horatio", "Yorick", "Osric"]
 TRAIN = {"device": "cpu", "keep_checkpoints": 1}

@@ -1,4 +1,4 @@
-"""Stage `prepare` (pipeline/prepare.py, pipeline/sources.py): raw documents -> train/val parquet + metrics.
+"""Stage `prepare` (pipeline/text/prepare.py, pipeline/text/sources.py): raw documents -> train/val parquet + metrics.
 
 Fixtures are written on the fly into tmp_path; every test chdirs there because the stage writes
 `metrics/prepare.json` relative to the working directory. Expected values come from the fixtures themselves
@@ -18,10 +18,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.errors import UserError
-from pipeline.params import DataParams, build_section
-from pipeline.prepare import prepare
-from pipeline.sources import split_scenes
+from kiln.pipeline.config import build_section
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.text.prepare import prepare
+from kiln.pipeline.text.sources import DataParams, split_scenes
 
 METRICS = Path("metrics/prepare.json")
 

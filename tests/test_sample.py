@@ -4,12 +4,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from model import GPT, ModelConfig, generate, save_model
-from pipeline.cli import app
-from pipeline.errors import UserError
-from pipeline.files import sha256_file
-from pipeline.sample import Sampling, TextModel
-from pipeline.tokenizer import EOT, load_tokenizer
+from kiln.model import GPT, ModelConfig, save_model
+from kiln.pipeline.cli import app
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.evals.sampling import Sampling, TextModel
+from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.text.tokens import EOT, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.cli import app
-from pipeline.scaling_fit import (
-    Runs,
-    compute_optimal,
-    isoflop_fit,
-    load_runs,
-    natural,
-    parametric_fit,
-    predict,
-)
+from kiln.pipeline.cli import app
+from kiln.pipeline.scaling.fit import Runs, isoflop_fit, load_runs, natural, parametric_fit
+from kiln.pipeline.scaling.laws import compute_optimal, predict
 
 # Chinchilla's published fit (Hoffmann et al. 2022, eq. 10): realistic magnitudes for every parameter.
 TRUE = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}

@@ -11,15 +11,18 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-import pipeline.scaling_sweep as scaling_sweep
-from model import GPT
-from pipeline.cli import app
-from pipeline.errors import UserError
-from pipeline.params import ModelParams, ScalingParams, TrainParams, build_section
-from pipeline.pretrain import pretrain
-from pipeline.scaling_fit import compute_optimal
-from pipeline.scaling_size import choose_size, count_params
-from pipeline.scaling_sweep import COLUMNS, plan, sweep
+import kiln.pipeline.scaling.sweep as scaling_sweep
+from kiln.model import GPT
+from kiln.pipeline.cli import app
+from kiln.pipeline.config import build_section
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.scaling.choice import count_params
+from kiln.pipeline.scaling.laws import compute_optimal
+from kiln.pipeline.scaling.params import ScalingParams
+from kiln.pipeline.scaling.size import choose_size
+from kiln.pipeline.scaling.sweep import COLUMNS, plan, sweep
+from kiln.pipeline.train.params import ModelParams, TrainParams
+from kiln.pipeline.train.pretrain import pretrain
 
 MODEL = {"max_seq_len": 16}
 TRAIN = {"batch_size": 4, "lr": 1e-2, "min_lr": 1e-3, "device": "cpu", "log_every": 5, "checkpoint_every": 10}

@@ -9,14 +9,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from kiln.pipeline.cli import app
+from kiln.pipeline.config import build_section
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.text.loader import ShardSet, TokenBatches
+from kiln.pipeline.text.shard import ShardParams, shard
+from kiln.pipeline.text.shard_format import HEADER_BYTES
+from kiln.pipeline.text.tokens import load_tokenizer
+
 from conftest import build
-from pipeline.cli import app
-from pipeline.errors import UserError
-from pipeline.loader import ShardSet, TokenBatches
-from pipeline.params import ShardParams, build_section
-from pipeline.shard import shard
-from pipeline.shard_format import HEADER_BYTES
-from pipeline.tokenizer import load_tokenizer
 
 B, T = 4, 16
 

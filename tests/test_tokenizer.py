@@ -5,9 +5,10 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
+from kiln.pipeline.cli import app
+from kiln.pipeline.text.tokens import SPECIAL_TOKENS, load_tokenizer, tiktoken_encoding
+
 from conftest import build, make_documents
-from pipeline.cli import app
-from pipeline.tokenizer import SPECIAL_TOKENS, load_tokenizer, tiktoken_encoding
 
 TRICKY = [
     "",

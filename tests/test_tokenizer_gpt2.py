@@ -21,23 +21,17 @@ import tiktoken
 import tiktoken.load
 from typer.testing import CliRunner
 
-from pipeline.chat import ChatFormat
-from pipeline.cli import app
-from pipeline.errors import UserError
-from pipeline.params import DataParams, ShardParams, TokenizerParams, build_section
-from pipeline.prepare import prepare
-from pipeline.pretrain import byte_lengths
-from pipeline.shard import shard
-from pipeline.shard_format import MANIFEST, ShardHeader, open_tokens
-from pipeline.tokenizer import (
-    EOT,
-    SPECIAL_TOKENS,
-    gpt2_folder,
-    load_tokenizer,
-    read_gpt2_files,
-    tiktoken_encoding,
-    train_tokenizer,
-)
+from kiln.pipeline.cli import app
+from kiln.pipeline.config import build_section
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.text.prepare import prepare
+from kiln.pipeline.text.shard import ShardParams, shard
+from kiln.pipeline.text.shard_format import MANIFEST, ShardHeader, open_tokens
+from kiln.pipeline.text.sources import DataParams
+from kiln.pipeline.text.tokenizer import TokenizerParams, gpt2_folder, read_gpt2_files, train_tokenizer
+from kiln.pipeline.text.tokens import EOT, SPECIAL_TOKENS, load_tokenizer, tiktoken_encoding
+from kiln.pipeline.train.lm import byte_lengths
 
 # tiktoken_ext/openai_public.py's r50k_pat_str, the split of its `gpt2` encoding: written out so that the reference
 # is readable here, and checked against tiktoken's own by test_reference_pattern_is_tiktokens.

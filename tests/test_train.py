@@ -9,13 +9,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model import GPT, ModelConfig
-from pipeline.checkpoints import Checkpoints
-from pipeline.curves import metric_files, read_metric
-from pipeline.errors import StageError, UserError
-from pipeline.params import ModelParams, TrainParams, build_section
-from pipeline.pretrain import lm_loss, pretrain
-from pipeline.train import Run, build_optimizer, lr_at, train
+from kiln.model import GPT, ModelConfig
+from kiln.pipeline.config import build_section
+from kiln.pipeline.errors import StageError, UserError
+from kiln.pipeline.train.checkpoints import Checkpoints
+from kiln.pipeline.train.curves import metric_files, read_metric
+from kiln.pipeline.train.lm import lm_loss
+from kiln.pipeline.train.loop import Run, build_optimizer, lr_at, train
+from kiln.pipeline.train.params import ModelParams, TrainParams
+from kiln.pipeline.train.pretrain import pretrain
 
 MODEL = {"n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "max_seq_len": 16}
 TRAIN = {"batch_size": 4, "batch_tokens": 128, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "eval_every": 4,
@@ -155,7 +157,7 @@ def cli_project(tiny, root, **train):
 
 def kiln(root, *args, prelude=""):
     """Run the CLI in a fresh process (optionally after `prelude` Python code); returns the process."""
-    code = f"{prelude}\nfrom pipeline.cli import main\nimport sys\nsys.argv = ['kiln', *{list(args)!r}]\nmain()"
+    code = f"{prelude}\nfrom kiln.pipeline.cli import main\nimport sys\nsys.argv = ['kiln', *{list(args)!r}]\nmain()"
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     done.output = done.stdout + done.stderr
     return done
@@ -164,7 +166,7 @@ def kiln(root, *args, prelude=""):
 # Kill the process (SIGKILL: no cleanup runs) in the middle of writing the second checkpoint.
 KILL_IN_SECOND_SAVE = """
 import os, signal
-import pipeline.checkpoints as c
+import kiln.pipeline.train.checkpoints as c
 real, calls = c.save_file, []
 def dying(tensors, path, *a, **k):
     calls.append(path)

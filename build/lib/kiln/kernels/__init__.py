@@ -1,0 +1,1 @@
+"""Triton kernels, each with a plain-torch reference and an autograd wrapper. Imports only torch and triton."""

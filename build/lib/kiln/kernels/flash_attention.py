@@ -1,0 +1,343 @@
+"""Causal (or full) attention without the (T, T) score matrix: FlashAttention-2 forward and backward.
+
+Eager attention writes the scores, the probabilities and, for backward, keeps both: O(T^2) memory per head and
+several passes over it. Here one program owns a block of query rows of one (batch, head) and streams the key
+and value blocks past it, keeping a running row max and row sum in fp32 (online softmax) so the probabilities
+are rescaled instead of stored; with `causal`, key blocks wholly above the diagonal are never loaded. Forward
+saves only the output O and the per-row log-sum-exp L (fp32, natural log): with L, backward recomputes any
+block of probabilities exactly as P = exp(S - L), so nothing of size T^2 is kept.
+
+Backward follows FA-2: a small kernel first computes delta = rowsum(dO * O), the softmax-gradient term that
+every key block of a row needs. Then one program per (batch, kv head, key block) holds its K and V blocks and
+its dK and dV accumulators in registers while it loops over query blocks; a separate program per (batch, head,
+query block) recomputes the same probabilities to accumulate dQ. That recomputes P twice but needs no atomics
+and no fp32 dQ buffer, and the result is deterministic.
+
+GQA: query head h reads kv head h // (H // H_kv) (HF's repeat_kv layout) through the index alone; k and v are
+never repeated in memory. The dK/dV program of a kv head loops over its group's query heads itself, so their
+contributions are summed in registers: no (B, H, T, D) fp32 buffer (which would cost the memory GQA saves)
+and no extra reduction pass, at the price of fewer, longer programs (B * H_kv * T / BLOCK_N of them, still
+hundreds at training shapes).
+
+Inputs are read through their batch/head/time strides, so the model's (B, T, H, D) -> (B, H, T, D) transposes
+need no copy; outputs and gradients take their input's layout (torch.empty_like). fp32 inputs use IEEE fp32
+products unless torch allows TF32 matmuls (`torch.set_float32_matmul_precision`), as torch's matmul would.
+
+Out of scope: attention dropout, and queries offset from the keys (KV-cache decoding, where the causal diagonal
+is aligned bottom-right); the model keeps SDPA for those.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kiln.kernels.backend import interpreting, use_triton
+
+# log2(e): scores are exponentiated with exp2, so they are kept in log2 units inside the kernels.
+LOG2E = tl.constexpr(1.4426950408889634)
+
+# (BLOCK_M query rows, BLOCK_N key rows) per program. On a GPU: large tiles feed the tensor cores; backward
+# keeps two extra fp32 (BLOCK_N, D) accumulators per program, so it uses smaller tiles. Not tuned on hardware.
+# In the interpreter, 16-row tiles make small test sequences span several blocks, including a partial one.
+FORWARD_BLOCKS = (128, 64)
+BACKWARD_BLOCKS = (64, 64)
+INTERPRETER_BLOCKS = (16, 16)
+
+
+# Triton's interpreter stores bfloat16 as raw uint16 and its tl.dot multiplies the bit patterns
+# (triton-lang/triton#11584), so interpreted dots take fp32 operands. A bf16 x bf16 product is exact in fp32, so
+# this is the tensor cores' arithmetic, not a looser one. Read when the module is imported, as Triton does.
+F32_DOT_OPERANDS = tl.constexpr(interpreting())
+
+
+def _blocks(backward: bool) -> tuple[int, int]:
+    if interpreting():
+        return INTERPRETER_BLOCKS
+    return BACKWARD_BLOCKS if backward else FORWARD_BLOCKS
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr):
+    if F32_DOT_OPERANDS:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D: tl.constexpr,
+               CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """The key/value block at start_n, the scaled scores of the query rows against it, and which are visible."""
+    keys = start_n + offs_n
+    key_mask = (keys[:, None] < T) & (cols[None, :] < D)
+    k = tl.load(k_ptrs + start_n * sk_t, mask=key_mask, other=0.0)
+    v = tl.load(v_ptrs + start_n * sv_t, mask=key_mask, other=0.0)
+    s = _dot(q, tl.trans(k), PRECISION) * qk_scale
+    visible = keys[None, :] < T
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= rows[:, None])
+    return k, v, s, visible
+
+
+@triton.jit
+def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+                    sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
+                    H, T, GROUP, qk_scale,
+                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    # int64 offsets: B*H*T*D passes 2**31 at long contexts.
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    kv_h = h // GROUP
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    row_mask = (rows[:, None] < T) & (cols[None, :] < D)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_t + cols[None, :], mask=row_mask, other=0.0)
+    k_ptrs = k_ptr + b * sk_b + kv_h * sk_h + offs_n[:, None] * sk_t + cols[None, :]
+    v_ptrs = v_ptr + b * sv_b + kv_h * sv_h + offs_n[:, None] * sv_t + cols[None, :]
+
+    # Every row, padding rows included, sees key 0 in the first block, so the running max is finite from then
+    # on and exp2 never sees -inf - -inf.
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    end = T
+    if CAUSAL:
+        end = tl.minimum(T, start_m + BLOCK_M)
+    for start_n in range(0, end, BLOCK_N):
+        k, v, s, visible = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D,
+                                      CAUSAL, PRECISION)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
+        m_i = m_new
+
+    o = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
+    tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + cols[None, :], o, mask=row_mask)
+    lse = (m_i + tl.log2(l_i)) / LOG2E  # back to natural log
+    tl.store(lse_ptr + bh.to(tl.int64) * T + rows, lse, mask=rows < T)
+
+
+@triton.jit
+def _delta_kernel(o_ptr, do_ptr, delta_ptr, so_b, so_h, so_t, sdo_b, sdo_h, sdo_t, H, T,
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows[:, None] < T) & (cols[None, :] < D)
+    o = tl.load(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + cols[None, :], mask=mask, other=0.0)
+    do = tl.load(do_ptr + b * sdo_b + h * sdo_h + rows[:, None] * sdo_t + cols[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + bh.to(tl.int64) * T + rows, delta, mask=rows < T)
+
+
+@triton.jit
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
+                 sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t,
+                 H, T, GROUP, qk_scale, scale,
+                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    bkv = tl.program_id(1)
+    H_kv = H // GROUP
+    b, kv_h = (bkv // H_kv).to(tl.int64), (bkv % H_kv).to(tl.int64)
+    keys = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    key_mask = (keys[:, None] < T) & (cols[None, :] < D)
+    k = tl.load(k_ptr + b * sk_b + kv_h * sk_h + keys[:, None] * sk_t + cols[None, :], mask=key_mask, other=0.0)
+    v = tl.load(v_ptr + b * sv_b + kv_h * sv_h + keys[:, None] * sv_t + cols[None, :], mask=key_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    # Causal: query rows before this block's first key see none of its keys, so the query blocks start there
+    # (they need not line up with the forward's query blocks: every row is masked on its own).
+    first = 0
+    if CAUSAL:
+        first = start_n
+    for g in range(GROUP):
+        h = kv_h * GROUP + g
+        q_ptrs = q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_t + cols[None, :]
+        do_ptrs = do_ptr + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_t + cols[None, :]
+        lse_ptrs, delta_ptrs = lse_ptr + (b * H + h) * T + offs_m, delta_ptr + (b * H + h) * T + offs_m
+        for start_m in range(first, T, BLOCK_M):
+            rows = start_m + offs_m
+            row_mask = (rows[:, None] < T) & (cols[None, :] < D)
+            q = tl.load(q_ptrs + start_m * sq_t, mask=row_mask, other=0.0)
+            do = tl.load(do_ptrs + start_m * sdo_t, mask=row_mask, other=0.0)
+            lse = tl.load(lse_ptrs + start_m, mask=rows < T, other=0.0) * LOG2E
+            delta = tl.load(delta_ptrs + start_m, mask=rows < T, other=0.0)
+            # Transposed tiles (keys x queries), so dK and dV accumulate without transposing P.
+            s_t = _dot(k, tl.trans(q), PRECISION) * qk_scale
+            visible = (keys[:, None] < T) & (rows[None, :] < T)
+            if CAUSAL:
+                visible = visible & (keys[:, None] <= rows[None, :])
+            p_t = tl.exp2(tl.where(visible, s_t - lse[None, :], float("-inf")))
+            dv += _dot(p_t.to(do.dtype), do, PRECISION)
+            dp_t = _dot(v, tl.trans(do), PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += _dot(ds_t.to(q.dtype), q, PRECISION)
+    dk_ptrs = dk_ptr + b * sdk_b + kv_h * sdk_h + keys[:, None] * sdk_t + cols[None, :]
+    dv_ptrs = dv_ptr + b * sdv_b + kv_h * sdv_h + keys[:, None] * sdv_t + cols[None, :]
+    tl.store(dk_ptrs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=key_mask)
+    tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=key_mask)
+
+
+@triton.jit
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+               sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t, sdq_b, sdq_h, sdq_t,
+               H, T, GROUP, qk_scale, scale,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1)
+    b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+    kv_h = h // GROUP
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_D)
+    row_mask = (rows[:, None] < T) & (cols[None, :] < D)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_t + cols[None, :], mask=row_mask, other=0.0)
+    do = tl.load(do_ptr + b * sdo_b + h * sdo_h + rows[:, None] * sdo_t + cols[None, :], mask=row_mask, other=0.0)
+    lse = tl.load(lse_ptr + bh.to(tl.int64) * T + rows, mask=rows < T, other=0.0) * LOG2E
+    delta = tl.load(delta_ptr + bh.to(tl.int64) * T + rows, mask=rows < T, other=0.0)
+    k_ptrs = k_ptr + b * sk_b + kv_h * sk_h + offs_n[:, None] * sk_t + cols[None, :]
+    v_ptrs = v_ptr + b * sv_b + kv_h * sv_h + offs_n[:, None] * sv_t + cols[None, :]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    end = T
+    if CAUSAL:
+        end = tl.minimum(T, start_m + BLOCK_M)
+    for start_n in range(0, end, BLOCK_N):
+        k, v, s, visible = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D,
+                                      CAUSAL, PRECISION)
+        p = tl.exp2(tl.where(visible, s - lse[:, None], float("-inf")))
+        dp = _dot(do, tl.trans(v), PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k, PRECISION)
+    dq_ptrs = dq_ptr + b * sdq_b + h * sdq_h + rows[:, None] * sdq_t + cols[None, :]
+    tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input_precision: it only changes fp32 products; "tf32" is Triton's own default for the rest."""
+    return "ieee" if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """The kernels step along D with stride 1 (vector loads); copy only a tensor that does not."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _num_warps(D: int) -> int:
+    return 4 if D <= 64 else 8
+
+
+def _block_d(D: int) -> int:
+    # Head dims that are not powers of two are padded (and masked); tl.dot needs at least 16 along K.
+    return max(16, triton.next_power_of_2(D))
+
+
+def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, T, D = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
+    if q.numel() == 0:
+        return o, lse
+    block_m, block_n = _blocks(backward=False)
+    _forward_kernel[(triton.cdiv(T, block_m), B * H)](
+        q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        H, T, H // k.size(1), scale * LOG2E.value,
+        D=D, BLOCK_D=_block_d(D), BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
+        PRECISION=_precision(q.dtype), num_warps=_num_warps(D), num_stages=3)
+    return o, lse
+
+
+def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
+    B, H, T, D = q.shape
+    H_kv = k.size(1)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if q.numel() == 0:
+        return dq, dk, dv
+    block_d = _block_d(D)
+    block_m, block_n = _blocks(backward=True)
+    delta = torch.empty_like(lse)
+    _delta_kernel[(triton.cdiv(T, block_m), B * H)](
+        o, do, delta, *_strides(o), *_strides(do), H, T, D=D, BLOCK_D=block_d, BLOCK_M=block_m)
+    common = {"D": D, "BLOCK_D": block_d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal,
+              "PRECISION": _precision(q.dtype), "num_warps": _num_warps(D), "num_stages": 2}
+    _dkdv_kernel[(triton.cdiv(T, block_n), B * H_kv)](
+        q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        *_strides(dk), *_strides(dv), H, T, H // H_kv, scale * LOG2E.value, scale, **common)
+    _dq_kernel[(triton.cdiv(T, block_m), B * H)](
+        q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+        H, T, H // H_kv, scale * LOG2E.value, scale, **common)
+    return dq, dk, dv
+
+
+class FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale):
+        q, k, v = (_unit_last_stride(x) for x in (q, k, v))
+        o, lse = _forward(q, k, v, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale = causal, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, o, lse, _unit_last_stride(do), ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+              scale: float | None = None) -> torch.Tensor:
+    """Plain torch: softmax(q k^T * scale, causal mask) v, with k and v repeated per query head for GQA."""
+    T, D = q.shape[-2:]
+    scale = D ** -0.5 if scale is None else scale
+    group = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    compute = torch.promote_types(q.dtype, torch.float32)  # fp32 for bf16/fp16, float64 stays float64
+    s = (q @ k.transpose(-2, -1)).to(compute) * scale
+    if causal:
+        above = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
+        s = s.masked_fill(above, float("-inf"))
+    return s.softmax(dim=-1).to(v.dtype) @ v
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be (B, H, T, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    B, H, T, D = q.shape
+    if k.shape != v.shape or k.size(0) != B or k.size(2) != T or k.size(3) != D:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be (B, H_kv, T, D) "
+                         f"with q's B, T, D {tuple(q.shape)}")
+    if k.size(1) == 0 or H % k.size(1):
+        raise ValueError(f"kv heads {k.size(1)} must divide query heads {H}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                    scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """Attention of q (B, H, T, D) over k, v (B, H_kv, T, D), H_kv dividing H; returns (B, H, T, D) in q's dtype.
+
+    Query head h attends with kv head h // (H // H_kv). `scale` multiplies the scores (default 1/sqrt(D));
+    `causal` lets position i see keys 0..i only.
+    """
+    _check(q, k, v)
+    scale = q.size(-1) ** -0.5 if scale is None else float(scale)
+    if use_triton(backend, q, k, v):
+        return FlashAttention.apply(q, k, v, causal, scale)
+    return reference(q, k, v, causal, scale)

@@ -1,0 +1,164 @@
+"""A model on disk: `model.safetensors` (weights only) + `config.json` ({"model": config, **extra}).
+
+safetensors cannot run code when loaded (unlike pickle) and refuses tensors that share storage, so a tied
+LM head is stored once, under the token embedding's name, and re-tied by building the model from its config.
+Both files are written into a temp folder beside the target and renamed into place together, so a reader
+never finds new weights with an old config, or half a file. Loading checks every tensor name and shape
+against the config before touching the model, and reports the file at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.model.gpt import GPT, ModelConfig
+
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+# Wrappers that prefix parameter names: torch.compile's OptimizedModule and DDP.
+WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def _stored_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor the file must hold, from a model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return {name: tuple(t.shape) for name, t in _stored(model.state_dict(), config).items()}
+
+
+def _stored(state_dict: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The state dict minus the tied alias: lm_head.weight is tok_emb.weight when tied."""
+    return {k: v for k, v in state_dict.items() if not (config.tie_embeddings and k == "lm_head.weight")}
+
+
+def _unwrap(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state_dict.items():
+        for prefix in WRAPPER_PREFIXES:
+            name = name.removeprefix(prefix)
+        out[name] = tensor
+    return out
+
+
+def save_model(model_or_state_dict: torch.nn.Module | dict, config: ModelConfig, out_dir: Path,
+               extra: dict | None = None) -> Path:
+    """Write out_dir/model.safetensors and out_dir/config.json atomically; return out_dir.
+
+    out_dir is replaced as a whole (a previous checkpoint there stays intact until the new one is complete),
+    so keep nothing else in it. Tensors are saved in their own dtype, detached, on CPU. `extra` goes into
+    config.json beside "model" (e.g. {"tokenizer_sha256": ...}) and must be JSON-serialisable.
+    """
+    out_dir = Path(out_dir)
+    extra = dict(extra or {})
+    if "model" in extra:
+        raise ValueError("extra: the key 'model' is reserved for the model config")
+    sd = model_or_state_dict
+    sd = _unwrap(sd.state_dict() if isinstance(sd, torch.nn.Module) else dict(sd))
+    expected = _stored_shapes(config)
+    if config.tie_embeddings and "lm_head.weight" in sd:
+        head, emb = sd["lm_head.weight"], sd["tok_emb.weight"]
+        if head.data_ptr() != emb.data_ptr() and not torch.equal(head, emb):
+            raise ValueError("lm_head.weight: differs from tok_emb.weight but the config ties them")
+    tensors = _stored(sd, config)
+    _check_names_and_shapes({k: tuple(v.shape) for k, v in tensors.items()}, expected, "state dict")
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    meta = json.dumps({"model": config.to_dict(), **extra}, indent=2) + "\n"  # fails early if not JSON-able
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(meta, encoding="utf-8")
+        for f in (tmp / WEIGHTS, tmp / CONFIG):
+            _fsync(f)
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _replace_dir(new: Path, final: Path) -> None:
+    """Rename `new` to `final`. POSIX cannot swap two directories in one step, so an existing `final` is first
+    moved aside and deleted only after `new` is in place (and moved back if that rename fails)."""
+    if not final.exists():
+        new.rename(final)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f"{final.name}.old-", dir=final.parent))
+    try:
+        final.rename(old / final.name)
+        try:
+            new.rename(final)
+        except BaseException:
+            (old / final.name).rename(final)
+            raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from `path`; ValueError naming the file if it is missing, unreadable or not an object."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{path}: not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def load_config(model_dir: Path) -> tuple[ModelConfig, dict]:
+    """(config, meta) from model_dir/config.json, where meta is everything beside "model"."""
+    path = Path(model_dir) / CONFIG
+    data = read_json_object(path)
+    if not isinstance(data.get("model"), dict):
+        raise ValueError(f"{path}: expected an object with a 'model' object")
+    try:
+        config = ModelConfig.from_dict(data.pop("model"))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: model.{e}") from None
+    return config, data
+
+
+def load_model(model_dir: Path, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
+    """(model, meta) from a folder written by save_model. The model is float32 (weights saved in another
+    dtype are cast) and in eval mode; ValueError names the file for anything missing or inconsistent."""
+    config, meta = load_config(model_dir)
+    path = Path(model_dir) / WEIGHTS
+    if not path.is_file():
+        raise ValueError(f"{path}: not found")
+    try:
+        tensors = load_file(path, device=str(device))
+    except Exception as e:  # safetensors raises its own error type, OSError, or RuntimeError for bad files
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
+    _check_names_and_shapes({k: tuple(v.shape) for k, v in tensors.items()}, _stored_shapes(config), str(path))
+    model = GPT(config).to(device)
+    if config.tie_embeddings:
+        tensors["lm_head.weight"] = tensors["tok_emb.weight"]  # same Parameter in the model; fills both
+    model.load_state_dict(tensors, strict=True)
+    return model.eval(), meta
+
+
+def _check_names_and_shapes(got: dict[str, tuple], want: dict[str, tuple], where: str) -> None:
+    missing, unexpected = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or unexpected:
+        raise ValueError(f"{where}: tensors do not match the config (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+    wrong = [f"{k} {got[k]} != {want[k]}" for k in want if got[k] != want[k]]
+    if wrong:
+        raise ValueError(f"{where}: tensor shapes do not match the config ({'; '.join(wrong[:5])})")

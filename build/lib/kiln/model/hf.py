@@ -1,0 +1,233 @@
+"""kiln's model and Hugging Face `transformers`' GPT-2 and Llama, tensor by tensor and field by field.
+
+The mapping lives beside the model because it depends on the model's names and shapes; `pipeline/convert.py`
+reads and writes the folders. What it decides:
+- Exact or refused: an HF config field that would make HF's model compute something kiln's does not (rope
+  scaling, biases or another activation on Llama, a head_dim other than hidden/heads, an untied or
+  differently scaled GPT-2, dropout rates that differ) is a ValueError naming the field, never approximated.
+- Weights are moved, never recomputed: renames, transposes (GPT-2's Conv1D stores (in, out)), GPT-2's fused
+  c_attn split into q/k/v and concatenated back, and the vocabulary rows kiln pads to a multiple of 64
+  (`padded_vocab_size`) added as zeros on import and dropped on export. kiln's `apply_rope` pairs the two
+  halves of each head, HF Llama's rotate_half layout, so q/k need no permutation. `rules` is the whole
+  mapping, read in both directions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kiln.model.gpt import GPT, ModelConfig
+
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+
+
+# --- weights -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Rule:
+    """One HF tensor and the kiln tensor(s) it holds."""
+
+    hf: str
+    kiln: tuple[str, ...]     # several: concatenated along dim 0 (GPT-2's c_attn holds q, k, v)
+    conv1d: bool = False      # HF stores it transposed, (in, out): GPT-2's Conv1D
+    vocab_rows: bool = False  # one row per token: kiln pads them to padded_vocab_size
+
+
+EMBEDDING = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}
+# Per layer: kiln name under blocks.{i} -> HF name under model.layers.{i} (Llama) or transformer.h.{i} (GPT-2).
+LLAMA_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+GPT2_LAYER = {
+    "attn_norm.weight": "ln_1.weight",
+    "attn_norm.bias": "ln_1.bias",
+    ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight"): "attn.c_attn.weight",
+    ("attn.q_proj.bias", "attn.k_proj.bias", "attn.v_proj.bias"): "attn.c_attn.bias",
+    "attn.o_proj.weight": "attn.c_proj.weight",
+    "attn.o_proj.bias": "attn.c_proj.bias",
+    "mlp_norm.weight": "ln_2.weight",
+    "mlp_norm.bias": "ln_2.bias",
+    "mlp.up_proj.weight": "mlp.c_fc.weight",
+    "mlp.up_proj.bias": "mlp.c_fc.bias",
+    "mlp.down_proj.weight": "mlp.c_proj.weight",
+    "mlp.down_proj.bias": "mlp.c_proj.bias",
+}
+
+
+def rules(config: ModelConfig) -> list[Rule]:
+    """Every tensor of the HF checkpoint for `config`, with the kiln tensors it is made of."""
+    if config.arch == "llama":
+        out = [Rule(EMBEDDING["llama"], ("tok_emb.weight",), vocab_rows=True),
+               Rule("model.norm.weight", ("norm.weight",))]
+        if not config.tie_embeddings:
+            out.append(Rule("lm_head.weight", ("lm_head.weight",), vocab_rows=True))
+        for i in range(config.n_layer):
+            out += [Rule(f"model.layers.{i}.{hf}", (f"blocks.{i}.{kiln}",)) for kiln, hf in LLAMA_LAYER.items()]
+        return out
+    out = [Rule(EMBEDDING["gpt2"], ("tok_emb.weight",), vocab_rows=True),
+           Rule("transformer.wpe.weight", ("pos_emb.weight",)),
+           Rule("transformer.ln_f.weight", ("norm.weight",)),
+           Rule("transformer.ln_f.bias", ("norm.bias",))]
+    for i in range(config.n_layer):
+        for kiln, hf in GPT2_LAYER.items():
+            names = (kiln,) if isinstance(kiln, str) else kiln
+            out.append(Rule(f"transformer.h.{i}.{hf}", tuple(f"blocks.{i}.{n}" for n in names),
+                            conv1d=hf.endswith("weight") and ".c_" in hf))
+    return out
+
+
+def to_hf_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF tensors from a kiln state dict (a tied lm_head, if present, is ignored)."""
+    out = {}
+    for rule in rules(config):
+        t = torch.cat([state[name] for name in rule.kiln]) if len(rule.kiln) > 1 else state[rule.kiln[0]]
+        if rule.vocab_rows:
+            t = t[:config.vocab_size]
+        out[rule.hf] = (t.T if rule.conv1d else t).contiguous()
+    return out
+
+
+def to_kiln_tensors(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """kiln tensors (tied lm_head left out, as save_model stores them) from HF tensors checked by hf_shapes."""
+    out = {}
+    for rule in rules(config):
+        t = tensors[rule.hf].T if rule.conv1d else tensors[rule.hf]
+        if rule.vocab_rows:
+            t = F.pad(t, (0, 0, 0, config.padded_vocab_size - config.vocab_size))
+        for name, part in zip(rule.kiln, t.chunk(len(rule.kiln)), strict=True):
+            out[name] = part.contiguous()
+    return out
+
+
+def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor an HF checkpoint for `config` holds, mapped from a model on the meta
+    device (no memory)."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return {name: tuple(t.shape) for name, t in to_hf_tensors(model.state_dict(), config).items()}
+
+
+# --- configs -------------------------------------------------------------------------------------------------
+
+# Fields that could make HF's model compute something kiln's does not: field -> the values kiln's model
+# matches. An absent field takes transformers' default, which is always one of them.
+LLAMA_FIXED = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
+               "attention_dropout": (0, 0.0), "partial_rotary_factor": (1, 1.0)}
+# gelu_new and gelu_pytorch_tanh are both GELU's tanh approximation, the one kiln uses; reorder_and_upcast_attn
+# changes only how fp16 rounds, so it is not here.
+GPT2_FIXED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
+              "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,),
+              "tie_word_embeddings": (True,)}
+GPT2_DROPOUTS = ("embd_pdrop", "attn_pdrop", "resid_pdrop")  # transformers' default: 0.1 each
+
+
+def kiln_config(hf: dict, where: str) -> ModelConfig:
+    """The ModelConfig that computes exactly what HF's model for config `hf` computes, or ValueError."""
+    archs = hf.get("architectures")
+    name = archs[0] if isinstance(archs, list) and len(archs) == 1 else None
+    arch = ARCHITECTURES.get(name) if isinstance(name, str) else None
+    if arch is None:
+        raise ValueError(f"{where}: architectures={archs!r} is not supported (kiln converts "
+                        f"{' or '.join(ARCHITECTURES)})")
+    for name, allowed in (LLAMA_FIXED if arch == "llama" else GPT2_FIXED).items():
+        if name in hf and hf[name] not in allowed:
+            raise ValueError(f"{where}: {name}={hf[name]!r} is not supported (kiln's {arch} model computes "
+                            f"{' / '.join(map(repr, allowed))})")
+    values = _llama_values(hf, where) if arch == "llama" else _gpt2_values(hf, where)
+    try:
+        return ModelConfig(arch=arch, **values).check()
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: not a shape kiln's model takes (model.{e})") from None
+
+
+def _need(hf: dict, name: str, where: str) -> int:
+    """A size field, which has no default worth assuming."""
+    value = hf.get(name)
+    if value is None:
+        raise ValueError(f"{where}: {name}: missing")
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{where}: {name}: expected an integer, got {value!r}")
+    return value
+
+
+def _llama_values(hf: dict, where: str) -> dict:
+    d, heads = _need(hf, "hidden_size", where), _need(hf, "num_attention_heads", where)
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and head_dim * heads != d:
+        raise ValueError(f"{where}: head_dim={head_dim} is not supported (kiln's head_dim is "
+                        f"hidden_size/num_attention_heads = {d}/{heads})")
+    ffn = _need(hf, "intermediate_size", where)
+    derived = ModelConfig(vocab_size=1, arch="llama", d_model=d).ffn_dim
+    return {"vocab_size": _need(hf, "vocab_size", where), "n_layer": _need(hf, "num_hidden_layers", where),
+            "n_head": heads, "n_kv_head": hf.get("num_key_value_heads") or heads, "d_model": d,
+            "d_ff": 0 if ffn == derived else ffn,  # 0: kiln's own rule gives it (round trips as 0)
+            "max_seq_len": _need(hf, "max_position_embeddings", where), "rope_theta": _rope_theta(hf, where),
+            "norm_eps": hf.get("rms_norm_eps", 1e-6), "tie_embeddings": hf.get("tie_word_embeddings", False),
+            "dropout": 0.0}
+
+
+def _rope_theta(hf: dict, where: str) -> float:
+    """transformers 5 writes rope_parameters {rope_type, rope_theta}; earlier versions rope_theta and
+    rope_scaling. Only the unscaled ("default") rotation is kiln's."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(key) or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{where}: {key}: expected an object, got {rope!r}")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise ValueError(f"{where}: {key}.rope_type={kind!r} is not supported (kiln's rotary embedding is "
+                        f"unscaled: 'default')")
+    other = sorted(set(rope) - {"rope_type", "type", "rope_theta"})
+    if other:
+        raise ValueError(f"{where}: {key}.{other[0]}={rope[other[0]]!r} is not supported (kiln's rotary "
+                        f"embedding takes only rope_theta)")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _gpt2_values(hf: dict, where: str) -> dict:
+    rates = {name: hf.get(name, 0.1) for name in GPT2_DROPOUTS}
+    if len(set(rates.values())) > 1:
+        raise ValueError(f"{where}: {', '.join(f'{k}={v}' for k, v in rates.items())} is not supported (kiln's "
+                        f"model has one dropout rate)")
+    d, inner = _need(hf, "n_embd", where), hf.get("n_inner")
+    heads = _need(hf, "n_head", where)
+    return {"vocab_size": _need(hf, "vocab_size", where), "n_layer": _need(hf, "n_layer", where),
+            "n_head": heads, "n_kv_head": heads, "d_model": d,
+            "d_ff": 0 if inner in (None, 4 * d) else inner,  # 0: kiln's own rule gives it (round trips as 0)
+            "max_seq_len": _need(hf, "n_positions", where), "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+            "tie_embeddings": True, "dropout": rates["resid_pdrop"]}
+
+
+def hf_config(config: ModelConfig, special: dict[str, int | None]) -> dict:
+    """The HF config.json for a kiln config. Written in the pre-5 spelling (torch_dtype, rope_theta), which
+    transformers 4 needs and 5 still reads. `special`: bos/eos/pad token ids."""
+    common = {"vocab_size": config.vocab_size, "tie_word_embeddings": config.tie_embeddings,
+              **special, "torch_dtype": "float32", "use_cache": True}
+    if config.arch == "llama":
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.d_model,
+                "intermediate_size": config.ffn_dim, "num_hidden_layers": config.n_layer,
+                "num_attention_heads": config.n_head, "num_key_value_heads": config.n_kv_head,
+                "head_dim": config.head_dim, "hidden_act": "silu",
+                "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
+                "rope_theta": config.rope_theta, "rope_scaling": None, "attention_bias": False,
+                "attention_dropout": 0.0, "mlp_bias": False, **common}
+    if config.n_kv_head != config.n_head:
+        raise ValueError(f"model.n_kv_head={config.n_kv_head}: HF GPT-2 has no grouped-query attention "
+                        f"(it needs n_kv_head = n_head = {config.n_head})")
+    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": config.d_model,
+            "n_inner": config.d_ff or None, "n_layer": config.n_layer, "n_head": config.n_head,
+            "n_positions": config.max_seq_len, "activation_function": "gelu_pytorch_tanh",
+            "layer_norm_epsilon": config.norm_eps, **{name: config.dropout for name in GPT2_DROPOUTS},
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, "add_cross_attention": False, **common}

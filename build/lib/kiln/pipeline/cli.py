@@ -1,0 +1,553 @@
+"""`kiln`: one typer app, one command per stage (what dvc.yaml runs) plus tools around them.
+
+Every stage command reads its section of params.yaml (`--params`), takes `--set key=value` overrides, and
+exits 0 on success, 1 when the work fails, 2 on bad input, with one line saying what was wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kiln.pipeline.errors import KilnError
+from kiln.pipeline.progress import console
+
+app = typer.Typer(help="kiln: an LLM training pipeline, one command per DVC stage.", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False)
+data_app = typer.Typer(help="Corpus and token shards: prepare, shard, inspect.", no_args_is_help=True)
+tokenizer_app = typer.Typer(help="Byte-level BPE: train, encode, decode.", no_args_is_help=True)
+bench_app = typer.Typer(help="Benchmarks that print a table and write JSON.", no_args_is_help=True)
+scaling_app = typer.Typer(help="Scaling laws: an IsoFLOP sweep, Chinchilla's approaches 2 and 3 fitted to it, the model size "
+                               "they give.",
+                          no_args_is_help=True)
+app.add_typer(data_app, name="data")
+app.add_typer(tokenizer_app, name="tokenizer")
+app.add_typer(bench_app, name="bench")
+app.add_typer(scaling_app, name="scaling")
+convert_app = typer.Typer(help="Hugging Face interop: GPT-2 and Llama checkpoints in, transformers folders out.",
+                          no_args_is_help=True)
+app.add_typer(convert_app, name="convert")
+
+ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to read.")]
+SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
+CorpusOpt = Annotated[Path, typer.Option(help="Corpus folder with train.parquet and val.parquet.")]
+TokenizerOpt = Annotated[Path, typer.Option(help="The tokenizer.json to use.")]
+OutOpt = Annotated[Path, typer.Option(help="Output folder (replaced whole, only when the stage succeeds).")]
+PARAMS = Path("params.yaml")
+CORPUS = Path("data/corpus")
+TOKENIZER = Path("data/tokenizer/tokenizer.json")
+
+
+def reports_errors(fn):
+    """Turn a KilnError into its one-line message and exit code instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except KilnError as e:
+            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            console.print("interrupted; no output was written", highlight=False)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+@data_app.command("prepare")
+@reports_errors
+def data_prepare(params: ParamsOpt = PARAMS, set_: SetOpt = [], out: OutOpt = Path("data/corpus")):
+    """Build train/val parquet files from `data.source` (stage `prepare`)."""
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.text.prepare import prepare
+    from kiln.pipeline.text.sources import DataParams
+
+    metrics = prepare(load_section(DataParams, params, set_), out)
+    _print_metrics("prepare", metrics)
+
+
+@data_app.command("shard")
+@reports_errors
+def data_shard(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: CorpusOpt = CORPUS,
+               tokenizer: TokenizerOpt = TOKENIZER, out: OutOpt = Path("data/shards")):
+    """Tokenize both splits into binary shards and a manifest (stage `shard`)."""
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.text.shard import ShardParams, shard
+
+    metrics = shard(load_section(ShardParams, params, set_), corpus, tokenizer, out)
+    _print_metrics("shard", metrics)
+
+
+@data_app.command("inspect")
+@reports_errors
+def data_inspect(path: Annotated[Path, typer.Argument(help="A shard file (.bin).")],
+                 tokenizer: TokenizerOpt = TOKENIZER,
+                 tokens: Annotated[int, typer.Option("-n", "--tokens", help="How many tokens to decode.")] = 64):
+    """Print a shard's header, token count and its first tokens decoded."""
+    from kiln.pipeline.text.shard_format import ShardHeader, open_tokens
+    from kiln.pipeline.text.tokens import load_tokenizer
+
+    header = ShardHeader.read(path)
+    ids = [int(i) for i in open_tokens(path, header)[:tokens]]
+    typer.echo(f"file:       {path}\nformat:     v{header.version}, {header.dtype.name}\n"
+               f"tokens:     {header.tokens:,}\nvocab size: {header.vocab_size:,}\n"
+               f"tokenizer:  sha256 {header.tokenizer_sha256}")
+    if tokenizer.is_file():
+        typer.echo(f"first {len(ids)} tokens:\n{load_tokenizer(tokenizer).decode(ids, skip_special_tokens=False)}")
+    else:
+        typer.echo(f"first {len(ids)} ids: {ids}")
+
+
+@tokenizer_app.command("train")
+@reports_errors
+def tokenizer_train(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: CorpusOpt = CORPUS,
+                    out: OutOpt = Path("data/tokenizer")):
+    """Train the byte-level BPE on the train split, or build GPT-2's with `source=gpt2` (stage `tokenizer`)."""
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.text.tokenizer import TokenizerParams, train_tokenizer
+
+    metrics = train_tokenizer(load_section(TokenizerParams, params, set_), corpus, out)
+    _print_metrics("tokenizer", metrics)
+
+
+@tokenizer_app.command("encode")
+@reports_errors
+def tokenizer_encode(text: Annotated[str, typer.Argument(help="Text to encode ('-' reads stdin).")],
+                     tokenizer: TokenizerOpt = TOKENIZER):
+    """Print the ids of TEXT, then its pieces (special-token text becomes the special token)."""
+    from kiln.pipeline.errors import UserError
+    from kiln.pipeline.text.corpus import SURROGATE
+    from kiln.pipeline.text.tokens import load_tokenizer, token_bytes
+
+    tok = load_tokenizer(tokenizer)
+    text = sys.stdin.read() if text == "-" else text
+    if bad := SURROGATE.search(text):
+        raise UserError(f"TEXT: not valid Unicode (lone surrogate {bad.group()!r} at character {bad.start()})")
+    ids = tok.encode(text).ids
+    typer.echo(" ".join(map(str, ids)))
+    pieces = (token_bytes(tok, i) for i in ids)
+    # A piece that ends inside a UTF-8 character shows as bytes rather than as a replacement character.
+    typer.echo(" ".join(repr(p.decode()) if _is_utf8(p) else repr(p) for p in pieces))
+
+
+@tokenizer_app.command("decode")
+@reports_errors
+def tokenizer_decode(ids: Annotated[list[str], typer.Argument(help="Token ids, space- or comma-separated.")],
+                     tokenizer: TokenizerOpt = TOKENIZER):
+    """Print the text of token IDS."""
+    from kiln.pipeline.errors import UserError
+    from kiln.pipeline.text.tokens import load_tokenizer
+
+    tok = load_tokenizer(tokenizer)
+    words = [w for item in ids for w in item.replace(",", " ").split()]
+    bad = [w for w in words if not w.isdigit() or int(w) >= tok.get_vocab_size()]
+    if bad:
+        raise UserError(f"ids: {bad[0]!r} is not a token id (expected 0..{tok.get_vocab_size() - 1})")
+    typer.echo(tok.decode([int(w) for w in words], skip_special_tokens=False))
+
+
+@app.command("train")
+@reports_errors
+def train_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+                  shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = Path("data/shards"),
+                  tokenizer: TokenizerOpt = TOKENIZER, out: OutOpt = Path("data/models/base"),
+                  checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] =
+                  Path("data/checkpoints/pretrain"),
+                  size: Annotated[Path, typer.Option(help="With model.size=auto: the choice `kiln scaling size` wrote.")]
+                  = Path("data/scaling/size.json")):
+    """Pretrain the base model on the shards, resuming from the newest checkpoint (stage `pretrain`).
+
+    Reads the `model` and `train` sections; `--set` takes `model.*` and `train.*` keys (bare keys mean train).
+    With `train.nproc_per_node` > 1 it starts itself under torchrun on this machine; run it under your own
+    `torchrun` (`torchrun ... -m kiln.pipeline.cli train`) for several machines.
+    """
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.train import distributed
+    from kiln.pipeline.train.params import ModelParams, TrainParams
+    from kiln.pipeline.train.pretrain import pretrain
+
+    train, model = load_sections((TrainParams, ModelParams), params, set_)
+    world = distributed.from_env()
+    if train.nproc_per_node > 1 and not distributed.launched():
+        raise typer.Exit(distributed.relaunch(train.nproc_per_node, sys.argv[1:]))
+    try:
+        metrics = pretrain(model, train, shards, tokenizer, out, checkpoints, size)
+    finally:
+        distributed.leave()
+    if world.main:
+        _print_metrics("pretrain", metrics)
+
+
+@app.command("sft")
+@reports_errors
+def sft_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+                base: Annotated[Path, typer.Option(help="The model to start from.")] = Path("data/models/base"),
+                tokenizer: TokenizerOpt = TOKENIZER, corpus: CorpusOpt = CORPUS,
+                out: OutOpt = Path("data/models/sft"),
+                checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = Path("data/checkpoints/sft")):
+    """Supervised fine-tuning on chat examples: the built-in task or a dataset (stage `sft`).
+
+    Reads the `sft` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
+    mean sft.
+    """
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.post.params import SFTParams
+    from kiln.pipeline.post.sft import sft
+    from kiln.pipeline.train.params import TrainParams
+
+    sft_params, train = load_sections((SFTParams, TrainParams), params, set_)
+    _print_metrics("sft", sft(sft_params, train, base, tokenizer, corpus, out, checkpoints))
+
+
+@app.command("dpo")
+@reports_errors
+def dpo_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+                sft_model: Annotated[Path, typer.Option("--sft", help="The SFT model: policy start and reference.")] =
+                Path("data/models/sft"),
+                tokenizer: TokenizerOpt = TOKENIZER, corpus: CorpusOpt = CORPUS,
+                out: OutOpt = Path("data/models/dpo"),
+                checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = Path("data/checkpoints/dpo")):
+    """Direct preference optimisation from the SFT model on preference pairs (stage `dpo`).
+
+    Reads the `dpo` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
+    mean dpo.
+    """
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.post.dpo import dpo
+    from kiln.pipeline.post.params import DPOParams
+    from kiln.pipeline.train.params import TrainParams
+
+    dpo_params, train = load_sections((DPOParams, TrainParams), params, set_)
+    _print_metrics("dpo", dpo(dpo_params, train, sft_model, tokenizer, corpus, out, checkpoints))
+
+
+@app.command("eval")
+@reports_errors
+def eval_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+                 models: Annotated[Path, typer.Option(help="The folder holding the eval.models folders.")] =
+                 Path("data/models"),
+                 shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json (val split).")] =
+                 Path("data/shards"),
+                 tokenizer: TokenizerOpt = TOKENIZER, corpus: CorpusOpt = CORPUS,
+                 metrics: Annotated[Path, typer.Option(help="Folder for eval.json.")] = Path("metrics"),
+                 samples: Annotated[Path, typer.Option(help="Folder for <model>.md generations.")] =
+                 Path("metrics/samples")):
+    """Val loss/perplexity/bits per byte, multiple-choice tasks, post-training accuracy and samples of every
+    model in eval.models, side by side in metrics/eval.json (stage `evaluate`).
+
+    Reads the `eval` section, `train` for the device, precision and kernels, and `sft`/`dpo` for their held-out
+    data; bare `--set` keys mean eval.
+    """
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.evals.evaluate import EvalParams, evaluate
+    from kiln.pipeline.post.params import DPOParams, SFTParams
+    from kiln.pipeline.train.params import TrainParams
+
+    eval_params, train, sft_params, dpo_params = load_sections((EvalParams, TrainParams, SFTParams, DPOParams), params,
+                                                               set_)
+    evaluate(eval_params, train, sft_params, dpo_params, shards, tokenizer, corpus, models, metrics, samples)
+
+
+@app.command("generate")
+@reports_errors
+def generate_command(
+        prompt: Annotated[list[str], typer.Option(help="Text to continue (repeatable: one completion each).")],
+        model: Annotated[Path, typer.Option(help="A model folder (config.json + model.safetensors).")] =
+        Path("data/models/base"),
+        tokenizer: TokenizerOpt = TOKENIZER,
+        max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to add (default: fill the context).")] = None,
+        temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.8,
+        top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens.")] = None,
+        top_p: Annotated[float | None, typer.Option(help="Sample among the likeliest tokens holding this mass.")]
+        = None,
+        seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
+        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
+    """Continue each --prompt with a trained model, stopping at <|endoftext|>."""
+    from kiln.pipeline.evals.sampling import Sampling, TextModel
+    from kiln.pipeline.train.loop import pick_device
+
+    lm = TextModel(model, tokenizer, pick_device(device))
+    outs = lm.complete(prompt, Sampling(max_new_tokens, temperature, top_k, top_p, seed))
+    for text, out in zip(prompt, outs, strict=True):
+        typer.echo(text + out)
+        if len(prompt) > 1:
+            typer.echo("-" * 40)
+
+
+@app.command("chat")
+@reports_errors
+def chat_command(
+        model: Annotated[Path, typer.Option(help="A chat model folder (SFT or DPO).")] = Path("data/models/dpo"),
+        tokenizer: TokenizerOpt = TOKENIZER,
+        system: Annotated[str | None, typer.Option(help="A system message that opens the conversation.")] = None,
+        max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer (default: a quarter of the "
+                                                                "context).")] = None,
+        temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.7,
+        top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens.")] = None,
+        top_p: Annotated[float | None, typer.Option(help="Sample among the likeliest tokens holding this mass.")]
+        = 0.9,
+        seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
+        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
+    """Talk to a chat model: each line you type is a user turn, the answer streams back (/reset starts over,
+    /quit or end of input stops)."""
+    from kiln.pipeline.evals.sampling import ChatSession, Sampling, TextModel
+    from kiln.pipeline.train.loop import pick_device
+
+    session = ChatSession(TextModel(model, tokenizer, pick_device(device)),
+                          Sampling(max_new_tokens, temperature, top_k, top_p, seed), system)
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        if line.strip() in ("/quit", "/exit"):
+            break
+        if line.strip() == "/reset":
+            session.turns = []
+            continue
+        if not line.strip():
+            continue
+        typer.echo("kiln> ", nl=False)
+        for piece in session.reply(line):
+            typer.echo(piece, nl=False)
+        typer.echo()
+
+
+@scaling_app.command("sweep")
+@reports_errors
+def scaling_sweep_command(
+        params: ParamsOpt = PARAMS, set_: SetOpt = [],
+        shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = Path("data/shards"),
+        tokenizer: TokenizerOpt = TOKENIZER,
+        out: Annotated[Path, typer.Option(help="Folder for runs.csv and each run's curves (kept across runs).")] =
+        Path("data/scaling"),
+        checkpoints: Annotated[Path, typer.Option(help="Resume state of the run in progress.")] =
+        Path("data/checkpoints/scaling")):
+    """Train the IsoFLOP grid scaling.budgets x scaling.depths, skipping runs already in runs.csv (stage
+    `scaling_sweep`).
+
+    Reads the `scaling`, `model` (arch, sequence length) and `train` (optimiser) sections; bare `--set` keys mean
+    scaling.
+    """
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.scaling.params import ScalingParams
+    from kiln.pipeline.scaling.sweep import sweep
+    from kiln.pipeline.train.params import ModelParams, TrainParams
+
+    scaling, model, train = load_sections((ScalingParams, ModelParams, TrainParams), params, set_)
+    _print_metrics("scaling sweep", sweep(scaling, model, train, shards, tokenizer, out, checkpoints))
+
+
+@scaling_app.command("size")
+@reports_errors
+def scaling_size_command(
+        params: ParamsOpt = PARAMS, set_: SetOpt = [],
+        fit: Annotated[Path, typer.Option(help="The fit `kiln scaling fit` wrote.")] = Path("data/scaling/fit.json"),
+        tokenizer: TokenizerOpt = TOKENIZER,
+        out: Annotated[Path, typer.Option(help="Where to write the choice (JSON).")] = Path("data/scaling/size.json")):
+    """With model.size=auto, pick the depth-dial model and token count for scaling.target_flops from the fit
+    (stage `scaling_size`); with model.size=fixed, record just that.
+
+    Reads the `scaling` and `model` sections; bare `--set` keys mean scaling.
+    """
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.scaling.params import ScalingParams
+    from kiln.pipeline.scaling.size import scaling_size
+    from kiln.pipeline.train.params import ModelParams
+
+    scaling, model = load_sections((ScalingParams, ModelParams), params, set_)
+    scaling_size(scaling, model, fit, tokenizer, out)
+
+
+@scaling_app.command("fit")
+@reports_errors
+def scaling_fit_command(
+        runs: Annotated[Path, typer.Option(help="CSV with params,tokens,loss[,flops] columns, or the CS336 JSON list "
+                                                "of {parameters, compute_budget, final_loss}.")],
+        out: Annotated[Path, typer.Option(help="Where to write the fitted values (JSON).")],
+        target_flops: Annotated[float | None, typer.Option(help="Also give the compute-optimal N, D and loss for "
+                                                                "this many FLOPs.")] = None,
+        plots: Annotated[Path | None, typer.Option(help="Folder for the PNGs and their CSV rows.")] = None,
+        bootstrap: Annotated[int, typer.Option(help="Resamples for the confidence intervals (0: none).")] = 100,
+        seed: Annotated[int, typer.Option(help="Seed of the bootstrap resampling.")] = 0,
+        metrics: Annotated[Path | None, typer.Option(help="Also write the fitted scalars here, for dvc metrics.")]
+        = None):
+    """Fit IsoFLOP profiles (approach 2) and L(N, D) = E + A/N^alpha + B/D^beta (approach 3) to finished runs."""
+    from kiln.pipeline.scaling.fit import print_summary, scaling_fit
+
+    print_summary(scaling_fit(runs, out, target_flops, plots, bootstrap, seed, metrics), out)
+
+
+@bench_app.command("shard")
+@reports_errors
+def bench_shard(corpus: CorpusOpt = CORPUS, tokenizer: TokenizerOpt = TOKENIZER,
+                split: str = "train",
+                max_mb: Annotated[float, typer.Option(help="Encode at most this many MB of text.")] = 8.0,
+                out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                Path("metrics/bench/shard.json")):
+    """Sharding throughput against a single-process loop over HF `Tokenizer.encode`, in one run."""
+    from kiln.pipeline.tools.bench import bench_shard as run
+
+    run(corpus, tokenizer, split, max_mb, out)
+
+
+@bench_app.command("train")
+@reports_errors
+def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+                variants: Annotated[str, typer.Option(
+                    help="Comma-separated PRECISION-MODE[-KERNELS] list: PRECISION fp32|bf16|fp16, MODE "
+                         "eager|compile, KERNELS auto|triton|torch (default: --kernels). The first is the speedup "
+                         "baseline. On a CPU keep it short: bf16 runs over 10x slower than fp32 "
+                         "without bf16 instructions, and a compile variant compiles for ~40 s (less once cached).")] =
+                "fp32-eager,fp32-compile,bf16-eager,bf16-compile",
+                vocab_size: Annotated[int, typer.Option(help="Vocabulary the random token ids come from.")] = 4096,
+                batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
+                seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default: model.max_seq_len).")]
+                = None,
+                steps: Annotated[int, typer.Option(help="Timed steps per variant.")] = 10,
+                warmup: Annotated[int, typer.Option(help="Untimed steps before them; the first one compiles.")] = 2,
+                device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
+                = "auto",
+                kernels: Annotated[str, typer.Option(help="auto | triton | torch, as train.kernels, for variants "
+                                                          "that name none.")] = "torch",
+                out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                Path("metrics/bench/train.json")):
+    """Training-step tokens/s and MFU, fp32 vs bf16, eager vs torch.compile, torch vs Triton kernels, in one run.
+
+    A step is forward, backward, clipping and AdamW on random token ids, for the shape in the `model` section
+    (`--set model.key=value` changes it).
+    """
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.tools.bench_train import bench_train as run
+    from kiln.pipeline.tools.bench_train import parse_variants
+    from kiln.pipeline.train.params import ModelParams
+
+    run(load_section(ModelParams, params, set_), parse_variants(variants, kernels), vocab_size, batch_size, seq_len,
+        steps, warmup, device, out)
+
+
+@bench_app.command("generate")
+@reports_errors
+def bench_generate(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+                   model: Annotated[Path | None, typer.Option(
+                       help="A trained model folder (default: random weights in the `model` section's shape).")] = None,
+                   vocab_size: Annotated[int, typer.Option(help="Vocabulary of the random model.")] = 4096,
+                   batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,16",
+                   prompt_len: Annotated[int | None, typer.Option(help="Prompt tokens (default: half the context).")]
+                   = None,
+                   new_tokens: Annotated[int | None, typer.Option(
+                       help="Tokens generated per row (default: the rest of the context).")] = None,
+                   repeats: Annotated[int, typer.Option(help="Timed calls per variant (the median is reported).")] = 3,
+                   dtype: Annotated[str, typer.Option(help="Weights and cache dtype: fp32 | bf16 | fp16.")] = "fp32",
+                   device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
+                   = "auto",
+                   out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                   Path("metrics/bench/generate.json")):
+    """Prefill and decode tokens/s of generation with and without the KV cache, for each batch size, in one run."""
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.tools.bench_generate import bench_generate as run
+    from kiln.pipeline.train.params import ModelParams
+
+    try:
+        sizes = [int(b) for b in batch_sizes.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{batch_sizes!r}: expected comma-separated integers", param_hint="--batch-sizes")
+    run(load_section(ModelParams, params, set_), model, vocab_size, sizes, prompt_len, new_tokens, repeats, dtype,
+        device, out)
+
+
+@bench_app.command("kernels")
+@reports_errors
+def bench_kernels(ops: Annotated[str | None, typer.Option(
+                      help="Comma-separated subset: rms_norm, swiglu, rope, cross_entropy, linear_cross_entropy, "
+                           "flash_attention (default: all).")] = None,
+                  size: Annotated[str, typer.Option(
+                      help="full: the whole shape grid; quick: fewer shapes (a GPU minute or two); smoke: tiny "
+                           "shapes that also run on CPU through Triton's interpreter (checks the command, times "
+                           "nothing).")] = "full",
+                  compile_baseline: Annotated[bool, typer.Option(
+                      "--compile/--no-compile", help="Also time torch.compile of each reference.")] = True,
+                  out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                  Path("metrics/bench/kernels.json")):
+    """Each Triton kernel vs torch eager, torch.compile and Liger-Kernel: ms, GB/s, % of copy bandwidth, peak
+    memory, goal met (CUDA; `--size smoke` on CPU)."""
+    from kiln.pipeline.tools.bench_kernels import bench_kernels as run
+
+    run(ops.split(",") if ops else None, size, compile_baseline, out)
+
+
+@bench_app.command("gpu")
+@reports_errors
+def bench_gpu(size: Annotated[str, typer.Option(
+                  help="quick: every step in one short pass (under 5 minutes); full: every shape of the issue "
+                       "(split it with --steps to fit 10-minute calls); smoke: toy shapes on a CPU, to check the "
+                       "command works.")] = "quick",
+              steps: Annotated[str | None, typer.Option(
+                  help="Comma-separated subset of env, tests, kernels, train, pretrain, generate (default: all).")]
+              = None,
+              out: Annotated[Path, typer.Option(help="Folder for the JSON, logs and curves.")] =
+              Path("metrics/bench/gpu"),
+              work: Annotated[Path | None, typer.Option(
+                  help="Scratch folder for the pretrain step's data and model (default: a new temp folder).")]
+              = None):
+    """The GPU session's whole measurement in one command: native kernel tests, kernel, train-step and generation
+    benchmarks, and a real pretrain run of the GPT-2 124M shape; exits 1 if any step failed."""
+    from kiln.pipeline.tools.bench_gpu import bench_gpu as run
+
+    summary = run(size, steps.split(",") if steps else None, out, work)
+    if any(step["status"] != "ok" for step in summary["steps"]):
+        raise typer.Exit(1)
+
+
+@convert_app.command("from-hf")
+@reports_errors
+def convert_from_hf(
+        src: Annotated[str, typer.Argument(help="An HF model folder (config.json + safetensors), or a hub id to "
+                                                "download.")],
+        out: Annotated[Path, typer.Argument(help="The kiln model folder to write (replaced whole).")]):
+    """Convert a GPT2LMHeadModel or LlamaForCausalLM into a kiln model folder (with its tokenizer.json, if any),
+    refusing any setting kiln's model would not compute exactly."""
+    from kiln.pipeline.tools.convert import from_hf
+
+    from_hf(src, out)
+
+
+@convert_app.command("to-hf")
+@reports_errors
+def convert_to_hf(
+        model: Annotated[Path, typer.Argument(help="A kiln model folder (config.json + model.safetensors).")],
+        out: Annotated[Path, typer.Argument(help="The transformers folder to write (replaced whole).")],
+        tokenizer: Annotated[Path | None, typer.Option(help="The model's tokenizer.json (default: MODEL/tokenizer.json "
+                                                            "if there, else data/tokenizer/tokenizer.json).")] = None):
+    """Convert a kiln model into a folder that transformers' AutoModelForCausalLM and AutoTokenizer load."""
+    from kiln.pipeline.tools.convert import to_hf
+
+    if tokenizer is None:
+        tokenizer = model / "tokenizer.json" if (model / "tokenizer.json").is_file() else TOKENIZER
+    to_hf(model, out, tokenizer)
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _print_metrics(stage: str, metrics: dict) -> None:
+    console.print(f"{stage}: " + ", ".join(f"{k}={v}" for k, v in metrics.items()), highlight=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":  # `python -m kiln.pipeline.cli`, as torchrun starts it
+    main()

@@ -1,0 +1,1 @@
+"""Evaluation: the evaluate stage, task formats, scoring, sampling."""

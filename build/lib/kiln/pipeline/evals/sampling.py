@@ -1,0 +1,114 @@
+"""Text in, text out: a model folder plus the tokenizer it was trained with (`kiln generate`, eval samples).
+
+The model folder records the sha256 of its tokenizer; a different tokenizer would decode the ids into other
+text without any error, so the two are checked against each other before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.model import generate, load_model, stream
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.text.corpus import SURROGATE
+from kiln.pipeline.text.tokens import EOT, load_tokenizer
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int | None = None  # None: fill the model's context window
+    temperature: float = 0.8  # 0: greedy
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+
+    def check(self) -> None:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise UserError(f"--max-new-tokens={self.max_new_tokens}: expected at least 1")
+        if self.temperature < 0:
+            raise UserError(f"--temperature={self.temperature}: expected 0 (greedy) or more")
+        if self.top_k is not None and self.top_k < 1:
+            raise UserError(f"--top-k={self.top_k}: expected at least 1")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise UserError(f"--top-p={self.top_p}: expected a number in (0, 1]")
+
+
+class TextModel:
+    """A loaded model and its tokenizer, checked to belong together."""
+
+    def __init__(self, model_dir: Path, tokenizer_path: Path, device: torch.device | str = "cpu"):
+        try:
+            self.model, meta = load_model(model_dir, device)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if not tokenizer_path.is_file():
+            raise UserError(f"{tokenizer_path}: tokenizer not found")
+        want, got = meta.get("tokenizer_sha256"), sha256_file(tokenizer_path)
+        if want is not None and want != got:
+            raise UserError(f"{tokenizer_path}: not the tokenizer {model_dir} was trained with "
+                            f"(sha256 {got[:12]}..., the model expects {want[:12]}...)")
+        self.meta = meta  # config.json beside the model config: tokenizer_sha256, chat_format, init, ...
+        self.tokenizer = load_tokenizer(tokenizer_path, ordinary=True)
+        self.eot = self.tokenizer.token_to_id(EOT)
+
+    def complete(self, prompts: list[str], sampling: Sampling) -> list[str]:
+        """The continuation of each prompt, up to `<|endoftext|>` (not included) or max_new_tokens."""
+        sampling.check()
+        for prompt in prompts:
+            if bad := SURROGATE.search(prompt):
+                raise UserError(f"--prompt: not valid Unicode (lone surrogate at character {bad.start()})")
+        # A prompt starts a document, and in the shards every document follows <|endoftext|>.
+        ids = [[self.eot, *self.tokenizer.encode(p).ids] for p in prompts]
+        context, longest = self.model.config.max_seq_len, max(map(len, ids))
+        if longest > context:
+            raise UserError(f"--prompt: {longest - 1} tokens do not fit the model's max_seq_len={context}")
+        new = sampling.max_new_tokens or context + 1 - longest
+        if longest + new - 1 > context:
+            raise UserError(f"--prompt: {longest - 1} tokens + --max-new-tokens={new} do not fit the model's "
+                            f"max_seq_len={context}")
+        outs = generate(self.model, ids, new, temperature=sampling.temperature,
+                        top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[self.eot], seed=sampling.seed)
+        return [self.tokenizer.decode([t for t in out if t != self.eot]) for out in outs]
+
+
+class ChatSession:
+    """A conversation with a chat model (SFT or DPO): the whole history is the prompt of every reply, the
+    oldest turns (after a system message) dropped when it no longer fits the context window."""
+
+    def __init__(self, lm: TextModel, sampling: Sampling, system: str | None = None):
+        from kiln.pipeline.post.chat_format import ChatFormat
+
+        sampling.check()
+        self.lm, self.sampling, self.chat = lm, sampling, ChatFormat(lm.tokenizer)
+        self.system = [{"role": "system", "content": system}] if system else []
+        self.turns: list[dict] = []
+
+    def reply(self, text: str) -> Iterator[str]:
+        """Stream the answer to `text` as pieces of text; the answer joins the history when it is complete."""
+        if bad := SURROGATE.search(text):
+            raise UserError(f"message: not valid Unicode (lone surrogate at character {bad.start()})")
+        context = self.lm.model.config.max_seq_len
+        turns = [*self.turns, {"role": "user", "content": text}]
+        room = self.sampling.max_new_tokens or max(1, context // 4)
+        while len(ids := self.chat.prompt(self.system + turns)) + room - 1 > context and len(turns) > 1:
+            turns = turns[2:]  # the oldest exchange: a user turn and its answer
+        if len(ids) >= context:
+            raise UserError(f"message: {len(ids)} tokens with the chat markers; the model's context is {context}")
+        new, shown = [], ""
+        s = self.sampling
+        for token in stream(self.lm.model, ids, min(room, context + 1 - len(ids)), temperature=s.temperature,
+                            top_k=s.top_k, top_p=s.top_p, stop_ids=[self.chat.im_end, self.chat.eot], seed=s.seed):
+            new.append(token)
+            text_so_far = self.chat.parse_reply(new)
+            if not text_so_far.endswith("\ufffd"):  # a character split across tokens waits for its last byte
+                yield text_so_far[len(shown):]
+                shown = text_so_far
+        answer = self.chat.parse_reply(new)
+        if answer != shown:
+            yield answer[len(shown):]
+        self.turns = [*turns, {"role": "assistant", "content": answer}]

@@ -1,0 +1,119 @@
+"""Multiple-choice scoring as lm-evaluation-harness does it: each choice is a (context, continuation) request,
+scored by the summed log-probability of the continuation's tokens given the context.
+
+A request is encoded the harness's way: trailing whitespace of the context moves to the continuation (so " Paris"
+stays one token), the continuation's tokens are those of context + continuation after the context's tokens, and
+the whole follows `<|endoftext|>`, as every document does in pretraining. A request longer than the context
+window loses the start of its context. Items are batched whole (all choices of an item in one forward), rows
+right-padded: causal attention keeps the padding out of every real position.
+
+acc picks the choice with the highest summed log-probability; acc_norm divides it by the continuation's UTF-8
+bytes first (the harness divides by characters; the same for ASCII), which removes the bias towards short
+choices. Ties go to the first choice (numpy's argmax), as in the harness.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kiln.pipeline.evals.tasks import MCItem
+from kiln.pipeline.post.common import IGNORE
+from kiln.pipeline.train.loop import autocast
+
+
+@dataclass(frozen=True)
+class Request:
+    ids: tuple[int, ...]  # <|endoftext|> + context + continuation, cut to max_seq_len + 1 from the left
+    n_target: int         # the continuation: the last n_target ids
+
+
+def encode_request(tokenizer, eot: int, context: str, continuation: str, max_len: int) -> Request:
+    """`max_len` is the model's context window; the request keeps the last max_len + 1 ids (the last is never
+    an input), so a long context loses its start (and a continuation that alone does not fit, its start too)."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    context_ids = tokenizer.encode(context).ids
+    target = tokenizer.encode(context + continuation).ids[len(context_ids):]
+    ids = [eot, *context_ids, *target][-(max_len + 1):]
+    return Request(tuple(ids), min(len(target), len(ids) - 1))
+
+
+@torch.no_grad()
+def score_requests(model, requests: list[Request], groups: list[int], batch_rows: int,
+                   precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability (N,) float64, greedy (N,) bool) of each request's continuation; greedy = every
+    continuation token is the model's argmax. `groups` are the sizes of consecutive runs of requests scored in
+    one forward (an item's choices); a batch holds whole groups up to `batch_rows` rows (at least one group)."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    logps, greedy = [], []
+    start = 0
+    for batch in _batches(groups, batch_rows):
+        rows = requests[start:start + batch]
+        start += batch
+        T = max(len(r.ids) for r in rows) - 1
+        x = torch.zeros(len(rows), T, dtype=torch.long)
+        y = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r.ids) - 1
+            x[i, :n] = torch.tensor(r.ids[:-1])
+            if r.n_target:
+                y[i, n - r.n_target:n] = torch.tensor(r.ids[-r.n_target:])
+        x, y = x.to(device), y.to(device)
+        with autocast(device, precision):
+            logits = model(x)
+        # At least float32 (log-softmax over a vocabulary loses too much in bf16); a float64 model keeps float64.
+        logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+        scored = y != IGNORE
+        picked = logp.gather(-1, y.clamp(min=0)[..., None])[..., 0]
+        logps.append((picked * scored).sum(-1).double().cpu())
+        greedy.append(((logp.argmax(-1) == y) | ~scored).all(-1).cpu())
+    model.train(was_training)
+    if not logps:
+        return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)
+    return torch.cat(logps), torch.cat(greedy)
+
+
+def _batches(groups: list[int], batch_rows: int):
+    rows = 0
+    for size in groups:
+        if rows and rows + size > batch_rows:
+            yield rows
+            rows = 0
+        rows += size
+    if rows:
+        yield rows
+
+
+class ChoiceTask:
+    """Items encoded once (the same requests serve every model evaluated), scored per model."""
+
+    def __init__(self, tokenizer, eot: int, items: list[MCItem], max_len: int, lambada: bool = False):
+        self.items, self.lambada, self.max_len = items, lambada, max_len
+        self.requests = [encode_request(tokenizer, eot, c, k, max_len)
+                         for item in items for c, k in zip(item.contexts, item.continuations)]
+
+    def score(self, model, batch_rows: int, precision: str) -> dict[str, float]:
+        """acc and acc_norm; for LAMBADA-style items (one continuation each), acc = the continuation is the
+        greedy one and ppl = exp(-mean summed log-probability), the harness's definitions."""
+        if model.config.max_seq_len != self.max_len:
+            raise ValueError(f"requests were cut for max_seq_len={self.max_len}, the model has "
+                             f"{model.config.max_seq_len}")
+        items = self.items
+        logp, greedy = score_requests(model, self.requests, [item.n_choices for item in items], batch_rows,
+                                      precision)
+        if self.lambada:
+            return {"acc": greedy.double().mean().item(), "ppl": math.exp(-logp.mean().item())}
+        hits = norm_hits = at = 0
+        for item in items:
+            scores = logp[at:at + item.n_choices]
+            at += item.n_choices
+            sizes = torch.tensor([max(1, len(k.encode("utf-8"))) for k in item.continuations], dtype=torch.float64)
+            hits += int(scores.argmax()) == item.gold
+            norm_hits += int((scores / sizes).argmax()) == item.gold
+        return {"acc": hits / len(items), "acc_norm": norm_hits / len(items)}

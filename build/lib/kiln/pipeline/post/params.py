@@ -1,0 +1,102 @@
+"""The `sft` and `dpo` sections: what post-training shares, and what DPO adds."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kiln.pipeline.config import Section, build_section
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.train.params import TrainParams
+
+
+@dataclass
+class PostTrainParams(Section):
+    """What SFT and DPO share: their data and the optimisation that differs from pretraining.
+
+    The device, precision, kernels, compile, Adam betas, gradient clipping and checkpoint retention come from
+    the `train` section, so one `-S train.precision=bf16` changes every training stage alike."""
+
+    SECTION: ClassVar[str] = "sft"
+    # builtin (questions derived from the corpus) | hf:<dataset>[:<config>] | a .json/.jsonl/.parquet[.gz] file
+    data: str = "builtin"
+    format: str = "auto"
+    split: str = "train"  # the dataset split to read (hf: sources)
+    # training examples (pairs for DPO): builtin, how many to derive; a dataset, how many rows to keep (null: all)
+    max_examples: int | None = 2000
+    val_examples: int = 300  # held out: builtin items from the corpus's val split; a dataset's rows by hash
+    seed: int = 1337
+    max_steps: int = 300
+    batch_size: int = 16  # examples (pairs for DPO) per micro-step
+    batch_examples: int = 32  # examples (pairs for DPO) per optimizer step: gradient accumulation makes it up
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    eval_every: int = 50
+    checkpoint_every: int = 50
+    log_every: int = 10
+
+    SEQUENCES: ClassVar[int] = 1  # sequences per example: a DPO pair is two
+
+    def check(self) -> None:
+        from kiln.pipeline.post.chat_data import PREFERENCE_FORMATS, SFT_FORMATS
+
+        formats = SFT_FORMATS if self.SECTION == "sft" else PREFERENCE_FORMATS
+        if self.format not in ("auto", *formats):
+            raise self.bad("format", f"auto or one of {', '.join(formats)}")
+        if not self.data.strip():
+            raise self.bad("data", "builtin, hf:<dataset>[:<config>] or a .json/.jsonl/.parquet file")
+        if self.max_examples is not None and self.max_examples < 1:
+            raise self.bad("max_examples", "a positive integer or null")
+        if self.val_examples < 1:
+            raise self.bad("val_examples", "a positive integer")
+        if self.batch_size < 1 or self.batch_examples < 1:
+            raise self.bad("batch_size" if self.batch_size < 1 else "batch_examples", "a positive integer")
+        if self.batch_examples % self.batch_size:
+            raise self.bad("batch_examples", f"a multiple of {self.SECTION}.batch_size={self.batch_size}")
+        try:
+            self.loop_params(TrainParams(), 1)
+        except UserError as e:
+            raise UserError(str(e).replace("params: train.", f"params: {self.SECTION}.", 1)) from None
+
+    def loop_params(self, train: TrainParams, seq_len: int) -> TrainParams:
+        """The one loop's params: this section's schedule and batch over `train`'s engine settings."""
+        return build_section(TrainParams, {
+            **dataclasses.asdict(train), "max_steps": self.max_steps, "tokens": None, "seed": self.seed,
+            "batch_size": self.batch_size * self.SEQUENCES,
+            "batch_tokens": self.batch_examples * self.SEQUENCES * seq_len,
+            "lr": self.lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
+            "weight_decay": self.weight_decay, "eval_every": self.eval_every,
+            "checkpoint_every": self.checkpoint_every, "log_every": self.log_every})
+
+
+@dataclass
+class SFTParams(PostTrainParams):
+    SECTION: ClassVar[str] = "sft"
+
+
+@dataclass
+class DPOParams(PostTrainParams):
+    SECTION: ClassVar[str] = "dpo"
+    max_steps: int = 100
+    batch_size: int = 8
+    batch_examples: int = 16
+    lr: float = 5e-4
+    min_lr: float = 5e-5
+    beta: float = 0.1  # strength of the pull towards the reference (SFT) model: small beta, large moves
+    label_smoothing: float = 0.0  # conservative DPO: the share of pairs assumed mislabelled (sigmoid loss only)
+    loss: str = "sigmoid"  # sigmoid (DPO) | ipo
+    SEQUENCES: ClassVar[int] = 2
+
+    def check(self) -> None:
+        super().check()
+        if not self.beta > 0:
+            raise self.bad("beta", "a positive number")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise self.bad("label_smoothing", "a number in [0, 0.5)")
+        if self.loss not in ("sigmoid", "ipo"):
+            raise self.bad("loss", "sigmoid or ipo")
+        if self.loss == "ipo" and self.label_smoothing:
+            raise self.bad("label_smoothing", "0 with dpo.loss=ipo (label smoothing is a sigmoid-loss variant)")

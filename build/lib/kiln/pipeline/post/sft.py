@@ -1,0 +1,85 @@
+"""Stage `sft`: data/models/base -> data/models/sft/, supervised fine-tuning on chat-format examples.
+
+The loss is the cross-entropy on assistant tokens only (their `<|im_end|>` included), averaged over all such
+tokens of an optimizer step, however they fall across micro-batches. Examples are padded rows (see
+pipeline/posttrain.py for why not packed). Held-out: the masked loss, and for the built-in task the accuracy
+of picking the true answer among four, measured on the base model before training too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.outputs import write_metrics
+from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, fits, rows_sha256, score_rows, start, to_rows
+from kiln.pipeline.post.params import SFTParams
+from kiln.pipeline.progress import console
+from kiln.pipeline.train.checkpoints import Checkpoints
+from kiln.pipeline.train.curves import plot_png
+from kiln.pipeline.train.lm import CADENCE
+from kiln.pipeline.train.loop import Run, accumulation_steps, train
+from kiln.pipeline.train.params import TrainParams
+
+BASE_DIR = Path("data/models/base")
+MODEL_DIR = Path("data/models/sft")
+CHECKPOINT_DIR = Path("data/checkpoints/sft")
+CURVES_DIR = Path("metrics/sft")
+PANELS = [["loss", "val_loss"], ["val_accuracy", "val_accuracy_title", "val_accuracy_speaker", "val_accuracy_continue"],
+          ["lr"], ["grad_norm"]]
+
+
+def masked_loss(model, batch):
+    """Summed cross-entropy of the assistant tokens over (targets in the step / accumulation steps)."""
+    x, y, per_micro = batch
+    return model(x, y, reduction="sum") / per_micro
+
+
+def rows_of(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, what: str):
+    """Padded (x, y) rows of the conversations that keep an answer token within seq_len (the rest counted)."""
+    rendered = [chat.render(c) for c in conversations]
+    kept = [r for r in rendered if fits(r, seq_len)]
+    if len(kept) < len(rendered):
+        console.print(f"{what}: skipped {len(rendered) - len(kept):,} examples with no answer token within "
+                      f"max_seq_len={seq_len}", highlight=False)
+    if not kept and rendered:
+        raise UserError(f"{what}: no example has an answer token within max_seq_len={seq_len}")
+    return to_rows(kept, seq_len, chat.pad, what)
+
+
+def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_path: Path, corpus_dir: Path,
+        out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR) -> dict:
+    s = start(params, train_params, base_dir, tokenizer_path, corpus_dir)
+    model, loop, chat, data, seq_len = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len
+    x, y = rows_of(data.train, chat, seq_len, "sft train")
+    val_x, val_y = rows_of(data.val, chat, seq_len, "sft held-out")
+    scorer = ChoiceScorer(data.items, chat, seq_len)
+    val_targets = int((val_y != -100).sum())
+
+    def evaluate(m) -> dict:
+        out = scorer.accuracy(m, params.batch_size, loop.precision)
+        if val_targets:
+            out["val_loss"] = -score_rows(m, val_x, val_y, params.batch_size, loop.precision).sum().item() / val_targets
+        return out
+
+    before = evaluate(model)
+    fingerprint = {"start": s.sha256, "data": rows_sha256(x, y),
+                   "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
+    micro = params.batch_size * seq_len
+    run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=masked_loss,
+              batches=ExampleBatches((x, y), params.batch_size, accumulation_steps(loop, micro), params.seed,
+                                     per_token=True),
+              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints),
+              curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name="sft")
+    console.print(f"sft: {len(x):,} train and {len(val_x):,} held-out examples "
+                  f"({(y != -100).float().sum(1).mean():.1f} answer tokens each on average), {loop.max_steps} steps "
+                  f"x {params.batch_examples} examples, from {base_dir}", highlight=False)
+    result = train(model, run)
+    s.save(out_dir)
+    metrics = {**result, "examples": len(x), "val_examples": len(val_x),
+               "base": {k: round(v, 5) for k, v in before.items()}}
+    plot_png(curves_dir, curves_dir / "curves.png", PANELS, f"sft: {len(x):,} examples, {result['steps']} steps")
+    write_metrics("sft", metrics)
+    return metrics

@@ -1,0 +1,155 @@
+"""Stage `scaling_sweep`: an IsoFLOP grid of small runs -> `data/scaling/runs.csv` for `kiln scaling fit`.
+
+For every budget C in `scaling.budgets` and depth L in `scaling.depths`, the depth dial's model
+(`ScalingParams.shape`) is trained from scratch for D = C / (6 N) tokens, where N counts *all* parameters, as
+Chinchilla does. With tied embeddings that is also the honest compute: the LM head is a matmul the size of the
+embedding table, and at this scale the largest one. D is rounded to whole steps of `scaling.batch_tokens`; the
+CSV records the D and C = 6 N D actually trained, next to the nominal `budget` the fit groups runs by.
+
+Every run goes through `train_lm`, like pretraining: same loop, shards, data order and evaluation. Its
+learning-rate schedule is fitted to its length: warmup over `scaling.warmup_fraction` of its steps, then cosine
+to `train.min_lr` exactly at its last step (a schedule cut short would handicap the short runs).
+
+One stage iterates over the grid instead of a DVC `foreach`/`matrix`: those make one stage per run, whose
+outputs a fit stage would have to list one by one in dvc.yaml, so a budget added in params.yaml would not
+reach the fit. Instead runs.csv persists across runs of the stage and a run is skipped when a row with its
+name and fingerprint (shape, tokens, optimiser, tokenizer, eval budget) is there: adding a budget trains only
+the new runs, and changing the learning rate retrains all. The CSV is rewritten after every run, so an
+interrupted sweep keeps what finished, and the run in progress resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import io
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from kiln.model import ModelConfig
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.outputs import atomic_write_bytes, write_metrics
+from kiln.pipeline.progress import console
+from kiln.pipeline.scaling.choice import count_params
+from kiln.pipeline.scaling.params import ScalingParams
+from kiln.pipeline.train.lm import CADENCE, LMData, train_lm
+from kiln.pipeline.train.params import ModelParams, TrainParams
+
+OUT_DIR = Path("data/scaling")
+CHECKPOINT_DIR = Path("data/checkpoints/scaling")
+COLUMNS = ("run", "params", "non_embedding_params", "tokens", "flops", "loss", "bpb", "seconds", "budget", "depth",
+           "d_model", "n_head", "steps", "train_loss", "fingerprint")
+
+
+@dataclass
+class SweepRun:
+    name: str
+    budget: float
+    depth: int
+    config: ModelConfig
+    params: int
+    non_embedding_params: int
+    train: TrainParams
+    fingerprint: str
+
+    @property
+    def tokens(self) -> int:
+        return self.train.max_steps * self.train.batch_tokens
+
+    @property
+    def flops(self) -> float:
+        return 6.0 * self.params * self.tokens
+
+
+def plan(scaling: ScalingParams, model: ModelParams, train: TrainParams, vocab_size: int,
+         tokenizer_sha256: str) -> list[SweepRun]:
+    if scaling.batch_tokens % model.max_seq_len:
+        raise UserError(f"params: scaling.batch_tokens={scaling.batch_tokens}: expected a multiple of "
+                        f"model.max_seq_len={model.max_seq_len}")
+    # Micro-batches no larger than a step, so that a small sweep batch needs no small train.batch_size.
+    batch_size = min(train.batch_size, scaling.batch_tokens // model.max_seq_len)
+    runs = []
+    for budget in sorted(set(scaling.budgets)):
+        for depth in sorted(set(scaling.depths)):
+            try:
+                config = model.config(vocab_size, **scaling.shape(depth)).check()
+            except ValueError as e:
+                raise UserError(f"params: scaling.depths: depth {depth} gives a bad model ({e})") from None
+            n, n_non_embedding = count_params(config)
+            steps = max(1, round(budget / (6 * n * scaling.batch_tokens)))
+            run_train = dataclasses.replace(
+                train, batch_size=batch_size, batch_tokens=scaling.batch_tokens, max_steps=steps, tokens=None,
+                warmup_steps=round(scaling.warmup_fraction * steps), eval_every=steps,
+                eval_tokens=scaling.eval_tokens, log_every=min(train.log_every, steps), keep_checkpoints=1)
+            identity = {"model": config.to_dict(), "tokenizer_sha256": tokenizer_sha256,
+                        # pretrain's identity, plus the eval budget (here the final eval is the result) and
+                        # the micro-batch, which picks the windows a one-process run draws
+                        "train": {k: v for k, v in dataclasses.asdict(run_train).items()
+                                  if k not in CADENCE or k in ("eval_every", "eval_tokens", "batch_size")}}
+            fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+            runs.append(SweepRun(f"C{budget:.3g}_L{depth}", budget, depth, config, n, n_non_embedding, run_train,
+                                 fingerprint))
+    return runs
+
+
+def read_rows(path: Path) -> dict[str, dict]:
+    """Finished runs by name from an earlier sweep; a file that is not a sweep CSV is an error, not ignored."""
+    if not path.is_file():
+        return {}
+    reader = csv.DictReader(io.StringIO(path.read_text(encoding="utf-8")))
+    missing = [c for c in COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise UserError(f"{path}: not a sweep's runs.csv (lacks {', '.join(missing)}); move it away to start over")
+    return {row["run"]: row for row in reader}
+
+
+def write_rows(path: Path, rows: list[dict]) -> None:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    atomic_write_bytes(path, buf.getvalue().encode())
+
+
+def sweep(scaling: ScalingParams, model: ModelParams, train: TrainParams, shards_dir: Path, tokenizer_path: Path,
+          out_dir: Path = OUT_DIR, checkpoint_dir: Path = CHECKPOINT_DIR) -> dict:
+    data = LMData.load(shards_dir, tokenizer_path)
+    runs = plan(scaling, model, train, data.train.vocab_size, data.tokenizer_sha256)
+    csv_path = out_dir / "runs.csv"
+    rows = read_rows(csv_path)
+    todo = [r for r in runs if rows.get(r.name, {}).get("fingerprint") != r.fingerprint]
+    todo_flops = sum(r.flops for r in todo)
+    console.print(f"scaling sweep: {len(runs)} runs ({len(set(scaling.budgets))} budgets x "
+                  f"{len(set(scaling.depths))} depths), {len(runs) - len(todo)} already in {csv_path}, "
+                  f"{len(todo)} to train ({todo_flops:.3g} FLOPs)", highlight=False)
+    start, flops_done = time.perf_counter(), 0.0
+    for i, run in enumerate(todo, start=1):
+        _, result = train_lm(run.config, run.train, data, checkpoint_dir / run.name, out_dir / "curves" / run.name,
+                             f"sweep {i}/{len(todo)} {run.name}")
+        rows[run.name] = {
+            "run": run.name, "params": run.params, "non_embedding_params": run.non_embedding_params,
+            "tokens": run.tokens, "flops": f"{run.flops:.6g}", "loss": result["val_loss"], "bpb": result["val_bpb"],
+            "seconds": result["seconds"], "budget": f"{run.budget:g}", "depth": run.depth,
+            "d_model": run.config.d_model, "n_head": run.config.n_head, "steps": result["steps"],
+            "train_loss": result["train_loss"], "fingerprint": run.fingerprint}
+        write_rows(csv_path, [rows[r.name] for r in runs if r.name in rows
+                              and rows[r.name]["fingerprint"] == r.fingerprint])
+        shutil.rmtree(checkpoint_dir / run.name, ignore_errors=True)
+        flops_done += run.flops
+        elapsed = time.perf_counter() - start
+        console.print(f"sweep: {run.name} N={run.params:,} D={run.tokens:,} val loss {result['val_loss']:.4f}; "
+                      f"{i}/{len(todo)} trained, ~{elapsed * (todo_flops / flops_done - 1):.0f} s left "
+                      "(by FLOPs)", highlight=False)
+    # Runs of budgets or depths no longer in the grid are dropped here, not fitted.
+    write_rows(csv_path, [rows[r.name] for r in runs])
+    metrics = {"runs": len(runs), "trained": len(todo), "reused": len(runs) - len(todo),
+               "trained_flops": float(f"{todo_flops:.4g}"), "seconds": round(time.perf_counter() - start, 1),
+               # the whole grid's training time, as runs.csv records it: the same after a rerun that reuses runs
+               "train_seconds": round(sum(float(rows[r.name]["seconds"]) for r in runs), 1),
+               "best_loss": min(float(rows[r.name]["loss"]) for r in runs)}
+    write_metrics("scaling_sweep", metrics)
+    return metrics

@@ -1,0 +1,1 @@
+"""Commands beside the DAG: HF conversion and the benchmarks."""

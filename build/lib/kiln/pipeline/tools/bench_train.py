@@ -1,0 +1,172 @@
+"""`kiln bench train`: tokens/s and MFU of one training step, fp32 vs bf16, eager vs torch.compile and torch vs
+Triton kernels, in one run.
+
+A step is what `kiln train` does for one micro-batch without accumulation: forward under autocast, backward,
+gradient clipping and AdamW (fused on CUDA), with the loop's own device, precision and optimizer helpers. The
+batch is random token ids already on the device, so data loading is left out: the figure is what the model
+and the step cost, the ceiling that training can reach. Every variant starts from a copy of the same initial
+weights; the first variant is the baseline of the speedup column, so ratios come from one process and machine.
+A compile variant's first step is reported as its compile time; torch's on-disk compile cache shortens it on a
+rerun of the same shape (35 s cold, 4 s warm for the default shape on a 2-core CPU).
+
+Only torch, rich and kiln's light modules are imported, so this runs on a GPU machine without the data stack
+(dvc, datasets, tokenizers, tiktoken).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+from rich.table import Table
+
+from kiln.kernels.backend import BACKENDS
+from kiln.model import GPT
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.outputs import write_json
+from kiln.pipeline.progress import Progress, console
+from kiln.pipeline.tools.bench import machine
+from kiln.pipeline.train.loop import PRECISIONS, autocast, build_optimizer, check_kernels, pick_device, setup_precision
+from kiln.pipeline.train.params import ModelParams, TrainParams
+from kiln.pipeline.train.throughput import peak_flops
+
+MODES = ("eager", "compile")
+DEVICES = ("auto", "cpu", "cuda", "mps")
+# The optimizer's settings (lr, betas, decay) do not change what a step costs; the defaults stand in for them.
+OPTIM = TrainParams()
+
+
+def parse_variants(text: str, kernels: str = "torch") -> list[tuple[str, bool, str]]:
+    """'fp32-eager,bf16-compile-triton' -> [("fp32", False, kernels), ("bf16", True, "triton")]: a variant
+    without a third part uses `kernels` (--kernels); repeats are dropped, order is kept."""
+    if kernels not in BACKENDS:
+        raise UserError(f"--kernels {kernels!r}: expected one of {', '.join(BACKENDS)}")
+    variants = []
+    for item in dict.fromkeys(w.strip() for w in text.split(",") if w.strip()):
+        precision, mode, backend = (item.split("-") + [kernels])[:3] if item.count("-") in (1, 2) else (item, "", "")
+        if precision not in PRECISIONS:
+            raise UserError(f"--variants {item!r}: unknown precision {precision!r} "
+                            f"(expected one of {', '.join(PRECISIONS)})")
+        if mode not in MODES or backend not in BACKENDS:
+            raise UserError(f"--variants {item!r}: expected PRECISION-MODE or PRECISION-MODE-KERNELS, MODE eager or "
+                            f"compile, KERNELS one of {', '.join(BACKENDS)}")
+        variants.append((precision, mode == "compile", backend))
+    if not variants:
+        raise UserError("--variants: expected at least one PRECISION-MODE, e.g. fp32-eager")
+    return variants
+
+
+def resolve_device(name: str) -> torch.device:
+    if name.split(":")[0] not in DEVICES:
+        raise UserError(f"--device {name!r}: expected auto, cpu, cuda, cuda:N or mps")
+    try:
+        return pick_device(name)
+    except UserError:  # its message names train.device, which this command does not read
+        raise UserError(f"--device {name!r}: CUDA is not available on this machine") from None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels, so that a timer read afterwards covers them."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def time_variant(template: GPT, precision: str, compiled: bool, kernels: str, device: torch.device,
+                 batch_size: int, seq_len: int, steps: int, warmup: int, progress: Progress) -> dict:
+    setup_precision(device, precision)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    model = copy.deepcopy(template).set_kernels(kernels).to(device)
+    optimizer = build_optimizer(model, OPTIM, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    forward = torch.compile(model) if compiled else model
+    inputs, targets = torch.randint(template.config.vocab_size, (2, batch_size, seq_len), device=device)
+
+    def step():
+        with autocast(device, precision):
+            loss = forward(inputs, targets)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        progress.advance(1)
+
+    start = time.perf_counter()
+    step()  # compiles the forward and backward graphs when compiled; allocates optimizer state either way
+    synchronize(device)
+    first = time.perf_counter() - start
+    for _ in range(warmup - 1):
+        step()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    if compiled:
+        torch._dynamo.reset()  # drop the graphs, and the model they hold, before the next variant
+    peak_memory = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
+    tokens_per_s = batch_size * seq_len * steps / seconds
+    return {"step_ms": round(seconds / steps * 1e3, 3), "tokens_per_s": round(tokens_per_s, 1),
+            "compile_seconds": round(first, 2) if compiled else None,
+            "peak_memory_gb": None if peak_memory is None else round(peak_memory, 3)}
+
+
+def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]], vocab_size: int, batch_size: int,
+                seq_len: int | None, steps: int, warmup: int, device_name: str, out: Path) -> dict:
+    for option, value in (("--vocab-size", vocab_size), ("--batch-size", batch_size), ("--steps", steps),
+                          ("--warmup", warmup)):
+        if value < 1:
+            raise UserError(f"{option} {value}: expected a positive integer")
+    seq_len = model_params.max_seq_len if seq_len is None else seq_len
+    if not 1 <= seq_len <= model_params.max_seq_len:
+        raise UserError(f"--seq-len {seq_len}: expected 1..{model_params.max_seq_len} (model.max_seq_len)")
+    device = resolve_device(device_name)
+    config = model_params.config(vocab_size)
+    torch.manual_seed(0)
+    for _, _, kernels in variants:
+        check_kernels(kernels, device, "--variants kernels")
+    # Initialised once on the CPU and copied, so every variant starts from the same weights.
+    template = GPT(config)
+    num_params, flops_per_token = template.num_params(), template.flops_per_token(seq_len)
+    device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()["processor"]
+    rows = []
+    with Progress("bench train", unit="steps", total=len(variants) * (warmup + steps)) as progress:
+        for precision, compiled, kernels in variants:
+            name = f"{precision}-{MODES[compiled]}-{kernels}"
+            progress.advance(0, variant=name)
+            rows.append({"variant": name, "precision": precision, "compile": compiled, "kernels": kernels,
+                         **time_variant(template, precision, compiled, kernels, device, batch_size, seq_len, steps,
+                                        warmup, progress)})
+    for row in rows:
+        peak, _ = peak_flops(device, row["precision"])
+        row["peak_flops"] = peak
+        row["mfu"] = round(flops_per_token * row["tokens_per_s"] / peak, 6) if peak else None
+        row["speedup"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
+    cuda = device.type == "cuda"
+    table = Table(title=f"training step: {config.arch} {config.n_layer}x{config.d_model}, "
+                        f"{num_params / 1e6:.2f}M params, vocab {vocab_size}, batch {batch_size}x{seq_len}, "
+                        f"{steps} timed steps after {warmup}, {device.type} ({device_label})"
+                        + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""))
+    for col in ("variant", "step ms", "tokens/s", "MFU", "speedup", "compile s", *(["peak GB"] if cuda else [])):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(row["variant"], f"{row['step_ms']:.1f}", f"{row['tokens_per_s']:,.0f}",
+                      "-" if row["mfu"] is None else f"{row['mfu']:.2%}", f"{row['speedup']:.2f}x",
+                      "-" if row["compile_seconds"] is None else f"{row['compile_seconds']:.1f}",
+                      *([f"{row['peak_memory_gb']:.2f}"] if cuda else []))
+    console.print(table)
+    result = {"benchmark": "train", "device": device.type, "device_name": device_label,
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": machine(),
+              "model": config.to_dict(), "params": num_params, "flops_per_token": flops_per_token,
+              "batch_size": batch_size, "seq_len": seq_len, "steps": steps, "warmup": warmup,
+              "baseline": rows[0]["variant"], "results": rows}
+    write_json(out, result)
+    console.print(f"wrote {out}", highlight=False)
+    return result

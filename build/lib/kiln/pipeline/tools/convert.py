@@ -1,0 +1,216 @@
+"""`kiln convert`: kiln model folders to and from Hugging Face `transformers` folders (GPT-2 and Llama).
+
+The tensor and config mapping is `model/hf.py`; this module reads and writes the folders. Neither direction
+needs `transformers` (an optional dependency; the tests use it as the independent reference). What it decides:
+- Weights come from safetensors (one file or an index of shards), or from pytorch_model.bin read with
+  `torch.load(weights_only=True)`; every name and shape is checked against the config before conversion.
+- The tokenizer is copied byte for byte, so its sha256 still matches the one the model records. HF's side gets
+  a tokenizer_config.json with `<|endoftext|>` as bos and eos, and a chat template for chat models that
+  renders kiln's ChatML; like kiln's tokenizer it adds no token by itself (`kiln generate` prepends
+  `<|endoftext|>` to a prompt, and a transformers user must do the same to get the same continuation).
+- An output folder appears whole or not at all: it is built beside its final name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from kiln.model import ModelConfig, save_model
+from kiln.model.checkpoint import read_json_object
+from kiln.model.hf import EMBEDDING, hf_config, hf_shapes, kiln_config, to_hf_tensors, to_kiln_tensors
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.evals.sampling import TextModel
+from kiln.pipeline.outputs import atomic_dir, sha256_file, write_json
+from kiln.pipeline.post.chat_format import IM_END, IM_START, PAD
+from kiln.pipeline.progress import console
+from kiln.pipeline.text.tokens import EOT, TOKENIZER_FILE, load_tokenizer
+
+CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+TORCH_WEIGHTS, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
+# Tensors some checkpoints hold that are not weights: GPT-2's causal-mask buffers, Llama's rotary frequencies
+# (kiln derives both from the config).
+NOT_WEIGHTS = re.compile(r"(^|\.)h\.\d+\.attn\.(masked_)?bias$|\.rotary_emb\.inv_freq$")
+
+# kiln's ChatML (kiln.pipeline.post.chat_format.ChatFormat.render) as a transformers chat template. Token ids match kiln's
+# except where kiln's per-part encoding differs from encoding the rendered string: a message that starts with
+# a line break, or that contains special-token text (kiln encodes it as plain text).
+CHATML_TEMPLATE = (
+    "{{- '<|endoftext|>' }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{- raise_exception('role ' + message['role'] + ' is not one of system, user, assistant') }}"
+    "{%- endif %}"
+    r"{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endfor %}"
+    r"{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+
+
+# --- from-hf -------------------------------------------------------------------------------------------------
+
+def from_hf(src: str, out: Path) -> None:
+    """Write the kiln model folder `out` from an HF folder or hub id `src`."""
+    src_dir = source_dir(src)
+    config_path = src_dir / CONFIG
+    try:
+        config = kiln_config(_read_json(config_path), str(config_path))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    tensors = read_hf_weights(src_dir, config)
+    extra = {"converted_from": src}
+    tokenizer = src_dir / TOKENIZER_FILE
+    note = _tokenizer_note(out, tokenizer)  # reads the tokenizer: a bad one fails before anything is written
+    if tokenizer.is_file():
+        extra["tokenizer_sha256"] = sha256_file(tokenizer)
+        if _chat_template(src_dir) == CHATML_TEMPLATE:
+            extra["chat_format"] = "chatml"
+    with atomic_dir(out) as tmp:
+        # save_model replaces the empty temp folder with the model; the tokenizer joins it before `out` appears.
+        save_model(to_kiln_tensors(tensors, config), config, tmp, extra)
+        if tokenizer.is_file():
+            shutil.copyfile(tokenizer, tmp / TOKENIZER_FILE)
+    console.print(f"from-hf: {out} ({config.arch}, {_params(tensors):,} parameters, vocab {config.vocab_size:,}, "
+                  f"context {config.max_seq_len:,})", highlight=False, soft_wrap=True)
+    console.print(note, highlight=False, soft_wrap=True)
+
+
+def source_dir(src: str) -> Path:
+    """A local folder as is; otherwise a hub id, downloaded (config, tokenizer and safetensors only)."""
+    path = Path(src)
+    if path.is_dir():
+        return path
+    if path.exists() or not HUB_ID.fullmatch(src):
+        raise UserError(f"{src}: not found (expected an HF model folder or a hub id such as openai-community/gpt2)")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise UserError(f"{src}: no such folder, and huggingface_hub is not installed to download it") from None
+    try:
+        return Path(snapshot_download(src, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as e:  # huggingface_hub raises many types (offline, no such repo, gated, ...)
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UserError(f"{src}: no such folder, and downloading it from the hub failed ({first})") from None
+
+
+def read_hf_weights(src_dir: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights (safetensors, single or sharded; pytorch_model.bin read without pickle code),
+    names made canonical and checked against `config`."""
+    files, where = _weight_files(src_dir)
+    tensors = {}
+    for path in files:
+        try:
+            if path.suffix == ".safetensors":
+                tensors.update(load_file(path))
+            else:
+                tensors.update(torch.load(path, map_location="cpu", weights_only=True))
+        except Exception as e:  # safetensors and torch.load raise their own types for bad files
+            raise UserError(f"{path}: not a readable weights file ({e})") from None
+    if config.arch == "gpt2":  # GPT-2's original files name the tensors without the `transformer.` prefix
+        tensors = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v
+                   for k, v in tensors.items()}
+    tensors = {k: v for k, v in tensors.items() if not NOT_WEIGHTS.search(k)}
+    if config.tie_embeddings and "lm_head.weight" in tensors:
+        # Some files store a tied head too; a copy that differs would leave it unclear which one was trained.
+        head, embedding = tensors.pop("lm_head.weight"), tensors.get(EMBEDDING[config.arch])
+        if embedding is not None and not torch.equal(head, embedding):
+            raise UserError(f"{where}: lm_head.weight differs from {EMBEDDING[config.arch]}, but config.json ties "
+                            f"them (tie_word_embeddings)")
+    want = hf_shapes(config)
+    missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or unexpected:
+        raise UserError(f"{where}: tensors do not match config.json (missing {missing[:3]}, unexpected "
+                        f"{unexpected[:3]})")
+    wrong = [f"{k} {tuple(tensors[k].shape)} != {want[k]}" for k in want if tuple(tensors[k].shape) != want[k]]
+    if wrong:
+        raise UserError(f"{where}: tensor shapes do not match config.json ({'; '.join(wrong[:3])})")
+    return tensors
+
+
+def _weight_files(src_dir: Path) -> tuple[list[Path], Path]:
+    """(the files holding the weights, the file to name in errors: the weights or their index)."""
+    for single, index in ((WEIGHTS, INDEX), (TORCH_WEIGHTS, TORCH_INDEX)):
+        if (src_dir / single).is_file():
+            return [src_dir / single], src_dir / single
+        if (src_dir / index).is_file():
+            weight_map = _read_json(src_dir / index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise UserError(f"{src_dir / index}: weight_map: missing")
+            return [src_dir / name for name in sorted(set(weight_map.values()))], src_dir / index
+    raise UserError(f"{src_dir}: no weights ({WEIGHTS}, {INDEX}, {TORCH_WEIGHTS} or {TORCH_INDEX})")
+
+
+def _chat_template(src_dir: Path) -> str | None:
+    path = src_dir / TOKENIZER_CONFIG
+    return _read_json(path).get("chat_template") if path.is_file() else None
+
+
+def _params(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() for t in tensors.values())
+
+
+def _tokenizer_note(out: Path, tokenizer: Path) -> str:
+    """Which kiln commands can use the copied tokenizer: kiln marks document starts with <|endoftext|>, and
+    chats with the ChatML tokens."""
+    if not tokenizer.is_file():
+        return (f"no {TOKENIZER_FILE} in the source: pass the model's tokenizer as --tokenizer to kiln commands "
+                f"(kiln generate, chat, sft, dpo need one with {EOT})")
+    tok = load_tokenizer(tokenizer)
+    lacking = [t for t in (EOT, PAD, IM_START, IM_END) if tok.token_to_id(t) is None]
+    use = f"--model {out} --tokenizer {out / TOKENIZER_FILE}"
+    if EOT in lacking:
+        return (f"tokenizer copied to {out / TOKENIZER_FILE}; it lacks {EOT}, which kiln generate, chat, sft and "
+                f"dpo need, so use the model from Python (model.load_model)")
+    if lacking:
+        return (f"tokenizer copied: `kiln generate {use}` can use it; it lacks {', '.join(lacking)}, which kiln "
+                f"chat, sft and dpo need")
+    return f"tokenizer copied: kiln generate, chat, sft and dpo can use it ({use})"
+
+
+# --- to-hf ---------------------------------------------------------------------------------------------------
+
+def to_hf(model_dir: Path, out: Path, tokenizer_path: Path) -> None:
+    """Write the transformers folder `out` from the kiln model folder `model_dir` and its tokenizer."""
+    text = TextModel(model_dir, tokenizer_path)  # checks that the tokenizer is the model's
+    model, meta, tok, config = text.model, text.meta, text.tokenizer, text.model.config
+    if tok.get_vocab_size() > config.vocab_size:
+        raise UserError(f"{tokenizer_path}: {tok.get_vocab_size():,} tokens, more than the model's vocab_size="
+                        f"{config.vocab_size:,}")
+    eot, pad = tok.token_to_id(EOT), tok.token_to_id(PAD)
+    try:
+        hf = hf_config(config, {"bos_token_id": eot, "eos_token_id": eot, "pad_token_id": pad})
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    chat = meta.get("chat_format") == "chatml" and None not in (tok.token_to_id(IM_START), tok.token_to_id(IM_END))
+    specials = {"bos_token": EOT, "eos_token": EOT} if eot is not None else {}
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
+                        **({"pad_token": PAD} if pad is not None else {}),
+                        "model_max_length": config.max_seq_len, "clean_up_tokenization_spaces": False}
+    if chat:
+        tokenizer_config["chat_template"] = CHATML_TEMPLATE
+    tensors = to_hf_tensors(model.state_dict(), config)
+    with atomic_dir(out) as tmp:
+        save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
+        write_json(tmp / CONFIG, hf)
+        shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
+        write_json(tmp / TOKENIZER_CONFIG, tokenizer_config)
+    console.print(f"to-hf: {out} ({hf['architectures'][0]}, {_params(tensors):,} parameters, float32"
+                  + (", ChatML chat template" if chat else "") + ")", highlight=False, soft_wrap=True)
+    if eot is None:
+        console.print(f"note: the tokenizer has no {EOT}, so bos/eos are left unset", highlight=False, soft_wrap=True)
+    if config.arch == "llama" and config.dropout:
+        console.print(f"note: dropout={config.dropout} (training only) is not carried: HF Llama has attention "
+                      f"dropout only", highlight=False, soft_wrap=True)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return read_json_object(path)
+    except ValueError as e:
+        raise UserError(str(e)) from None

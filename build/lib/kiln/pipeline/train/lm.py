@@ -1,0 +1,123 @@
+"""Language-model training on token shards: the data, the loss, the evaluation in nats and bits per byte, and
+one call that trains a model of a given config. The pretrain stage and the scaling sweep both train through it;
+evaluate measures every model with the same `evaluate_lm`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.model import GPT, ModelConfig
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.progress import console
+from kiln.pipeline.text.loader import ShardSet, TokenBatches
+from kiln.pipeline.text.tokens import load_tokenizer, token_bytes
+from kiln.pipeline.train import distributed
+from kiln.pipeline.train.checkpoints import Checkpoints
+from kiln.pipeline.train.distributed import SINGLE, World
+from kiln.pipeline.train.loop import Run, autocast, prepare_device, train
+from kiln.pipeline.train.params import TrainParams
+
+# Params that change the cadence of logging and saving, or only how the same math is computed (device,
+# compile, kernels, how the global batch is split into micro-batches and processes), not what is trained: not
+# part of the run's identity, so a run may resume across them.
+CADENCE = ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "log_every", "device", "compile",
+           "kernels", "batch_size", "nproc_per_node", "parallel", "zero1")
+
+
+def lm_loss(model, batch):
+    x, y = batch
+    return model(x, y)
+
+
+def byte_lengths(tokenizer_path: Path) -> torch.Tensor:
+    """UTF-8 bytes each token stands for; special tokens count 0 and are left out of bits-per-byte."""
+    tok = load_tokenizer(tokenizer_path)
+    specials = set(tok.get_added_tokens_decoder())
+    return torch.tensor([0 if i in specials else len(token_bytes(tok, i)) for i in range(tok.get_vocab_size())])
+
+
+@torch.no_grad()
+def evaluate_lm(model, shards: ShardSet, bytes_per_token: torch.Tensor, batch_size: int, seq_len: int,
+                max_tokens: int, precision: str, world: World = SINGLE) -> dict:
+    """Loss over every target token; bpb = nats over non-special targets / (ln 2 * their UTF-8 bytes).
+
+    The same val prefix whatever the world size: its batches are dealt out to the ranks and the sums added up.
+    Every rank runs as many forwards as the busiest one (an FSDP forward is collective); the spare ones count
+    for nothing."""
+    model.eval()
+    device = next(model.parameters()).device
+    lengths = bytes_per_token.to(device)
+    batches = TokenBatches(shards, batch_size, seq_len, random=False, rank=world.rank, world_size=world.size)
+    n_batches = min(math.ceil(max_tokens / (batch_size * seq_len)),
+                    math.ceil((shards.tokens - 1) // seq_len / batch_size))
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats, text nats, tokens, bytes
+    for i in range(math.ceil(n_batches / world.size)):
+        mine = i * world.size + world.rank < n_batches
+        if mine or i == 0:  # a rank left without a batch forwards the split's first one
+            x, y = (t.to(device) for t in next(batches if mine else TokenBatches(shards, batch_size, seq_len,
+                                                                                 random=False)))
+        with autocast(device, precision):
+            losses = model(x, y, reduction="none").double()
+        if mine:
+            b = lengths[y]
+            sums += torch.stack([losses.sum(), (losses * (b > 0)).sum(), losses.new_tensor(y.numel()),
+                                 b.sum().double()])
+    nats, text_nats, n_tokens, n_bytes = distributed.total(sums).tolist()
+    return {"val_loss": nats / n_tokens, "val_bpb": text_nats / (math.log(2) * n_bytes)}
+
+
+@dataclass
+class LMData:
+    """Train and val shards checked against one tokenizer, and the bytes each token stands for (for bpb)."""
+
+    train: ShardSet
+    val: ShardSet
+    bytes_per_token: torch.Tensor
+    tokenizer_sha256: str
+
+    @classmethod
+    def load(cls, shards_dir: Path, tokenizer_path: Path) -> LMData:
+        if not tokenizer_path.is_file():
+            raise UserError(f"{tokenizer_path}: tokenizer not found (run `kiln tokenizer train` first)")
+        sha = sha256_file(tokenizer_path)
+        return cls(ShardSet(shards_dir, "train", tokenizer_sha256=sha),
+                   ShardSet(shards_dir, "val", tokenizer_sha256=sha), byte_lengths(tokenizer_path), sha)
+
+
+def total_steps(params: TrainParams) -> int:
+    return params.max_steps if params.max_steps is not None else max(1, params.tokens // params.batch_tokens)
+
+
+def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_dir: Path, curves_dir: Path,
+             name: str) -> tuple[GPT, dict]:
+    """Next-token training of a fresh model on `data` with the one loop; the pretrain stage and every run of the
+    scaling sweep go through here, so they share the data order, the schedule and the evaluation. Under
+    torchrun every rank calls it; the model it returns is then wrapped (see `distributed.full_state_dict`)."""
+    seq_len = config.max_seq_len
+    world = distributed.from_env()
+    torch.manual_seed(params.seed)  # every rank builds the same initial weights
+    device = prepare_device(params, world)
+    model = GPT(config).to(device).set_kernels(params.kernels)
+    steps = total_steps(params)
+    fingerprint = {"model": config.to_dict(), "tokenizer_sha256": data.tokenizer_sha256,
+                   "train": {k: v for k, v in dataclasses.asdict(params).items() if k not in CADENCE}}
+    run = Run(
+        params=params, total_steps=steps, micro_batch_tokens=params.batch_size * seq_len, loss_fn=lm_loss,
+        batches=TokenBatches(data.train, params.batch_size, seq_len, seed=params.seed, rank=world.rank,
+                             world_size=world.size),
+        evaluate=lambda m: evaluate_lm(m, data.val, data.bytes_per_token, params.batch_size, seq_len,
+                                       params.eval_tokens, params.precision, world),
+        checkpoints=Checkpoints(checkpoint_dir, fingerprint, params.keep_checkpoints, world),
+        curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name=name, world=world,
+    )
+    processes = f" x {world.size} processes ({params.parallel})" if world.size > 1 else ""
+    console.print(f"{name}: {config.arch} {model.num_params() / 1e6:.3g}M params "
+                  f"({model.num_params(embeddings=False) / 1e6:.3g}M non-embedding), {steps} steps x "
+                  f"{params.batch_tokens} tokens on {device}{processes} in {params.precision}", highlight=False)
+    return model, train(model, run)

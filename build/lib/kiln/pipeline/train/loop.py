@@ -1,0 +1,225 @@
+"""The one training loop: pretraining uses it now; the scaling sweep, SFT and DPO reuse it with their losses.
+
+It owns the machinery that does not depend on the loss: device and precision, AdamW with decay on matrices
+only, warmup + cosine or WSD schedule, gradient accumulation to `train.batch_tokens` per step, clipping,
+periodic evaluation, checkpoints and resume, the NaN guard, throughput/MFU accounting and the curves. Under
+torchrun it trains the model wrapped in DDP or FSDP2 (`kiln.pipeline.train.distributed`): `batches` then yields this
+rank's share of each global micro-batch, and the loss it reports is the mean over ranks.
+
+`loss_fn(model, batch)` returns the mean loss of one micro-batch; `batches` yields micro-batches forever and
+has `state_dict()` / `load_state_dict()`; `evaluate(model)` returns a dict of numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import resource
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.kernels.backend import interpreting
+from kiln.pipeline.errors import StageError, UserError
+from kiln.pipeline.progress import Progress, console
+from kiln.pipeline.train import distributed
+from kiln.pipeline.train.checkpoints import Checkpoints
+from kiln.pipeline.train.curves import Curves
+from kiln.pipeline.train.distributed import SINGLE, World
+from kiln.pipeline.train.params import TrainParams
+from kiln.pipeline.train.throughput import peak_flops
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"params: train.device={name!r}: CUDA is not available on this machine")
+    return device
+
+
+def autocast(device: torch.device, precision: str):
+    """Mixed precision for the forward pass; fp32 runs without autocast (and with TF32 matmuls on CUDA)."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=PRECISIONS[precision])
+
+
+def setup_precision(device: torch.device, precision: str) -> None:
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = precision == "fp32"
+        torch.backends.cudnn.allow_tf32 = precision == "fp32"
+    if device.type == "cpu" and precision != "fp32":
+        console.print(f"warning: train.precision={precision} on CPU runs through slow autocast paths "
+                      "(~14x slower than fp32 on a CPU without bf16 instructions, measured by kiln bench train)", highlight=False)
+
+
+def check_kernels(kernels: str, device: torch.device, where: str) -> None:
+    """Refuse `triton` where the kernels cannot run, before a model is built rather than at its first forward."""
+    if kernels == "triton" and device.type != "cuda" and not interpreting():
+        raise UserError(f"{where}=triton: needs a CUDA device, or TRITON_INTERPRET=1 in the environment to run the "
+                        "kernels in Triton's (slow) CPU interpreter")
+
+
+def prepare_device(params: TrainParams, world: World = SINGLE) -> torch.device:
+    """The device a run trains on (this rank's GPU in a torchrun job, which it joins), with its precision
+    settings made and its kernel choice checked."""
+    device = distributed.join(world, pick_device(params.device))
+    setup_precision(device, params.precision)
+    check_kernels(params.kernels, device, "params: train.kernels")
+    return device
+
+
+def build_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device,
+                    zero1: bool = False) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay on matrices only: norms' gains and biases are not pulled to zero.
+    `zero1`: each rank keeps (and updates) the AdamW state of its share of the parameters only."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kwargs = {"lr": params.lr, "betas": (params.beta1, params.beta2), "fused": device.type == "cuda"}
+    if zero1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+def lr_at(step: int, total: int, params: TrainParams) -> float:
+    """Linear warmup, then cosine to `min_lr` or (WSD) flat then a linear decay over `decay_fraction`."""
+    if step < params.warmup_steps:
+        return params.lr * (step + 1) / params.warmup_steps
+    if params.schedule == "wsd":
+        decay_start = total - max(1, round(total * params.decay_fraction))
+        if step < decay_start:
+            return params.lr
+        frac = (step - decay_start + 1) / (total - decay_start)
+        return params.lr - frac * (params.lr - params.min_lr)
+    frac = (step - params.warmup_steps) / max(1, total - params.warmup_steps)
+    return params.min_lr + 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))) * (params.lr - params.min_lr)
+
+
+@dataclass
+class Run:
+    """What one call of `train` needs besides the model."""
+
+    params: TrainParams
+    total_steps: int
+    micro_batch_tokens: int
+    loss_fn: Callable
+    batches: Iterator
+    evaluate: Callable[[torch.nn.Module], dict]
+    checkpoints: Checkpoints
+    curves_dir: Path
+    flops_per_token: float
+    name: str = "train"
+    world: World = SINGLE
+
+
+def accumulation_steps(params: TrainParams, micro_batch_tokens: int, world_size: int = 1) -> int:
+    per_pass = micro_batch_tokens * world_size
+    if params.batch_tokens % per_pass:
+        raise UserError(f"params: train.batch_tokens={params.batch_tokens}: expected a multiple of "
+                        f"train.batch_size x sequence length x processes = {per_pass}")
+    return params.batch_tokens // per_pass
+
+
+def train(model: torch.nn.Module, run: Run) -> dict:
+    """Train `model` in place (under torchrun: wrapped for the run; `distributed.full_state_dict` gathers it)."""
+    params, world = run.params, run.world
+    device = next(model.parameters()).device
+    accum = accumulation_steps(params, run.micro_batch_tokens, world.size)
+    model = distributed.wrap(model, params.parallel, PRECISIONS[params.precision], device)
+    optimizer = build_optimizer(model, params, device, zero1=params.zero1 and world.size > 1)
+    scaler = torch.amp.GradScaler(device.type, enabled=params.precision == "fp16")
+    step, seconds_before, loss = 0, 0.0, float("nan")
+    latest = run.checkpoints.latest()
+    if latest is not None:
+        state = run.checkpoints.load(latest, model, optimizer, scaler)
+        run.batches.load_state_dict(state["loader"])
+        step, seconds_before, loss = state["step"], state.get("train_seconds", 0.0), state.get("train_loss", loss)
+        console.print(f"{run.name}: resuming from {latest} (step {step})", highlight=False)
+    forward = torch.compile(model) if params.compile else model
+    curves = Curves(run.curves_dir, step, write=world.main)
+    peak, _ = peak_flops(device, params.precision)
+    tokens_per_step = params.batch_tokens
+    last_eval: dict = {}
+    timer_tokens, timer_start = 0, time.perf_counter()
+    start = time.perf_counter()
+    model.train()
+    with Progress(run.name, unit="steps", total=run.total_steps, start=step) as progress:
+        while step < run.total_steps:
+            lr = lr_at(step, run.total_steps, params)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            total = torch.zeros((), device=device)
+            for micro in range(accum):
+                batch = [t.to(device, non_blocking=True) for t in next(run.batches)]
+                with distributed.gradient_sync(model, sync=micro == accum - 1):
+                    with autocast(device, params.precision):
+                        micro_loss = run.loss_fn(forward, batch) / accum
+                    scaler.scale(micro_loss).backward()
+                total += micro_loss.detach()
+            loss = distributed.mean(total).item()
+            if not math.isfinite(loss):  # before the update, so the weights in memory stay good too
+                kept = run.checkpoints.latest()
+                raise StageError(f"{run.name}: loss is {loss} at step {step + 1}; stopped. "
+                                 f"Last good checkpoint: {kept or 'none'} (lower train.lr or use bf16/fp32)")
+            scaler.unscale_(optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.grad_clip or float("inf"))
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            timer_tokens += tokens_per_step
+            if step % params.log_every == 0 or step == run.total_steps:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                elapsed = time.perf_counter() - timer_start
+                tps = timer_tokens / elapsed
+                grad_norm = distributed.whole(norm).item()
+                curves.add(step, {"loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
+                                  "tokens_per_s": round(tps, 1)})
+                mfu = run.flops_per_token * tps / (peak * world.size) if peak else None  # tps counts every rank
+                progress.advance(0, loss=loss, lr=lr, **{"tok/s": round(tps)},
+                                 **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
+                timer_tokens, timer_start = 0, time.perf_counter()
+            progress.advance(1)
+            if step % params.eval_every == 0 or step == run.total_steps:
+                last_eval = run.evaluate(model)
+                curves.add(step, {k: round(v, 5) for k, v in last_eval.items()})
+                model.train()
+            if step % params.checkpoint_every == 0 or step == run.total_steps:
+                run.checkpoints.save(step, model, optimizer, scaler, run.batches.state_dict(),
+                                     {"train_seconds": seconds_before + time.perf_counter() - start,
+                                      "train_loss": loss})
+    if not last_eval:  # resumed from the final checkpoint: nothing trained, but the metrics still need it
+        last_eval = run.evaluate(model)
+    curves.end()
+    seconds = seconds_before + time.perf_counter() - start
+    tokens = step * tokens_per_step
+    tps = tokens / seconds if seconds else 0.0
+    result = {"train_loss": round(loss, 5), **{k: round(v, 5) for k, v in last_eval.items()}, "steps": step,
+              "tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tps, 1)}
+    peak, _ = peak_flops(device, params.precision)  # again: on a CPU the best of two measurements
+    if peak:
+        result["mfu"] = round(run.flops_per_token * tps / (peak * world.size), 5)
+    result["peak_memory_gb"] = round(peak_memory_bytes(device) / 1e9, 3)
+    return result
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak tensor memory on CUDA; elsewhere the process's peak resident set (all of Python, not only tensors)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

@@ -1,0 +1,133 @@
+"""params.yaml: reading it, `--set` overrides, and the checks every section's dataclass gets.
+
+Each section is a plain dataclass beside the stage that reads it (`DataParams` in text/sources.py,
+`TrainParams` in train/params.py, ...), with the defaults params.yaml holds. Every stage reads only its own section, so that DVC's `params:` lists in dvc.yaml stay honest. A bad key or
+value stops the command before any work with a `UserError` that names the dotted key (`data.val_fraction`).
+`--set key=value` overrides are parsed as YAML scalars, so `--set data.max_docs=null` and
+`--set tokenizer.vocab_size=2048` mean what they say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from pathlib import Path
+from typing import ClassVar
+
+import yaml
+
+from kiln.pipeline.errors import UserError
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+SECTIONS = ("data", "tokenizer", "shard", "model", "train", "scaling", "sft", "dpo", "eval")
+
+
+class Section:
+    """Base for section dataclasses: `SECTION` names the params.yaml key, `check()` validates ranges."""
+
+    SECTION: ClassVar[str]
+
+    def check(self) -> None:
+        pass
+
+    def bad(self, name: str, expected: str) -> UserError:
+        return UserError(f"params: {self.SECTION}.{name}={getattr(self, name)!r}: expected {expected}")
+
+
+def read_params_file(path: Path) -> dict:
+    if not path.is_file():
+        raise UserError(f"{path}: params file not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: expected a mapping of sections at the top level")
+    for key in raw:
+        if key not in SECTIONS:
+            raise UserError(f"{path}: unknown section '{key}' (expected one of: {', '.join(SECTIONS)})")
+    return raw
+
+
+S = typing.TypeVar("S", bound=Section)
+
+
+def load_section(cls: type[S], path: Path = Path("params.yaml"), overrides: typing.Iterable[str] = ()) -> S:
+    """Read `cls.SECTION` from `path`, apply `--set` overrides, type-check and validate."""
+    section = cls.SECTION
+    values = read_params_file(path).get(section) or {}
+    if not isinstance(values, dict):
+        raise UserError(f"{path}: section '{section}' must be a mapping")
+    values = dict(values)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {item!r}: expected key=value")
+        sec, _, name = key.rpartition(".")
+        if sec not in ("", section):
+            raise UserError(f"--set {key}: this command reads only the '{section}' section")
+        try:
+            values[name] = yaml.safe_load(text) if text else ""
+        except yaml.YAMLError:  # not YAML (a glob such as *.txt): take the text as it is
+            values[name] = text
+    return build_section(cls, values)
+
+
+def load_sections(classes: tuple[type[Section], ...], path: Path = Path("params.yaml"),
+                  overrides: typing.Iterable[str] = ()) -> list[Section]:
+    """Several sections for a command that reads more than one; `--set` keys go to the section they name,
+    bare keys to the first."""
+    names = [cls.SECTION for cls in classes]
+    split: dict[str, list[str]] = {name: [] for name in names}
+    for item in overrides:
+        section = item.partition("=")[0].rpartition(".")[0]
+        if section and section not in names:
+            raise UserError(f"--set {item.partition('=')[0]}: this command reads only the "
+                            f"{', '.join(repr(n) for n in names)} sections")
+        split[section or names[0]].append(item)
+    return [load_section(cls, path, split[cls.SECTION]) for cls in classes]
+
+
+def build_section(cls: type[S], values: dict) -> S:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in values.items():
+        if key not in names:
+            raise UserError(f"params: unknown key {cls.SECTION}.{key} (expected one of: {', '.join(names)})")
+        kwargs[key] = coerce(f"{cls.SECTION}.{key}", value, hints[key])
+    obj = cls(**kwargs)
+    obj.check()
+    return obj
+
+
+def coerce(key: str, value, tp):
+    """Check `value` against the annotation `tp`; ints are accepted where floats are expected."""
+    options = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise UserError(f"params: {key}=null: expected {_describe(tp)}")
+    for option in options:
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is float and isinstance(value, str) and _FLOAT.fullmatch(value):  # PyYAML reads 1e12 as text
+            return float(value)
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option in (str, bool, dict) and isinstance(value, option):
+            return value
+        if typing.get_origin(option) is list and isinstance(value, list):
+            (item,) = typing.get_args(option)
+            return [coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    raise UserError(f"params: {key}={value!r}: expected {_describe(tp)}")
+
+
+def _describe(tp) -> str:
+    options = typing.get_args(tp) if isinstance(tp, types.UnionType) else (tp,)
+    words = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+    return " or ".join(words.get(o, getattr(o, "__name__", str(o))) for o in options)
+
+

@@ -1,0 +1,273 @@
+"""Stage `evaluate`: every model in `eval.models` measured the same way, side by side in `metrics/eval.json`.
+
+For each model: val loss, perplexity and bits per byte on the first `eval.tokens` of the val shards (the same
+tokens for every model, so the numbers compare across models and runs); each task of `eval.tasks` scored as
+lm-evaluation-harness does (pipeline/scoring.py); the built-in post-training task's held-out accuracy and the
+preference accuracy on the DPO held-out pairs; and greedy generations of a few fixed prompts written to
+`metrics/samples/<model>.md`.
+
+eval.json is keyed metric first, model second ({"val_bpb": {"base": .., "sft": .., "dpo": ..}}), so that
+`dvc metrics show` and `dvc metrics diff` list the models of one metric together. Multiple-choice tasks are
+scored on plain text for every model, chat models included, as the harness does by default; the post-training
+metrics use the chat format for every model, the base model included (as sft.json reports it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from kiln.model import generate, load_config
+from kiln.pipeline.config import Section, coerce
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.evals.sampling import Sampling, TextModel
+from kiln.pipeline.evals.scoring import ChoiceTask
+from kiln.pipeline.evals.tasks import Task, load_task
+from kiln.pipeline.outputs import atomic_write_bytes, sha256_file, write_metrics
+from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.post.common import ChoiceScorer, load_chat_data
+from kiln.pipeline.post.corpus_task import cloze_items, held_out_items
+from kiln.pipeline.post.params import DPOParams, SFTParams
+from kiln.pipeline.post.preference import PairRows, logps, pair_rows
+from kiln.pipeline.progress import Progress, console
+from kiln.pipeline.text.loader import ShardSet
+from kiln.pipeline.train.lm import byte_lengths, evaluate_lm
+from kiln.pipeline.train.loop import prepare_device
+from kiln.pipeline.train.params import TrainParams
+
+DEFAULT_SAMPLES = ["ROMEO.\nBut soft, what light", "To be, or not to be", "Who speaks first in this passage?\n\nKING."]
+
+
+@dataclass
+class EvalParams(Section):
+    """The evaluate stage: which models, how many val tokens, which multiple-choice tasks, which samples."""
+
+    SECTION: ClassVar[str] = "eval"
+    models: list[str] = dataclasses.field(default_factory=lambda: ["base", "sft", "dpo"])  # folders of data/models
+    tokens: int = 65536  # val tokens for loss, perplexity and bits per byte: the same budget for every model
+    batch_size: int = 16  # rows per forward
+    # Each task: {name, data, format, split, shots, limit, delimiter}; data `builtin` is the corpus cloze task.
+    tasks: list[dict] = dataclasses.field(default_factory=lambda: [{"name": "cloze", "data": "builtin", "limit": 500}])
+    posttrain: bool = True  # the built-in post-training task's held-out accuracy and preference accuracy
+    samples: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_SAMPLES))
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy, the same text on every run
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def check(self) -> None:
+        if not self.models or len(set(self.models)) < len(self.models):
+            raise self.bad("models", "a non-empty list of distinct model folder names")
+        for name in self.models:
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
+                raise self.bad("models", f"folder names under data/models (got {name!r})")
+        for name in ("tokens", "batch_size", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise self.bad(name, "a positive integer")
+        if self.temperature < 0:
+            raise self.bad("temperature", "0 (greedy) or more")
+        if self.top_k is not None and self.top_k < 1:
+            raise self.bad("top_k", "a positive integer or null")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise self.bad("top_p", "a number in (0, 1] or null")
+        self.task_specs()
+
+    def task_specs(self) -> list:
+        """`tasks` as TaskSpecs, each key type-checked; errors name the entry (`eval.tasks[1].gold`)."""
+        from kiln.pipeline.evals.tasks import TASK_FORMATS, TaskSpec
+
+        hints = typing.get_type_hints(TaskSpec)
+        specs, names = [], set()
+        for i, entry in enumerate(self.tasks):
+            key = f"{self.SECTION}.tasks[{i}]"
+            unknown = sorted(set(entry) - set(hints))
+            if unknown:
+                raise UserError(f"params: {key}: unknown key {unknown[0]!r} (expected {', '.join(hints)})")
+            for field in ("name", "data"):
+                if field not in entry:
+                    raise UserError(f"params: {key}: missing key {field!r}")
+            spec = TaskSpec(**{k: coerce(f"{key}.{k}", v, hints[k]) for k, v in entry.items()})
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", spec.name) or spec.name in names:
+                raise UserError(f"params: {key}.name={spec.name!r}: expected a distinct name of letters, digits, "
+                                "_ . -")
+            if spec.format not in ("auto", *TASK_FORMATS):
+                raise UserError(f"params: {key}.format={spec.format!r}: expected auto or one of "
+                                f"{', '.join(TASK_FORMATS)}")
+            if spec.shots < 0 or (spec.limit is not None and spec.limit < 1):
+                bad = "shots" if spec.shots < 0 else "limit"
+                raise UserError(f"params: {key}.{bad}={getattr(spec, bad)!r}: expected "
+                                + ("0 or more" if bad == "shots" else "a positive integer or null"))
+            if spec.data == "builtin" and spec.limit is None:
+                raise UserError(f"params: {key}.limit: the number of cloze items to derive when data is builtin")
+            names.add(spec.name)
+            specs.append(spec)
+        return specs
+
+
+MODELS_DIR = Path("data/models")
+SAMPLES_DIR = Path("metrics/samples")
+
+
+@dataclass
+class PostTrainData:
+    """The held-out data of the post-training stages: built-in items (accuracy) and preference pairs."""
+
+    scorer: ChoiceScorer
+    pairs: PairRows
+
+
+def check_models(params: EvalParams, models_dir: Path) -> dict[str, Path]:
+    """Every model folder, checked before any work: a missing one is named, not found after an hour."""
+    dirs = {name: Path(models_dir) / name for name in params.models}
+    for name, path in dirs.items():
+        if not (path / "model.safetensors").is_file():
+            raise UserError(f"{path}: no model.safetensors (eval.models names {name!r}; run the stage that makes it)")
+        try:
+            load_config(path)
+        except ValueError as e:
+            raise UserError(f"{path}: {e}") from None
+    return dirs
+
+
+def load_tasks(params: EvalParams, chat: ChatFormat, corpus_dir: Path, seq_len: int) -> list[Task]:
+    tasks = []
+    for i, spec in enumerate(params.task_specs()):
+        if spec.data == "builtin":
+            items = cloze_items(corpus_dir, chat, seq_len, spec.limit, params.seed)
+            tasks.append(Task(spec.name, "cloze", items, {}))
+            console.print(f"eval.tasks[{i}] {spec.name}: {len(items):,} cloze items from the corpus's val split",
+                          highlight=False)
+        else:
+            tasks.append(load_task(spec, f"eval.tasks[{i}]"))
+    return tasks
+
+
+def load_posttrain(sft: SFTParams, dpo: DPOParams, chat: ChatFormat, seq_len: int, corpus_dir: Path) -> PostTrainData:
+    items = held_out_items(corpus_dir, chat, seq_len, sft.val_examples, sft.seed) if sft.data == "builtin" else []
+    if dpo.data == "builtin":
+        pairs = [item.pair() for item in held_out_items(corpus_dir, chat, seq_len, dpo.val_examples, dpo.seed)]
+    else:
+        pairs = load_chat_data(dpo, chat, seq_len, corpus_dir).val
+    return PostTrainData(ChoiceScorer(items, chat, seq_len), pair_rows(pairs, chat, seq_len, "eval dpo held-out"))
+
+
+def samples_markdown(name: str, model_dir: Path, lm: TextModel, prompts: list[str], sampling: Sampling,
+                     chat: ChatFormat | None) -> str:
+    """Each prompt and its generation, as markdown; a chat model gets each prompt as a user message."""
+    if chat is None:
+        outs = lm.complete(prompts, sampling)
+    else:
+        context = lm.model.config.max_seq_len
+        ids = [chat.prompt([{"role": "user", "content": p}])[-(context - 1):] for p in prompts]
+        new = min(sampling.max_new_tokens, context + 1 - max(map(len, ids)))
+        raw = generate(lm.model, ids, new, temperature=sampling.temperature, top_k=sampling.top_k,
+                       top_p=sampling.top_p, stop_ids=[chat.im_end, chat.eot], seed=sampling.seed)
+        outs = [chat.parse_reply(r) for r in raw]
+    how = "greedy" if sampling.temperature == 0 else (f"temperature {sampling.temperature}, top_k {sampling.top_k}, "
+                                                      f"top_p {sampling.top_p}, seed {sampling.seed}")
+    lines = [f"# Samples: {name} ({model_dir})", "",
+             f"{how}, at most {sampling.max_new_tokens} new tokens, "
+             + ("each prompt as a user message in the chat format" if chat else "plain continuation"), ""]
+    for i, (prompt, out) in enumerate(zip(prompts, outs), 1):
+        lines += [f"## {i}", "", "Prompt:", "", "```text", prompt, "```", "", "Output:", "", "```text", out, "```", ""]
+    return "\n".join(lines)
+
+
+def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOParams, shards_dir: Path,
+             tokenizer_path: Path, corpus_dir: Path, models_dir: Path = MODELS_DIR,
+             metrics_dir: Path = Path("metrics"), samples_dir: Path = SAMPLES_DIR) -> dict:
+    dirs = check_models(params, models_dir)
+    if not tokenizer_path.is_file():
+        raise UserError(f"{tokenizer_path}: tokenizer not found (run `kiln tokenizer train` first)")
+    val = ShardSet(shards_dir, "val", tokenizer_sha256=sha256_file(tokenizer_path))
+    bytes_per_token = byte_lengths(tokenizer_path)
+    device = prepare_device(train)
+    first = TextModel(dirs[params.models[0]], tokenizer_path, device)
+    chat = ChatFormat(first.tokenizer)
+    seq_len = first.model.config.max_seq_len
+    tasks = load_tasks(params, chat, corpus_dir, seq_len)
+    scorers = [ChoiceTask(first.tokenizer, chat.eot, task.items, seq_len, task.format == "lambada") for task in tasks]
+    post = load_posttrain(sft, dpo, chat, seq_len, corpus_dir) if params.posttrain else None
+    sampling = Sampling(params.max_new_tokens, params.temperature, params.top_k, params.top_p, params.seed)
+    sampling.check()
+
+    results: dict[str, dict[str, float]] = {}
+    pair_logps: dict[Path, tuple[torch.Tensor, torch.Tensor]] = {}
+    samples: dict[str, str] = {}
+    parts = 2 + len(tasks) + (post is not None)
+    with Progress("eval", unit="parts", total=len(dirs) * parts) as progress:
+        for name, model_dir in dirs.items():
+            lm = first if model_dir == dirs[params.models[0]] else TextModel(model_dir, tokenizer_path, device)
+            model, meta = lm.model.set_kernels(train.kernels), load_config(model_dir)[1]
+            if model.config.max_seq_len != seq_len:
+                raise UserError(f"{model_dir}: max_seq_len {model.config.max_seq_len}, but {dirs[params.models[0]]} "
+                                f"has {seq_len}; eval.models must share one context length")
+            torch.manual_seed(params.seed)
+            out = results[name] = {}
+            progress.advance(0, model=name, part="val loss")
+            lm_metrics = evaluate_lm(model, val, bytes_per_token, params.batch_size, seq_len, params.tokens,
+                                     train.precision)
+            out |= lm_metrics | {"val_ppl": math.exp(lm_metrics["val_loss"])}
+            progress.advance(1)
+            for task, scorer in zip(tasks, scorers):
+                progress.advance(0, part=task.name)
+                out |= {f"{task.name}/{k}": v for k, v in scorer.score(model, params.batch_size,
+                                                                       train.precision).items()}
+                progress.advance(1)
+            if post is not None:
+                progress.advance(0, part="posttrain")
+                out |= {f"posttrain/{k.removeprefix('val_')}": v
+                        for k, v in post.scorer.accuracy(model, params.batch_size, train.precision).items()}
+                pc, pr = logps(model, post.pairs, params.batch_size, train.precision, average=False)
+                pair_logps[model_dir.resolve()] = (pc, pr)
+                out["posttrain/preference_accuracy"] = (pc > pr).double().mean().item()
+                init = (meta.get("init") or {}).get("model")
+                if init is not None and Path(init).resolve() in pair_logps:
+                    # DPO's implicit reward, measured against the model this one was trained from.
+                    ic, ir = pair_logps[Path(init).resolve()]
+                    out["posttrain/reward_accuracy"] = ((pc - ic) > (pr - ir)).double().mean().item()
+                progress.advance(1)
+            progress.advance(0, part="samples")
+            samples[name] = samples_markdown(name, model_dir, lm, params.samples, sampling,
+                                             chat if meta.get("chat_format") else None)
+            progress.advance(1)
+    for task in tasks:
+        console.print(f"{task.name}: {len(task.items):,} items scored"
+                      + (f", {sum(task.skipped.values()):,} rows skipped" if task.skipped else ""), highlight=False)
+    metrics = report(results)
+    metrics["items"] = {task.name: len(task.items) for task in tasks}
+    if post is not None:
+        metrics["items"] |= {"posttrain": len(post.scorer.kinds), "posttrain_pairs": len(post.pairs)}
+    for name, text in samples.items():
+        atomic_write_bytes(samples_dir / f"{name}.md", text.encode("utf-8"))
+    write_metrics("eval", metrics, metrics_dir)
+    print_table(results, list(dirs))
+    return metrics
+
+
+def report(results: dict[str, dict[str, float]]) -> dict:
+    """{model: {metric: value}} -> {metric: {model: value}}, metrics in first-seen order, rounded."""
+    metrics: dict[str, dict[str, float]] = {}
+    for name, values in results.items():
+        for key, value in values.items():
+            metrics.setdefault(key, {})[name] = round(value, 5)
+    return metrics
+
+
+def print_table(results: dict[str, dict[str, float]], names: list[str]) -> None:
+    from rich.table import Table
+
+    table = Table(title="eval")
+    for col in ("metric", *names):
+        table.add_column(col)
+    for key, row in report(results).items():
+        table.add_row(key, *(f"{row[n]:.4f}" if n in row else "-" for n in names))
+    console.print(table)

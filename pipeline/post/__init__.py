@@ -1,0 +1,1 @@
+"""Post-training: the chat format, its data, SFT and DPO."""

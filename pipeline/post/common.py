@@ -1,0 +1,228 @@
+"""What SFT and DPO share: the model they start from, examples as padded tensors, their batches, and the
+summed log-probability of an answer that both losses (and every multiple-choice score) are made of.
+
+Padding, not packing: each example is one row of `max_seq_len` tokens, padded on the right with `<|pad|>` and
+targets of -100. With causal attention a right pad never affects the tokens before it, so no attention mask is
+needed and the model stays the one pretraining uses; packing several examples into a row would need a
+block-diagonal mask and per-example positions in every attention path (SDPA, flash kernel, KV cache). The
+price is compute on pad positions, small for the built-in task (most examples fill most of the row).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.model import load_model, save_model
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.post.chat_data import load_conversations, load_pairs
+from kiln.pipeline.post.chat_format import ChatFormat, Rendered
+from kiln.pipeline.post.corpus_task import TaskItem, task_items
+from kiln.pipeline.post.params import PostTrainParams
+from kiln.pipeline.progress import console
+from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.train.loop import autocast, prepare_device
+from kiln.pipeline.train.params import TrainParams
+
+IGNORE = -100
+
+
+@dataclass
+class Start:
+    """What a post-training stage has before it trains: the model it starts from (on the training device), the
+    loop's params, the chat format and the data."""
+
+    model: torch.nn.Module
+    model_dir: Path
+    tokenizer_sha256: str | None
+    sha256: str  # of the starting weights: part of the run's fingerprint
+    loop: TrainParams
+    chat: ChatFormat
+    data: ChatData
+
+    def save(self, out_dir: Path) -> None:
+        save_model(self.model, self.model.config, out_dir, {
+            "tokenizer_sha256": self.tokenizer_sha256, "chat_format": "chatml",
+            "init": {"model": str(self.model_dir), "sha256": self.sha256}})
+
+
+def start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokenizer_path: Path,
+          corpus_dir: Path) -> Start:
+    """Load the model a stage starts from, refusing a tokenizer other than the one it was trained with, and
+    the stage's data rendered for its context length."""
+    torch.manual_seed(params.seed)
+    device = prepare_device(train)
+    try:
+        model, meta = load_model(model_dir, device)
+    except ValueError as e:
+        raise UserError(f"{e} (run the stage that makes {model_dir} first)") from None
+    want, got = meta.get("tokenizer_sha256"), sha256_file(tokenizer_path)
+    if want is not None and want != got:
+        raise UserError(f"{tokenizer_path}: not the tokenizer {model_dir} was trained with")
+    seq_len = model.config.max_seq_len
+    chat = ChatFormat(load_tokenizer(tokenizer_path, ordinary=True))
+    return Start(model.set_kernels(train.kernels), Path(model_dir), want,
+                 sha256_file(Path(model_dir) / "model.safetensors"), params.loop_params(train, seq_len), chat,
+                 load_chat_data(params, chat, seq_len, corpus_dir))
+
+
+def to_rows(rendered: list[Rendered], seq_len: int, pad: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs x and targets y, (N, seq_len) each: y is x shifted by one, -100 where the mask is 0 or padded.
+    Longer examples are cut at seq_len + 1 tokens (counted); an example left with no target is an error the
+    caller prevents (they are dropped before this)."""
+    x = torch.full((len(rendered), seq_len), pad, dtype=torch.long)
+    y = torch.full((len(rendered), seq_len), IGNORE, dtype=torch.long)
+    cut = 0
+    for i, r in enumerate(rendered):
+        ids, mask = r.ids[:seq_len + 1], r.mask[:seq_len + 1]
+        cut += len(r.ids) > seq_len + 1
+        n = len(ids) - 1
+        x[i, :n] = torch.tensor(ids[:-1])
+        y[i, :n] = torch.tensor([t if m else IGNORE for t, m in zip(ids[1:], mask[1:])])
+    if cut:
+        console.print(f"{what}: {cut:,} of {len(rendered):,} examples cut to max_seq_len={seq_len}", highlight=False)
+    return x, y
+
+
+def fits(r: Rendered, seq_len: int) -> bool:
+    """At least one target survives the cut to seq_len + 1 tokens."""
+    return any(r.mask[1:seq_len + 1])
+
+
+def held_out(keys: list[str], n_val: int) -> tuple[list[int], list[int]]:
+    """(train, val) indices: the n_val examples whose key hashes lowest are held out (at most a quarter), so the
+    split does not depend on the order rows arrive in."""
+    n_val = min(n_val, len(keys) // 4)
+    order = sorted(range(len(keys)), key=lambda i: hashlib.sha256(keys[i].encode()).digest())
+    val = set(order[:n_val])
+    return [i for i in range(len(keys)) if i not in val], sorted(val)
+
+
+class ExampleBatches:
+    """Micro-batches of examples (rows of `tensors`), reshuffled every epoch, forever.
+
+    Micro-batch k holds positions [kB, (k+1)B) of the stream "permutation of epoch 0, then of epoch 1, ...",
+    each permutation seeded by (seed, epoch): its state is k alone, so a resumed run sees the batches an
+    uninterrupted one would. With `per_token`, each micro-batch also carries (targets in its whole optimizer
+    step) / accum, so that summed losses divided by it average over the step's target tokens exactly, however
+    they fall across micro-batches.
+    """
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...], batch_size: int, accum: int, seed: int,
+                 per_token: bool = False):
+        self.tensors, self.batch_size, self.accum, self.seed = tensors, batch_size, accum, seed
+        self.per_token, self.n = per_token, len(tensors[0])
+        self.step = 0
+
+    def __iter__(self):
+        return self
+
+    def _indices(self, start: int, count: int) -> torch.Tensor:
+        positions = np.arange(start, start + count)
+        epochs = positions // self.n
+        out = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            order = np.random.default_rng([self.seed, int(epoch)]).permutation(self.n)
+            at = epochs == epoch
+            out[at] = order[positions[at] % self.n]
+        return torch.from_numpy(out)
+
+    def __next__(self) -> list[torch.Tensor]:
+        k, B = self.step, self.batch_size
+        self.step += 1
+        batch = [t[self._indices(k * B, B)] for t in self.tensors]
+        if self.per_token:
+            first = k // self.accum * self.accum * B
+            targets = (self.tensors[1][self._indices(first, self.accum * B)] != IGNORE).sum()
+            batch.append(targets.double() / self.accum)
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.seed, "batch_size": self.batch_size, "examples": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size), ("examples", self.n)):
+            if state.get(key) != mine:
+                raise UserError(f"resume state: example batches {key}={state.get(key)!r}, this run has {mine!r}")
+        self.step = int(state["step"])
+
+
+def answer_logps(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Summed log-probability of each row's targets (N,), in float32, with gradients."""
+    return -model(x, y, reduction="none").sum(dim=-1)
+
+
+@torch.no_grad()
+def score_rows(model, x: torch.Tensor, y: torch.Tensor, batch_size: int, precision: str) -> torch.Tensor:
+    """answer_logps of every row, on CPU in float64, batch by batch in eval mode."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for i in range(0, len(x), batch_size):
+        with autocast(device, precision):
+            out.append(answer_logps(model, x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)))
+    model.train(was_training)
+    return torch.cat(out).double().cpu() if out else torch.zeros(0, dtype=torch.float64)
+
+
+@dataclass
+class ChatData:
+    """A post-training stage's examples (conversations for SFT, `Pair`s for DPO), train and held out, and for
+    the built-in task the held-out multiple-choice items behind its accuracy."""
+
+    train: list
+    val: list
+    items: list[TaskItem]
+
+
+def load_chat_data(params: PostTrainParams, chat: ChatFormat, seq_len: int, corpus_dir: Path) -> ChatData:
+    pairs = params.SECTION == "dpo"
+    if params.data == "builtin":
+        if params.max_examples is None:
+            raise params.bad("max_examples", "the number of items to derive when data is builtin")
+        train, val = task_items(corpus_dir, chat, seq_len, params.max_examples, params.val_examples, params.seed)
+        convert = TaskItem.pair if pairs else TaskItem.conversation
+        return ChatData([convert(i) for i in train], [convert(i) for i in val], val)
+    load = load_pairs if pairs else load_conversations
+    cap = None if params.max_examples is None else params.max_examples + params.val_examples
+    rows = load(params.data, params.format, params.split, cap, f"{params.SECTION}.data")
+    keys = [json.dumps(row if isinstance(row, list) else vars(row), sort_keys=True) for row in rows]
+    train, val = held_out(keys, params.val_examples)
+    return ChatData([rows[i] for i in train[:params.max_examples]], [rows[i] for i in val], [])
+
+
+class ChoiceScorer:
+    """Accuracy on multiple-choice items: the answer counts as picked when its summed log-probability (after
+    the prompt, <|im_end|> included) beats every wrong choice's strictly, so a tie is never a hit."""
+
+    def __init__(self, items: list[TaskItem], chat: ChatFormat, seq_len: int):
+        self.kinds = [item.kind for item in items]
+        self.n_choices = len(items[0].choices) if items else 0
+        rendered = [chat.render(item.conversation(choice), first_trained=len(item.prompt))
+                    for item in items for choice in item.choices]
+        self.x, self.y = to_rows(rendered, seq_len, chat.pad, "held-out choices")
+
+    def accuracy(self, model, batch_size: int, precision: str) -> dict[str, float]:
+        if not self.kinds:
+            return {}
+        scores = score_rows(model, self.x, self.y, batch_size, precision).view(-1, self.n_choices)
+        hits = scores[:, 0] > scores[:, 1:].max(dim=1).values
+        out = {"val_accuracy": hits.double().mean().item()}
+        for kind in sorted(set(self.kinds)):
+            at = torch.tensor([k == kind for k in self.kinds])
+            out[f"val_accuracy_{kind}"] = hits[at].double().mean().item()
+        return out
+
+
+def rows_sha256(*tensors: torch.Tensor) -> str:
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,122 @@
+"""Stage `dpo`: data/models/sft -> data/models/dpo/, direct preference optimisation (Rafailov et al., 2023).
+
+The policy starts as the SFT model, which is also the frozen reference. The reference's log-probabilities of
+every chosen and rejected answer are computed once, before training, so no second model sits in memory while
+the policy trains. An answer's log-probability is summed over its tokens after the shared prompt (its
+`<|im_end|>` included); `dpo.loss: ipo` averages it per token instead, as the IPO paper and TRL do.
+
+Metrics carry TRL's names: rewards/chosen = beta (log pi(chosen) - log ref(chosen)), rewards/rejected alike,
+rewards/margins their difference, rewards/accuracies the share of pairs with margin > 0, logps/chosen and
+logps/rejected the policy's summed log-probabilities; `train/` on a fixed sample of training pairs, `val/` on
+the held-out ones. `val/preference_accuracy` (log pi(chosen) > log pi(rejected)) needs no reference, so the SFT
+model has one too (`sft` in the metrics) and the two can be compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kiln.pipeline.outputs import write_metrics
+from kiln.pipeline.post.common import IGNORE, ChoiceScorer, ExampleBatches, answer_logps, rows_sha256, start
+from kiln.pipeline.post.params import DPOParams
+from kiln.pipeline.post.preference import PairRows, logps, pair_rows
+from kiln.pipeline.progress import console
+from kiln.pipeline.train.checkpoints import Checkpoints
+from kiln.pipeline.train.curves import plot_png
+from kiln.pipeline.train.lm import CADENCE
+from kiln.pipeline.train.loop import Run, accumulation_steps, train
+from kiln.pipeline.train.params import TrainParams
+
+SFT_DIR = Path("data/models/sft")
+MODEL_DIR = Path("data/models/dpo")
+CHECKPOINT_DIR = Path("data/checkpoints/dpo")
+CURVES_DIR = Path("metrics/dpo")
+PANELS = [["loss", "val_loss"], ["train/rewards/accuracies", "val/rewards/accuracies", "val/preference_accuracy"],
+          ["val/rewards/chosen", "val/rewards/rejected", "val/rewards/margins"], ["val_accuracy"], ["lr"]]
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0,
+             loss: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss per pair, chosen reward, rejected reward) from log-probabilities of shape (N,).
+
+    h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)), the implicit reward margin over beta.
+    sigmoid: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)  (eps > 0: conservative DPO, which
+    assumes a share eps of the labels are flipped); ipo: (h - 1 / (2 beta))^2, a squared loss that stops pushing
+    once the margin reaches 1/(2 beta) instead of driving it to infinity.
+    """
+    chosen, rejected = policy_chosen - ref_chosen, policy_rejected - ref_rejected
+    h = chosen - rejected
+    if loss == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    else:
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
+def pair_metrics(params: DPOParams, rows: PairRows, pc: torch.Tensor, pr: torch.Tensor,
+                 prefix: str) -> tuple[dict, float]:
+    """(TRL's reward and log-prob metrics under `prefix/`, mean DPO loss) for policy log-probs pc, pr."""
+    losses, chosen, rejected = dpo_loss(pc, pr, rows.ref_chosen, rows.ref_rejected, params.beta,
+                                        params.label_smoothing, params.loss)
+    metrics = {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
+               "rewards/margins": (chosen - rejected).mean(), "rewards/accuracies": (chosen > rejected).double().mean(),
+               "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}
+    return {f"{prefix}/{k}": v.item() for k, v in metrics.items()}, losses.mean().item()
+
+
+def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_path: Path, corpus_dir: Path,
+        out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR) -> dict:
+    s = start(params, train_params, sft_dir, tokenizer_path, corpus_dir)
+    model, loop, chat, data, seq_len = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len
+    train_rows = pair_rows(data.train, chat, seq_len, "dpo train")
+    val_rows = pair_rows(data.val, chat, seq_len, "dpo held-out")
+    average = params.loss == "ipo"
+    for rows in (train_rows, val_rows):  # the reference, once: the model is still the SFT model here
+        rows.ref_chosen, rows.ref_rejected = logps(model, rows, params.batch_size, loop.precision, average)
+    sample = train_rows.head(max(len(val_rows), 1))
+    scorer = ChoiceScorer(data.items, chat, seq_len)
+
+    def evaluate(m) -> dict:
+        out = scorer.accuracy(m, params.batch_size, loop.precision)
+        if len(sample):
+            pc, pr = logps(m, sample, params.batch_size, loop.precision, average)
+            out |= pair_metrics(params, sample, pc, pr, "train")[0]
+        if len(val_rows):
+            pc, pr = logps(m, val_rows, params.batch_size, loop.precision, average)
+            metrics, loss = pair_metrics(params, val_rows, pc, pr, "val")
+            out |= metrics | {"val_loss": loss, "val/preference_accuracy": (pc > pr).double().mean().item()}
+        return out
+
+    def loss_fn(m, batch):
+        xc, yc, xr, yr, ref_c, ref_r = batch
+        lp = answer_logps(m, torch.cat([xc, xr]), torch.cat([yc, yr]))
+        if average:
+            lp = lp / (torch.cat([yc, yr]) != IGNORE).sum(-1)
+        pc, pr = lp.split(len(xc))
+        return dpo_loss(pc, pr, ref_c, ref_r, params.beta, params.label_smoothing, params.loss)[0].mean()
+
+    before = evaluate(model)
+    tensors = (*train_rows.chosen, *train_rows.rejected, train_rows.ref_chosen.float(), train_rows.ref_rejected.float())
+    fingerprint = {"start": s.sha256, "data": rows_sha256(*tensors[:4]),
+                   "dpo": {"beta": params.beta, "label_smoothing": params.label_smoothing, "loss": params.loss},
+                   "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
+    micro = 2 * params.batch_size * seq_len
+    run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=loss_fn,
+              batches=ExampleBatches(tensors, params.batch_size, accumulation_steps(loop, micro), params.seed),
+              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints),
+              curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name="dpo")
+    console.print(f"dpo: {len(train_rows):,} train and {len(val_rows):,} held-out pairs, {params.loss} loss, "
+                  f"beta {params.beta}, {loop.max_steps} steps x {params.batch_examples} pairs, from {sft_dir}",
+                  highlight=False)
+    result = train(model, run)
+    s.save(out_dir)
+    metrics = {**result, "pairs": len(train_rows), "val_pairs": len(val_rows),
+               "sft": {k: round(v, 5) for k, v in before.items() if not k.startswith(("train/rewards", "val/rewards"))}}
+    plot_png(curves_dir, curves_dir / "curves.png", PANELS, f"dpo: {len(train_rows):,} pairs, {result['steps']} steps")
+    write_metrics("dpo", metrics)
+    return metrics

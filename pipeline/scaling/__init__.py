@@ -1,0 +1,1 @@
+"""Scaling laws: the IsoFLOP sweep, the fits, the model size they give."""

@@ -1,0 +1,54 @@
+"""The model size `kiln scaling size` chose, as `kiln pretrain` reads it with `model.size: auto`, and the parameter
+count both sides agree on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from kiln.model import GPT, ModelConfig
+from kiln.pipeline.errors import UserError
+
+SIZE_FILE = Path("data/scaling/size.json")
+
+
+SHAPE_KEYS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")
+
+
+def count_params(config: ModelConfig) -> tuple[int, int]:
+    """(total, non-embedding) parameters, counted on the meta device: no memory, no initialisation."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return model.num_params(), model.num_params(embeddings=False)
+
+
+def read_json(path: Path, what: str, hint: str) -> dict:
+    if not path.is_file():
+        raise UserError(f"{path}: no {what} ({hint})")
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return value
+
+
+def describe(choice: dict) -> str:
+    return (f"model.size auto: C = {choice['target_flops']:.3g} FLOPs -> N_opt {choice['n_opt']:.4g} "
+            f"({choice['approach']}); depth {choice['n_layer']} (d_model {choice['d_model']}, {choice['n_head']} "
+            f"heads) has N = {choice['params']:,}, trained on D = {choice['tokens']:,} tokens, predicted loss "
+            f"{choice['predicted_loss']:.4f}")
+
+
+def auto_size(path: Path) -> dict:
+    """The choice `kiln scaling size` wrote, for `kiln train` with `model.size: auto`."""
+    choice = read_json(path, "model size", "run `kiln scaling size` with model.size=auto first")
+    if choice.get("size") != "auto":
+        raise UserError(f"{path}: written with model.size=fixed; run `kiln scaling size` with model.size=auto")
+    missing = [k for k in (*SHAPE_KEYS, "tokens") if not isinstance(choice.get(k), int)]
+    if missing:
+        raise UserError(f"{path}: lacks {', '.join(missing)} (expected the output of `kiln scaling size`)")
+    return choice

@@ -1,0 +1,56 @@
+"""The `scaling` section, which the sweep, the fit's bootstrap and the size choice read."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kiln.pipeline.config import Section
+
+
+@dataclass
+class ScalingParams(Section):
+    """The IsoFLOP sweep (budgets x depths), the fit's bootstrap, and the budget `model.size: auto` sizes for.
+
+    A depth L gives a model of d_model = aspect * L and n_head = d_model / head_dim; the rest of the shape
+    comes from the `model` section, the optimiser from `train`."""
+
+    SECTION: ClassVar[str] = "scaling"
+    budgets: list[float] = dataclasses.field(default_factory=lambda: [1e11, 1.5e11, 2e11])
+    depths: list[int] = dataclasses.field(default_factory=lambda: [1, 2, 3, 4])
+    aspect: int = 8
+    head_dim: int = 8
+    batch_tokens: int = 1024
+    warmup_fraction: float = 0.05
+    eval_tokens: int = 32768
+    bootstrap: int = 100
+    target_flops: float = 1e13
+    approach: str = "isoflop"  # which fit sizes model.size=auto: isoflop (N_opt = k C^a) | parametric (L(N, D))
+
+    def check(self) -> None:
+        if len(set(self.budgets)) < 2 or not all(c > 0 for c in self.budgets):
+            raise self.bad("budgets", "at least 2 different positive FLOP budgets (the fit needs 2 IsoFLOP profiles)")
+        if len(set(self.depths)) < 3 or not all(d > 0 for d in self.depths):
+            raise self.bad("depths", "at least 3 different positive depths (a parabola needs 3 points per budget)")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise self.bad("head_dim", "an even integer >= 2")
+        if self.aspect < 1 or self.aspect % self.head_dim:
+            raise self.bad("aspect", f"a positive multiple of scaling.head_dim={self.head_dim}")
+        for name in ("batch_tokens", "eval_tokens"):
+            if getattr(self, name) < 1:
+                raise self.bad(name, "a positive integer")
+        if self.bootstrap < 0:
+            raise self.bad("bootstrap", "0 (no intervals) or a positive integer")
+        if not 0 <= self.warmup_fraction < 1:
+            raise self.bad("warmup_fraction", "a number in [0, 1)")
+        if not self.target_flops > 0:
+            raise self.bad("target_flops", "a positive number of FLOPs")
+        if self.approach not in ("isoflop", "parametric"):
+            raise self.bad("approach", "'isoflop' or 'parametric'")
+
+    def shape(self, depth: int) -> dict[str, int]:
+        """The depth dial: width grows with depth at a fixed aspect ratio, heads keep a fixed size."""
+        d_model = self.aspect * depth
+        return {"n_layer": depth, "d_model": d_model, "n_head": d_model // self.head_dim,
+                "n_kv_head": d_model // self.head_dim, "d_ff": 0}

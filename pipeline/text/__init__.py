@@ -1,0 +1,1 @@
+"""Corpus, tokenizer, shards and the loader that reads them."""

@@ -1,0 +1,1 @@
+"""The one training loop and what it is made of; the pretrain stage."""

@@ -1,0 +1,167 @@
+"""Several processes, one run: torchrun's environment, DDP or FSDP2 around the model, and the collectives the
+training loop needs. PyTorch's engines do the distributed work; this module only decides how kiln uses them.
+
+- Launch: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE. `kiln train` with `train.nproc_per_node > 1` and no
+  such variables starts torchrun on itself, so the DVC command stays `kiln train`.
+- Backend: NCCL on CUDA (one GPU per local rank), gloo on CPU.
+- `train.parallel: ddp` replicates the model; `zero1` also shards AdamW's moments across ranks.
+  `fsdp` shards parameters, gradients and optimizer state per transformer block with `fully_shard` and, in
+  bf16/fp16, computes in that dtype through its mixed-precision policy while the fp32 master weights stay
+  sharded.
+- Gradient accumulation: every micro-step but the last skips the gradient reduction (DDP's `no_sync`, FSDP's
+  `set_requires_gradient_sync(False)`), so an optimizer step costs one reduction whatever the accumulation.
+- Rank 0 alone prints, logs and writes outputs; the other ranks' console is silenced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.progress import console
+
+ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    local_rank: int = 0
+    size: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+SINGLE = World()
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun (or another launcher that sets its variables)."""
+    return "WORLD_SIZE" in os.environ
+
+
+def from_env() -> World:
+    """This process's place in a torchrun job, or SINGLE outside one."""
+    if not launched():
+        return SINGLE
+    rank, local_rank, size = (int(os.environ.get(k, 0)) for k in ENV)
+    return World(rank, local_rank, size)
+
+
+def relaunch(nproc: int, argv: list[str]) -> int:
+    """Run `kiln <argv>` under torchrun with `nproc` processes on this machine; return its exit code."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "kiln.pipeline.cli", *argv]
+    console.print(f"train.nproc_per_node={nproc}: running {' '.join(cmd[1:])}", highlight=False)
+    return subprocess.call(cmd)
+
+
+def join(world: World, device: torch.device) -> torch.device:
+    """Join the process group (a no-op for one process); return the device this rank trains on."""
+    if world.size == 1:
+        return device
+    if device.type == "cuda":
+        if world.local_rank >= torch.cuda.device_count():
+            raise UserError(f"local rank {world.local_rank}: this machine has {torch.cuda.device_count()} GPUs; "
+                            "start at most that many processes per node (train.nproc_per_node)")
+        device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    if not world.main:
+        console.quiet = True
+    return device
+
+
+def leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: torch.nn.Module, parallel: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The model the loop trains: DDP around it, or FSDP2 applied to each block and then the root (which keeps
+    the embeddings, final norm and the head they are tied to). Unchanged outside a process group."""
+    if not dist.is_initialized():
+        return model
+    if parallel == "ddp":
+        # Buffers are the constant RoPE tables: nothing to broadcast before every forward.
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       broadcast_buffers=False)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model whose state dict has plain names (DDP prefixes them with `module.`)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank calls it; rank 0 gets the whole state dict on the CPU (gathered from the shards under FSDP)."""
+    if not is_sharded(model):
+        return unwrap(model).state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    if not dist.is_initialized():  # FSDP needs a process group; one process need not import it
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: torch.nn.Module, sync: bool):
+    """Backward passes inside reduce gradients across ranks only when `sync` (the last micro-step)."""
+    if isinstance(model, DistributedDataParallel) and not sync:
+        with model.no_sync():
+            yield
+        return
+    if is_sharded(model):
+        model.set_requires_gradient_sync(sync)
+    yield
+
+
+def mean(t: torch.Tensor) -> torch.Tensor:
+    """The mean of `t` over ranks (in place); `t` itself for one process."""
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= dist.get_world_size()
+    return t
+
+
+def total(t: torch.Tensor) -> torch.Tensor:
+    """The sum of `t` over ranks (in place); `t` itself for one process."""
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a DTensor (FSDP's gradient norm is one), gathered if sharded."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()

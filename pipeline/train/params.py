@@ -1,0 +1,115 @@
+"""The `model` and `train` sections: the model's shape, and the one training loop's settings, which every
+training stage (pretrain, the scaling sweep, sft, dpo) shares."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from kiln.pipeline.config import Section
+from kiln.pipeline.errors import UserError
+
+if TYPE_CHECKING:
+    from kiln.model import ModelConfig
+
+
+@dataclass
+class ModelParams(Section):
+    """The model's shape; `vocab_size` comes from the tokenizer, not from here."""
+
+    SECTION: ClassVar[str] = "model"
+    # fixed: the shape below | auto: the shape and token budget the scaling fit gives for scaling.target_flops
+    size: str = "fixed"
+    arch: str = "llama"
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: int = 4
+    d_model: int = 128
+    d_ff: int = 0  # 0 = derived (llama: 8/3 d rounded to 64; gpt2: 4 d)
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+
+    def config(self, vocab_size: int, **shape) -> ModelConfig:
+        """The model package's config for this section, with `shape` (n_layer=..., ...) overriding it."""
+        from kiln.model import ModelConfig
+
+        values = {k: v for k, v in dataclasses.asdict(self).items() if k != "size"}
+        return ModelConfig(vocab_size=vocab_size, **(values | shape))
+
+    def check(self) -> None:
+        """The model package owns the shape rules; they are reported here under their params key."""
+        if self.size not in ("fixed", "auto"):
+            raise self.bad("size", "'fixed' or 'auto'")
+        try:
+            self.config(256).check()
+        except ValueError as e:
+            raise UserError(f"params: model.{e}") from None
+
+
+@dataclass
+class TrainParams(Section):
+    SECTION: ClassVar[str] = "train"
+    seed: int = 1337
+    device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    kernels: str = "torch"  # auto | triton | torch: kiln's Triton kernels in the model (GPT.set_kernels)
+    compile: bool = False
+    batch_size: int = 16  # sequences per micro-step on one device
+    batch_tokens: int = 8192  # tokens per optimizer step, reached by gradient accumulation
+    max_steps: int | None = 600
+    tokens: int | None = None  # run length in tokens; used when max_steps is null
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 30
+    schedule: str = "cosine"  # cosine | wsd (warmup, stable, then linear decay)
+    decay_fraction: float = 0.2  # wsd: share of the run spent decaying
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0  # 0 = off
+    eval_every: int = 100
+    eval_tokens: int = 65536
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    # Processes on this node: > 1 makes `kiln train` start itself under torchrun (one per GPU, or CPU processes).
+    nproc_per_node: int = 1
+    parallel: str = "ddp"  # ddp (replicated model) | fsdp (FSDP2: parameters, gradients, optimizer state sharded)
+    zero1: bool = False  # ddp only: shard AdamW's state across processes (ZeroRedundancyOptimizer)
+
+    def check(self) -> None:
+        if self.parallel not in ("ddp", "fsdp"):
+            raise self.bad("parallel", "ddp or fsdp")
+        if self.zero1 and self.parallel != "ddp":
+            raise self.bad("zero1", "false with train.parallel=fsdp (FSDP shards the optimizer state already)")
+        if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
+            raise self.bad("device", "auto, cpu, cuda, cuda:N or mps")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise self.bad("precision", "fp32, bf16 or fp16")
+        if self.kernels not in ("auto", "triton", "torch"):
+            raise self.bad("kernels", "auto, triton or torch")
+        if self.schedule not in ("cosine", "wsd"):
+            raise self.bad("schedule", "cosine or wsd")
+        if (self.max_steps is None) == (self.tokens is None):
+            raise self.bad("max_steps", "exactly one of train.max_steps and train.tokens to be set")
+        for name in ("batch_size", "batch_tokens", "eval_every", "eval_tokens", "checkpoint_every",
+                     "keep_checkpoints", "log_every", "nproc_per_node"):
+            if getattr(self, name) < 1:
+                raise self.bad(name, "a positive integer")
+        for name in ("max_steps", "tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise self.bad(name, "a positive integer or null")
+        if not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
+            raise self.bad("min_lr", "0 <= train.min_lr <= train.lr, with train.lr > 0")
+        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise self.bad(name, "a number >= 0")
+        if not 0 < self.decay_fraction <= 1:
+            raise self.bad("decay_fraction", "a number in (0, 1]")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise self.bad(name, "a number in [0, 1)")

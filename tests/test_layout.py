@@ -1,0 +1,189 @@
+"""The house: installed, kiln is one import name (`kiln`), so nothing of it shadows the PyPI packages named
+`kernels`, `model` or `pipeline` (Hugging Face's kernel hub is `kernels`, and transformers and bitsandbytes
+import it)."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_holds_one_top_level_package(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(tmp_path), str(REPO)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("kiln-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"kiln"}
+    packages = {n.rsplit("/", 1)[0] for n in names if n.endswith("/__init__.py")}
+    assert {"kiln/kernels", "kiln/model", "kiln/pipeline", "kiln/pipeline/train", "kiln/pipeline/text"} <= packages
+    assert not any(n.startswith("kiln/tests/") for n in names)
+    # Every module of the three folders is in the wheel: a package missing from pyproject's list would not be.
+    shipped = {n for n in names if n.endswith(".py")}
+    for folder in ("kernels", "model", "pipeline"):
+        for path in (REPO / folder).rglob("*.py"):
+            assert f"kiln/{path.relative_to(REPO).as_posix()}" in shipped, f"{path} is not in the wheel"
+
+
+# ---------------------------------------------------------------- the import graph, read off the source
+
+def module_file(name: str) -> Path | None:
+    """The file of a kiln module (`kiln.pipeline.text.tokens` -> pipeline/text/tokens.py), None if not kiln's."""
+    if name != "kiln" and not name.startswith("kiln."):
+        return None
+    parts = name.split(".")[1:]
+    base = REPO.joinpath(*parts)
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(REPO).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join(["kiln", *parts])
+
+
+def imports_of(path: Path, packages: bool = True) -> set[str]:
+    """Every kiln module `path` imports anywhere (top level or inside a function), with the packages whose
+    `__init__` that import runs unless `packages` is false."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1) if module_file(".".join(parts[:i]))]
+            found |= set(prefixes if packages else prefixes[-1:])
+    return found
+
+
+def closure(modules: set[str]) -> set[str]:
+    seen, todo = set(), list(modules)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo += imports_of(module_file(name)) - seen
+    return seen
+
+
+def trivial(path: Path) -> bool:
+    """A package `__init__` that only holds a docstring runs no code worth declaring."""
+    body = ast.parse(path.read_text()).body
+    return path.name == "__init__.py" and all(isinstance(n, ast.Expr) for n in body)
+
+
+def stage_entry_modules(cmd: str) -> set[str]:
+    """What a stage's `kiln ...` command imports: its command function's own (lazy) imports and the CLI's
+    module-level ones; cli.py itself is the dispatcher every command shares, not a stage's code."""
+    import typer
+
+    from kiln.pipeline.cli import app
+
+    command = typer.main.get_command(app)
+    for word in cmd.split()[1:]:
+        if word.startswith("-") or not hasattr(command, "commands"):
+            break
+        command = command.commands[word]
+    function = inspect.unwrap(command.callback)
+    inner = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(function)))):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            inner |= {n for n in [node.module, *(f"{node.module}.{a.name}" for a in node.names)] if module_file(n)}
+    cli = REPO / "pipeline" / "cli.py"
+    top = {n for node in ast.parse(cli.read_text()).body if isinstance(node, ast.ImportFrom) and node.module
+           for n in [node.module] if module_file(n)}
+    return inner | top
+
+
+def stage_code(cmd: str) -> set[Path]:
+    files = {module_file(m) for m in closure(stage_entry_modules(cmd))}
+    return {f for f in files if f != REPO / "pipeline" / "cli.py" and not trivial(f)}
+
+
+def declared_code(deps: list[str]) -> set[Path]:
+    """dvc.yaml's code deps as files: a folder stands for every module in it."""
+    files = set()
+    for dep in deps:
+        path = REPO / dep
+        if dep.split("/")[0] not in ("pipeline", "model", "kernels"):
+            continue
+        files |= {p for p in path.rglob("*.py") if not trivial(p)} if path.is_dir() else {path}
+    return files
+
+
+STAGES = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+
+
+@pytest.mark.parametrize("stage", sorted(STAGES))
+def test_dvc_deps_are_exactly_the_code_each_stage_runs(stage):
+    spec = STAGES[stage]
+    runs, declared = stage_code(spec["cmd"]), declared_code(spec["deps"])
+    rel = lambda files: sorted(p.relative_to(REPO).as_posix() for p in files)
+    assert not runs - declared, f"{stage}: dvc.yaml misses {rel(runs - declared)}"
+    assert not declared - runs, f"{stage}: dvc.yaml lists {rel(declared - runs)}, which the stage never imports"
+
+
+# Each DVC stage's own module: what no other module may import (what two stages share lives in a library module).
+STAGE_MODULES = {"prepare": "kiln.pipeline.text.prepare", "tokenizer": "kiln.pipeline.text.tokenizer",
+                 "shard": "kiln.pipeline.text.shard", "scaling_sweep": "kiln.pipeline.scaling.sweep",
+                 "scaling_fit": "kiln.pipeline.scaling.fit", "scaling_size": "kiln.pipeline.scaling.size",
+                 "pretrain": "kiln.pipeline.train.pretrain", "sft": "kiln.pipeline.post.sft",
+                 "dpo": "kiln.pipeline.post.dpo", "evaluate": "kiln.pipeline.evals.evaluate"}
+MODULES = {module_name(p): p for folder in ("kernels", "model", "pipeline") for p in (REPO / folder).rglob("*.py")}
+
+
+def test_every_stage_has_its_module():
+    assert set(STAGE_MODULES) == set(STAGES)
+    for stage, module in STAGE_MODULES.items():
+        assert module in stage_entry_modules(STAGES[stage]["cmd"]), f"{stage}: its command does not import {module}"
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_layering(name):
+    """kernels <- model <- pipeline, never upward; no stage module imports another; only `kiln` runs cli."""
+    imported = imports_of(MODULES[name])
+    layer = name.split(".")[1]
+    allowed = {"kernels": ("kiln.kernels",), "model": ("kiln.model", "kiln.kernels"),
+               "pipeline": ("kiln.pipeline", "kiln.model", "kiln.kernels")}[layer]
+    upward = sorted(m for m in imported if m != "kiln" and not m.startswith(allowed))
+    assert not upward, f"{name} imports {upward} from a higher layer"
+    assert "kiln.pipeline.cli" not in imported or name == "kiln.pipeline.cli"
+    if name != "kiln.pipeline.cli":
+        stages = sorted(m for m in imported & set(STAGE_MODULES.values()) if m != name)
+        assert not stages, f"{name} imports the stage module(s) {stages}"
+
+
+def test_no_import_cycle():
+    graph = {name: imports_of(path, packages=False) & set(MODULES) - {name} for name, path in MODULES.items()}
+    done, active = set(), []
+
+    def visit(name):
+        if name in active:
+            raise AssertionError("import cycle: " + " -> ".join(active[active.index(name):] + [name]))
+        if name in done:
+            return
+        active.append(name)
+        for other in sorted(graph[name]):
+            visit(other)
+        active.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
