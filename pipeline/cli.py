@@ -37,6 +37,13 @@ SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=
 CorpusOpt = Annotated[Path, typer.Option(help="Corpus folder with train.parquet and val.parquet.")]
 TokenizerOpt = Annotated[Path, typer.Option(help="The tokenizer.json to use.")]
 OutOpt = Annotated[Path, typer.Option(help="Output folder (replaced whole, only when the stage succeeds).")]
+
+
+def SamplingOpt(help: str, kind: type = float):
+    """A sampling option of `generate` and `chat`: unset means the one default both share (evals/sampling.py)."""
+    return Annotated[kind | None, typer.Option(help=f"{help} (default: kiln's sampling default)")]
+
+
 PARAMS = Path("params.yaml")
 CORPUS = Path("data/corpus")
 TOKENIZER = Path("data/tokenizer/tokenizer.json")
@@ -151,9 +158,10 @@ def tokenizer_decode(ids: Annotated[list[str], typer.Argument(help="Token ids, s
     typer.echo(tok.decode([int(w) for w in words], skip_special_tokens=False))
 
 
-@app.command("train")
+@app.command("pretrain")
+@app.command("train", hidden=True)
 @reports_errors
-def train_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+def pretrain_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
                   shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = Path("data/shards"),
                   tokenizer: TokenizerOpt = TOKENIZER, out: OutOpt = Path("data/models/base"),
                   checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] =
@@ -164,7 +172,7 @@ def train_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
 
     Reads the `model` and `train` sections; `--set` takes `model.*` and `train.*` keys (bare keys mean train).
     With `train.nproc_per_node` > 1 it starts itself under torchrun on this machine; run it under your own
-    `torchrun` (`torchrun ... -m kiln.pipeline.cli train`) for several machines.
+    `torchrun` (`torchrun ... -m kiln.pipeline.cli pretrain`) for several machines; `kiln train` is an alias.
     """
     from kiln.pipeline.config import load_sections
     from kiln.pipeline.train import distributed
@@ -226,9 +234,10 @@ def dpo_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     _print_metrics("dpo", dpo(dpo_params, train, sft_model, tokenizer, corpus, out, checkpoints))
 
 
-@app.command("eval")
+@app.command("evaluate")
+@app.command("eval", hidden=True)
 @reports_errors
-def eval_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+def evaluate_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
                  models: Annotated[Path, typer.Option(help="The folder holding the eval.models folders.")] =
                  Path("data/models"),
                  shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json (val split).")] =
@@ -241,7 +250,7 @@ def eval_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     model in eval.models, side by side in metrics/eval.json (stage `evaluate`).
 
     Reads the `eval` section, `train` for the device, precision and kernels, and `sft`/`dpo` for their held-out
-    data; bare `--set` keys mean eval.
+    data; bare `--set` keys mean eval. `kiln eval` is an alias.
     """
     from kiln.pipeline.config import load_sections
     from kiln.pipeline.evals.evaluate import EvalParams, evaluate
@@ -261,10 +270,9 @@ def generate_command(
         Path("data/models/base"),
         tokenizer: TokenizerOpt = TOKENIZER,
         max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to add (default: fill the context).")] = None,
-        temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.8,
-        top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens.")] = None,
-        top_p: Annotated[float | None, typer.Option(help="Sample among the likeliest tokens holding this mass.")]
-        = None,
+        temperature: SamplingOpt("0 is greedy.") = None,
+        top_k: SamplingOpt("Sample among the k likeliest tokens.", int) = None,
+        top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.") = None,
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Continue each --prompt with a trained model, stopping at <|endoftext|>."""
@@ -272,7 +280,7 @@ def generate_command(
     from kiln.pipeline.train.loop import pick_device
 
     lm = TextModel(model, tokenizer, pick_device(device))
-    outs = lm.complete(prompt, Sampling(max_new_tokens, temperature, top_k, top_p, seed))
+    outs = lm.complete(prompt, Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed))
     for text, out in zip(prompt, outs, strict=True):
         typer.echo(text + out)
         if len(prompt) > 1:
@@ -287,10 +295,9 @@ def chat_command(
         system: Annotated[str | None, typer.Option(help="A system message that opens the conversation.")] = None,
         max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer (default: a quarter of the "
                                                                 "context).")] = None,
-        temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.7,
-        top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens.")] = None,
-        top_p: Annotated[float | None, typer.Option(help="Sample among the likeliest tokens holding this mass.")]
-        = 0.9,
+        temperature: SamplingOpt("0 is greedy.") = None,
+        top_k: SamplingOpt("Sample among the k likeliest tokens.", int) = None,
+        top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.") = None,
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Talk to a chat model: each line you type is a user turn, the answer streams back (/reset starts over,
@@ -299,7 +306,7 @@ def chat_command(
     from kiln.pipeline.train.loop import pick_device
 
     session = ChatSession(TextModel(model, tokenizer, pick_device(device)),
-                          Sampling(max_new_tokens, temperature, top_k, top_p, seed), system)
+                          Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed), system)
     interactive = sys.stdin.isatty()
     while True:
         try:
@@ -371,16 +378,24 @@ def scaling_fit_command(
         runs: Annotated[Path, typer.Option(help="CSV with params,tokens,loss[,flops] columns, or the CS336 JSON list "
                                                 "of {parameters, compute_budget, final_loss}.")],
         out: Annotated[Path, typer.Option(help="Where to write the fitted values (JSON).")],
-        target_flops: Annotated[float | None, typer.Option(help="Also give the compute-optimal N, D and loss for "
-                                                                "this many FLOPs.")] = None,
+        target_flops: Annotated[float | None, typer.Option(help="Give the compute-optimal N, D and loss for this "
+                                                                "many FLOPs (default: scaling.target_flops).")] = None,
         plots: Annotated[Path | None, typer.Option(help="Folder for the PNGs and their CSV rows.")] = None,
-        bootstrap: Annotated[int, typer.Option(help="Resamples for the confidence intervals (0: none).")] = 100,
+        bootstrap: Annotated[int | None, typer.Option(help="Resamples for the confidence intervals (0: none; "
+                                                           "default: scaling.bootstrap).")] = None,
         seed: Annotated[int, typer.Option(help="Seed of the bootstrap resampling.")] = 0,
         metrics: Annotated[Path | None, typer.Option(help="Also write the fitted scalars here, for dvc metrics.")]
-        = None):
-    """Fit IsoFLOP profiles (approach 2) and L(N, D) = E + A/N^alpha + B/D^beta (approach 3) to finished runs."""
+        = None,
+        params: ParamsOpt = PARAMS, set_: SetOpt = []):
+    """Fit IsoFLOP profiles (approach 2) and L(N, D) = E + A/N^alpha + B/D^beta (approach 3) to finished runs
+    (stage `scaling_fit`). Reads scaling.target_flops and scaling.bootstrap unless the options give them."""
+    from kiln.pipeline.config import load_section
     from kiln.pipeline.scaling.fit import print_summary, scaling_fit
+    from kiln.pipeline.scaling.params import ScalingParams
 
+    scaling = load_section(ScalingParams, params, set_)
+    target_flops = scaling.target_flops if target_flops is None else target_flops
+    bootstrap = scaling.bootstrap if bootstrap is None else bootstrap
     print_summary(scaling_fit(runs, out, target_flops, plots, bootstrap, seed, metrics), out)
 
 

@@ -1,4 +1,5 @@
-"""params.yaml loading and validation (pipeline/config.py and the dataclass beside each stage) and how the CLI reports a bad value.
+"""params.yaml loading and validation (pipeline/config.py and the dataclass beside each stage) and how the CLI
+reports a bad value.
 
 Every bad key or value must stop the command with a `UserError` naming the dotted key, before any work; the
 CLI turns that into exit code 2 and one line on stderr.
@@ -6,6 +7,7 @@ CLI turns that into exit code 2 and one line on stderr.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +19,14 @@ from typer.testing import CliRunner
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import SECTIONS, build_section, load_section, read_params_file
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.evals.evaluate import EvalParams
+from kiln.pipeline.post.params import DPOParams, SFTParams
+from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.text.shard import ShardParams
 from kiln.pipeline.text.sources import DataParams
 from kiln.pipeline.text.tokenizer import TokenizerParams
 from kiln.pipeline.text.tokens import SPECIAL_TOKENS
+from kiln.pipeline.train.params import ModelParams, TrainParams
 
 from conftest import write_params
 
@@ -45,6 +51,20 @@ def test_repo_params_yaml_loads(cls):
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))[cls.SECTION]
     for key, value in raw.items():
         assert getattr(obj, key) == value, key
+
+
+ALL_SECTIONS = [DataParams, TokenizerParams, ShardParams, ModelParams, TrainParams, ScalingParams, SFTParams,
+                DPOParams, EvalParams]
+
+
+@pytest.mark.parametrize("cls", ALL_SECTIONS, ids=lambda c: c.SECTION)
+def test_dataclass_defaults_are_params_yaml(cls):
+    """params.yaml is the one source of defaults: a command run outside DVC with no --set (a section missing
+    from its params file) trains exactly what `dvc repro` trains."""
+    raw = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
+    assert set(raw) == {c.SECTION for c in ALL_SECTIONS}
+    assert set(raw[cls.SECTION]) == {f.name for f in dataclasses.fields(cls)}, "params.yaml lists every key"
+    assert cls() == build_section(cls, raw[cls.SECTION])
 
 
 def test_repo_params_yaml_has_only_known_sections():
@@ -330,8 +350,25 @@ def test_cli_help(command):
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("command", [["data", "prepare"], ["data", "shard"], ["tokenizer", "train"]])
-def test_cli_stage_commands_take_params_and_set(command):
-    result = CliRunner().invoke(app, [*command, "--help"])
-    assert "--params" in result.output
-    assert "--set" in result.output
+DVC_STAGES = yaml.safe_load((REPO / "dvc.yaml").read_text(encoding="utf-8"))["stages"]
+
+
+@pytest.mark.parametrize("stage", sorted(DVC_STAGES))
+def test_every_stage_command_is_named_as_its_stage_and_takes_params_and_set(stage):
+    """A DVC stage and its command share the name (`kiln data prepare` for stage `prepare`, `kiln scaling fit`
+    for `scaling_fit`), and each reads --params and takes --set."""
+    words = [w for w in DVC_STAGES[stage]["cmd"].split()[1:] if not w.startswith("-")][:2]
+    assert stage in {words[-1], "_".join(words), {"train": "tokenizer"}.get(words[-1])}, (stage, words)
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, [*words, "--help"])
+    assert result.exit_code == 0 and "--params" in result.output and "--set" in result.output, result.output
+
+
+@pytest.mark.parametrize("alias, name", [("train", "pretrain"), ("eval", "evaluate")])
+def test_old_command_names_stay_as_aliases(alias, name):
+    import inspect
+
+    import typer
+
+    commands = typer.main.get_command(app).commands
+    unwrap = lambda command: inspect.unwrap(command.callback)
+    assert unwrap(commands[alias]) is unwrap(commands[name]) and commands[alias].hidden

@@ -151,9 +151,10 @@ def tokenizer_decode(ids: Annotated[list[str], typer.Argument(help="Token ids, s
     typer.echo(tok.decode([int(w) for w in words], skip_special_tokens=False))
 
 
-@app.command("train")
+@app.command("pretrain")
+@app.command("train", hidden=True)
 @reports_errors
-def train_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+def pretrain_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
                   shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = Path("data/shards"),
                   tokenizer: TokenizerOpt = TOKENIZER, out: OutOpt = Path("data/models/base"),
                   checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] =
@@ -164,7 +165,7 @@ def train_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
 
     Reads the `model` and `train` sections; `--set` takes `model.*` and `train.*` keys (bare keys mean train).
     With `train.nproc_per_node` > 1 it starts itself under torchrun on this machine; run it under your own
-    `torchrun` (`torchrun ... -m kiln.pipeline.cli train`) for several machines.
+    `torchrun` (`torchrun ... -m kiln.pipeline.cli pretrain`) for several machines; `kiln train` is an alias.
     """
     from kiln.pipeline.config import load_sections
     from kiln.pipeline.train import distributed
@@ -226,9 +227,10 @@ def dpo_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     _print_metrics("dpo", dpo(dpo_params, train, sft_model, tokenizer, corpus, out, checkpoints))
 
 
-@app.command("eval")
+@app.command("evaluate")
+@app.command("eval", hidden=True)
 @reports_errors
-def eval_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+def evaluate_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
                  models: Annotated[Path, typer.Option(help="The folder holding the eval.models folders.")] =
                  Path("data/models"),
                  shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json (val split).")] =
@@ -241,7 +243,7 @@ def eval_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
     model in eval.models, side by side in metrics/eval.json (stage `evaluate`).
 
     Reads the `eval` section, `train` for the device, precision and kernels, and `sft`/`dpo` for their held-out
-    data; bare `--set` keys mean eval.
+    data; bare `--set` keys mean eval. `kiln eval` is an alias.
     """
     from kiln.pipeline.config import load_sections
     from kiln.pipeline.evals.evaluate import EvalParams, evaluate
@@ -371,16 +373,24 @@ def scaling_fit_command(
         runs: Annotated[Path, typer.Option(help="CSV with params,tokens,loss[,flops] columns, or the CS336 JSON list "
                                                 "of {parameters, compute_budget, final_loss}.")],
         out: Annotated[Path, typer.Option(help="Where to write the fitted values (JSON).")],
-        target_flops: Annotated[float | None, typer.Option(help="Also give the compute-optimal N, D and loss for "
-                                                                "this many FLOPs.")] = None,
+        target_flops: Annotated[float | None, typer.Option(help="Give the compute-optimal N, D and loss for this "
+                                                                "many FLOPs (default: scaling.target_flops).")] = None,
         plots: Annotated[Path | None, typer.Option(help="Folder for the PNGs and their CSV rows.")] = None,
-        bootstrap: Annotated[int, typer.Option(help="Resamples for the confidence intervals (0: none).")] = 100,
+        bootstrap: Annotated[int | None, typer.Option(help="Resamples for the confidence intervals (0: none; "
+                                                           "default: scaling.bootstrap).")] = None,
         seed: Annotated[int, typer.Option(help="Seed of the bootstrap resampling.")] = 0,
         metrics: Annotated[Path | None, typer.Option(help="Also write the fitted scalars here, for dvc metrics.")]
-        = None):
-    """Fit IsoFLOP profiles (approach 2) and L(N, D) = E + A/N^alpha + B/D^beta (approach 3) to finished runs."""
+        = None,
+        params: ParamsOpt = PARAMS, set_: SetOpt = []):
+    """Fit IsoFLOP profiles (approach 2) and L(N, D) = E + A/N^alpha + B/D^beta (approach 3) to finished runs
+    (stage `scaling_fit`). Reads scaling.target_flops and scaling.bootstrap unless the options give them."""
+    from kiln.pipeline.config import load_section
     from kiln.pipeline.scaling.fit import print_summary, scaling_fit
+    from kiln.pipeline.scaling.params import ScalingParams
 
+    scaling = load_section(ScalingParams, params, set_)
+    target_flops = scaling.target_flops if target_flops is None else target_flops
+    bootstrap = scaling.bootstrap if bootstrap is None else bootstrap
     print_summary(scaling_fit(runs, out, target_flops, plots, bootstrap, seed, metrics), out)
 
 

@@ -27,7 +27,6 @@ import torch
 from kiln.model import generate, load_config
 from kiln.pipeline.config import Section, coerce
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.post.sft import sft
 from kiln.pipeline.evals.sampling import Sampling, TextModel
 from kiln.pipeline.evals.scoring import ChoiceTask
 from kiln.pipeline.evals.tasks import Task, load_task

@@ -59,12 +59,12 @@ class TrainParams(Section):
     kernels: str = "torch"  # auto | triton | torch: kiln's Triton kernels in the model (GPT.set_kernels)
     compile: bool = False
     batch_size: int = 16  # sequences per micro-step on one device
-    batch_tokens: int = 8192  # tokens per optimizer step, reached by gradient accumulation
-    max_steps: int | None = 600
+    batch_tokens: int = 4096  # tokens per optimizer step, reached by gradient accumulation
+    max_steps: int | None = 400
     tokens: int | None = None  # run length in tokens; used when max_steps is null
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     schedule: str = "cosine"  # cosine | wsd (warmup, stable, then linear decay)
     decay_fraction: float = 0.2  # wsd: share of the run spent decaying
     weight_decay: float = 0.1
@@ -72,7 +72,7 @@ class TrainParams(Section):
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = off
     eval_every: int = 100
-    eval_tokens: int = 65536
+    eval_tokens: int = 32768
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     log_every: int = 10
