@@ -242,3 +242,19 @@ def test_triton_kernels_on_cpu_need_the_interpreter(tiny, tmp_path, monkeypatch)
     with pytest.raises(UserError, match=r"train\.kernels=triton.*TRITON_INTERPRET"):
         run(tiny, tmp_path, max_steps=2, kernels="triton")
     assert not (tmp_path / "base").exists()
+
+
+def test_a_second_run_on_the_same_checkpoints_refuses(tiny, tmp_path):
+    """Two runs writing one checkpoint folder would interleave their steps; the second stops at once."""
+    held = tmp_path / "ckpt"
+    script = ("import time, pathlib\nfrom kiln.pipeline.outputs import exclusive\n"
+              f"with exclusive(pathlib.Path({str(held)!r})):\n    print('holding', flush=True)\n    time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "holding"
+        with pytest.raises(UserError, match=rf"{held}: in use by another kiln run \(pid {proc.pid}\)"):
+            run(tiny, tmp_path, max_steps=4)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not (tmp_path / "base").exists()

@@ -170,7 +170,13 @@ class Step:
 
 
 def train(model: torch.nn.Module, run: Run) -> dict:
-    """Train `model` in place (under torchrun: wrapped for the run; `distributed.full_state_dict` gathers it)."""
+    """Train `model` in place (under torchrun: wrapped for the run; `distributed.full_state_dict` gathers it),
+    holding the checkpoint folder so that a second run on it refuses instead of overwriting this one's."""
+    with run.checkpoints.lock() if run.world.main else contextlib.nullcontext():
+        return _train(model, run)
+
+
+def _train(model: torch.nn.Module, run: Run) -> dict:
     params, world = run.params, run.world
     device = next(model.parameters()).device
     accum = accumulation_steps(params, run.micro_batch_tokens, world.size)
