@@ -10,14 +10,12 @@ against the config before touching the model, and reports the file at fault.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from kiln.model.atomic import atomic_dir
 from kiln.model.gpt import GPT, ModelConfig
 
 WEIGHTS = "model.safetensors"
@@ -71,42 +69,10 @@ def save_model(model_or_state_dict: torch.nn.Module | dict, config: ModelConfig,
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     meta = json.dumps({"model": config.to_dict(), **extra}, indent=2) + "\n"  # fails early if not JSON-able
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    with atomic_dir(out_dir) as tmp:
         save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         (tmp / CONFIG).write_text(meta, encoding="utf-8")
-        for f in (tmp / WEIGHTS, tmp / CONFIG):
-            _fsync(f)
-        tmp.chmod(0o755)  # mkdtemp makes it 0700
-        _replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _replace_dir(new: Path, final: Path) -> None:
-    """Rename `new` to `final`. POSIX cannot swap two directories in one step, so an existing `final` is first
-    moved aside and deleted only after `new` is in place (and moved back if that rename fails)."""
-    if not final.exists():
-        new.rename(final)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f"{final.name}.old-", dir=final.parent))
-    try:
-        final.rename(old / final.name)
-        try:
-            new.rename(final)
-        except BaseException:
-            (old / final.name).rename(final)
-            raise
-    finally:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def read_json_object(path: Path) -> dict:

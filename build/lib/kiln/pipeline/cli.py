@@ -37,6 +37,13 @@ SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=
 CorpusOpt = Annotated[Path, typer.Option(help="Corpus folder with train.parquet and val.parquet.")]
 TokenizerOpt = Annotated[Path, typer.Option(help="The tokenizer.json to use.")]
 OutOpt = Annotated[Path, typer.Option(help="Output folder (replaced whole, only when the stage succeeds).")]
+
+
+def SamplingOpt(help: str, kind: type = float):
+    """A sampling option of `generate` and `chat`: unset means the one default both share (evals/sampling.py)."""
+    return Annotated[kind | None, typer.Option(help=f"{help} (default: kiln's sampling default)")]
+
+
 PARAMS = Path("params.yaml")
 CORPUS = Path("data/corpus")
 TOKENIZER = Path("data/tokenizer/tokenizer.json")
@@ -263,10 +270,9 @@ def generate_command(
         Path("data/models/base"),
         tokenizer: TokenizerOpt = TOKENIZER,
         max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to add (default: fill the context).")] = None,
-        temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.8,
-        top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens.")] = None,
-        top_p: Annotated[float | None, typer.Option(help="Sample among the likeliest tokens holding this mass.")]
-        = None,
+        temperature: SamplingOpt("0 is greedy.") = None,
+        top_k: SamplingOpt("Sample among the k likeliest tokens.", int) = None,
+        top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.") = None,
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Continue each --prompt with a trained model, stopping at <|endoftext|>."""
@@ -274,7 +280,7 @@ def generate_command(
     from kiln.pipeline.train.loop import pick_device
 
     lm = TextModel(model, tokenizer, pick_device(device))
-    outs = lm.complete(prompt, Sampling(max_new_tokens, temperature, top_k, top_p, seed))
+    outs = lm.complete(prompt, Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed))
     for text, out in zip(prompt, outs, strict=True):
         typer.echo(text + out)
         if len(prompt) > 1:
@@ -289,10 +295,9 @@ def chat_command(
         system: Annotated[str | None, typer.Option(help="A system message that opens the conversation.")] = None,
         max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer (default: a quarter of the "
                                                                 "context).")] = None,
-        temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.7,
-        top_k: Annotated[int | None, typer.Option(help="Sample among the k likeliest tokens.")] = None,
-        top_p: Annotated[float | None, typer.Option(help="Sample among the likeliest tokens holding this mass.")]
-        = 0.9,
+        temperature: SamplingOpt("0 is greedy.") = None,
+        top_k: SamplingOpt("Sample among the k likeliest tokens.", int) = None,
+        top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.") = None,
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Talk to a chat model: each line you type is a user turn, the answer streams back (/reset starts over,
@@ -301,7 +306,7 @@ def chat_command(
     from kiln.pipeline.train.loop import pick_device
 
     session = ChatSession(TextModel(model, tokenizer, pick_device(device)),
-                          Sampling(max_new_tokens, temperature, top_k, top_p, seed), system)
+                          Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed), system)
     interactive = sys.stdin.isatty()
     while True:
         try:

@@ -1,54 +1,22 @@
-"""Writing outputs so that a stage leaves all of them or none: temp name in the same folder, then rename.
-
-A rename within one filesystem is atomic, so an interrupted or failed stage never leaves a half-written
-tokenizer or a short shard where the next stage (or `dvc repro`) would take it for a finished one.
+"""What stages write with: JSON and metrics files through the one atomic writer (kiln.model.atomic), content
+hashes, and the lock that keeps two runs out of one checkpoint folder.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover
+from kiln.pipeline.errors import UserError
 
-@contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield an empty temp folder beside `final`; on success it replaces `final`, on error it is removed."""
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=final.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    tmp.chmod(0o755)
-    if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=f"{final.name}.old-", dir=final.parent))
-        final.rename(old / final.name)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+__all__ = ["atomic_dir", "atomic_write_bytes", "recover", "write_json", "write_metrics", "sha256_file", "exclusive"]
+LOCK_SUFFIX = ".lock"
 
 
 def write_json(path: Path, obj) -> None:
@@ -68,3 +36,31 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+@contextmanager
+def exclusive(folder: Path) -> Iterator[None]:
+    """Hold `folder` for this process: a second run on it stops with one line naming the first's pid.
+
+    The lock is the kernel's (flock) on `FOLDER.lock` beside it, so it ends with its process: a run killed
+    with -9 never blocks the next one, and the file left behind holds nothing. It sits beside the folder, not in
+    it, so the folder holds checkpoints only."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(folder.with_name(folder.name + LOCK_SUFFIX), "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        owner = handle.read().strip() or "unknown"
+        handle.close()
+        raise UserError(f"{folder}: in use by another kiln run (pid {owner}); wait for it to end or stop it") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    try:
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()

@@ -22,10 +22,18 @@ from kiln.pipeline.text.tokens import EOT, load_tokenizer
 @dataclass
 class Sampling:
     max_new_tokens: int | None = None  # None: fill the model's context window
+    # What `kiln generate` and `kiln chat` sample with unless told otherwise (evaluate's samples are greedy, set by
+    # the eval section, so that its report is the same on every run).
     temperature: float = 0.8  # 0: greedy
     top_k: int | None = None
-    top_p: float | None = None
+    top_p: float | None = 0.95
     seed: int | None = None
+
+    @classmethod
+    def with_defaults(cls, max_new_tokens=None, temperature=None, top_k=None, top_p=None, seed=None) -> Sampling:
+        """The command-line tools' sampling: every option left unset takes this class's default."""
+        given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        return cls(max_new_tokens, seed=seed, **{k: v for k, v in given.items() if v is not None})
 
     def check(self) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kiln.pipeline.outputs import write_metrics
+from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.post.common import IGNORE, ChoiceScorer, ExampleBatches, answer_logps, rows_sha256, start
 from kiln.pipeline.post.params import DPOParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
@@ -71,6 +71,7 @@ def pair_metrics(params: DPOParams, rows: PairRows, pc: torch.Tensor, pr: torch.
 
 def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_path: Path, corpus_dir: Path,
         out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR) -> dict:
+    recover(out_dir)  # what a killed write of the model left
     s = start(params, train_params, sft_dir, tokenizer_path, corpus_dir)
     model, loop, chat, data, seq_len = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len
     train_rows = pair_rows(data.train, chat, seq_len, "dpo train")

@@ -12,7 +12,7 @@ import dataclasses
 from pathlib import Path
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.outputs import write_metrics
+from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.post.chat_format import ChatFormat
 from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, fits, rows_sha256, score_rows, start, to_rows
 from kiln.pipeline.post.params import SFTParams
@@ -51,6 +51,7 @@ def rows_of(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, wha
 
 def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_path: Path, corpus_dir: Path,
         out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR) -> dict:
+    recover(out_dir)  # what a killed write of the model left
     s = start(params, train_params, base_dir, tokenizer_path, corpus_dir)
     model, loop, chat, data, seq_len = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len
     x, y = rows_of(data.train, chat, seq_len, "sft train")

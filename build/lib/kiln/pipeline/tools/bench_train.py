@@ -1,8 +1,8 @@
 """`kiln bench train`: tokens/s and MFU of one training step, fp32 vs bf16, eager vs torch.compile and torch vs
 Triton kernels, in one run.
 
-A step is what `kiln train` does for one micro-batch without accumulation: forward under autocast, backward,
-gradient clipping and AdamW (fused on CUDA), with the loop's own device, precision and optimizer helpers. The
+A step is the loop's own `Step` (what `kiln pretrain` runs) for one micro-batch without accumulation: forward
+under autocast, backward, the loss read back for the NaN guard, gradient clipping and AdamW (fused on CUDA). The
 batch is random token ids already on the device, so data loading is left out: the figure is what the model
 and the step cost, the ceiling that training can reach. Every variant starts from a copy of the same initial
 weights; the first variant is the baseline of the speedup column, so ratios come from one process and machine.
@@ -16,6 +16,8 @@ Only torch, rich and kiln's light modules are imported, so this runs on a GPU ma
 from __future__ import annotations
 
 import copy
+import dataclasses
+import itertools
 import time
 from pathlib import Path
 
@@ -24,11 +26,12 @@ from rich.table import Table
 
 from kiln.kernels.backend import BACKENDS
 from kiln.model import GPT
-from kiln.pipeline.errors import UserError
+from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.tools.bench import machine
-from kiln.pipeline.train.loop import PRECISIONS, autocast, build_optimizer, check_kernels, pick_device, setup_precision
+from kiln.pipeline.train.lm import lm_loss
+from kiln.pipeline.train.loop import PRECISIONS, Step, build_optimizer, check_kernels, pick_device, setup_precision
 from kiln.pipeline.train.params import ModelParams, TrainParams
 from kiln.pipeline.train.throughput import peak_flops
 
@@ -81,32 +84,30 @@ def time_variant(template: GPT, precision: str, compiled: bool, kernels: str, de
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = copy.deepcopy(template).set_kernels(kernels).to(device)
-    optimizer = build_optimizer(model, OPTIM, device)
+    params = dataclasses.replace(OPTIM, precision=precision, compile=compiled, kernels=kernels)
+    optimizer = build_optimizer(model, params, device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     forward = torch.compile(model) if compiled else model
-    inputs, targets = torch.randint(template.config.vocab_size, (2, batch_size, seq_len), device=device)
+    step = Step(model, forward, optimizer, scaler, lm_loss, 1, params, device)
+    batch = itertools.repeat(tuple(torch.randint(template.config.vocab_size, (2, batch_size, seq_len), device=device)))
 
-    def step():
-        with autocast(device, precision):
-            loss = forward(inputs, targets)
-        scaler.scale(loss).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.grad_clip)
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+    def stop(loss: float) -> None:
+        raise StageError(f"bench train {precision}-{MODES[compiled]}-{kernels}: loss is {loss}")
+
+    def one():
+        step(batch, OPTIM.lr, stop)
         progress.advance(1)
 
     start = time.perf_counter()
-    step()  # compiles the forward and backward graphs when compiled; allocates optimizer state either way
+    one()  # compiles the forward and backward graphs when compiled; allocates optimizer state either way
     synchronize(device)
     first = time.perf_counter() - start
     for _ in range(warmup - 1):
-        step()
+        one()
     synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
-        step()
+        one()
     synchronize(device)
     seconds = time.perf_counter() - start
     if compiled:

@@ -20,6 +20,8 @@ import json
 import random
 import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +29,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from kiln.model.atomic import fsync_tree, replace_dir
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.outputs import atomic_dir, write_json
+from kiln.pipeline.outputs import atomic_dir, exclusive, recover, write_json
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.distributed import SINGLE, World
 
@@ -97,16 +100,25 @@ class Checkpoints:
         if self.world.main:
             save_file(_rng_tensors(), tmp / "rng.safetensors")
             self._write_state(tmp, step, param_groups, scaler, loader_state, extra)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
+            fsync_tree(tmp)
+            replace_dir(tmp, final)
             self._rotate()
         distributed.barrier()
         return final
 
     def _remove_stale(self) -> None:
-        for stale in self.root.glob("step_*.*-*"):  # temp folders of a save that was killed
-            shutil.rmtree(stale, ignore_errors=True)
+        """Finish or undo the replace of a checkpoint that a kill interrupted, and drop its temp folders."""
+        for name in {p.name.split(".")[0] for p in self.root.glob("step_*.*-*")}:
+            recover(self.root / name)
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """This run's hold on the folder (rank 0 takes it): a second run on the same checkpoints refuses; what a
+        killed save left is recovered first."""
+        with exclusive(self.root):
+            if self.root.is_dir():
+                self._remove_stale()
+            yield
 
     def _write_state(self, folder: Path, step: int, param_groups: list, scaler, loader_state: dict,
                      extra: dict) -> None:

@@ -134,8 +134,49 @@ def accumulation_steps(params: TrainParams, micro_batch_tokens: int, world_size:
     return params.batch_tokens // per_pass
 
 
+class Step:
+    """One optimizer step exactly as `train` takes it: the micro-batches of gradient accumulation with (scaled)
+    backward and one gradient reduction, the loss averaged over ranks, a guard that stops before a non-finite
+    loss reaches the weights, clipping, the update. `kiln bench train` times this same object."""
+
+    def __init__(self, model: torch.nn.Module, forward: Callable, optimizer: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler, loss_fn: Callable, accum: int, params: TrainParams,
+                 device: torch.device):
+        self.model, self.forward, self.optimizer, self.scaler = model, forward, optimizer, scaler
+        self.loss_fn, self.accum, self.params, self.device = loss_fn, accum, params, device
+
+    def __call__(self, batches: Iterator, lr: float,
+                 on_bad_loss: Callable[[float], None]) -> tuple[float, torch.Tensor]:
+        """(loss, gradient norm); `on_bad_loss(loss)` raises when the loss is not finite."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            batch = [t.to(self.device, non_blocking=True) for t in next(batches)]
+            with distributed.gradient_sync(self.model, sync=micro == self.accum - 1):
+                with autocast(self.device, self.params.precision):
+                    micro_loss = self.loss_fn(self.forward, batch) / self.accum
+                self.scaler.scale(micro_loss).backward()
+            total += micro_loss.detach()
+        loss = distributed.mean(total).item()
+        if not math.isfinite(loss):  # before the update, so the weights in memory stay good too
+            on_bad_loss(loss)
+        self.scaler.unscale_(self.optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.grad_clip or float("inf"))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss, norm
+
+
 def train(model: torch.nn.Module, run: Run) -> dict:
-    """Train `model` in place (under torchrun: wrapped for the run; `distributed.full_state_dict` gathers it)."""
+    """Train `model` in place (under torchrun: wrapped for the run; `distributed.full_state_dict` gathers it),
+    holding the checkpoint folder so that a second run on it refuses instead of overwriting this one's."""
+    with run.checkpoints.lock() if run.world.main else contextlib.nullcontext():
+        return _train(model, run)
+
+
+def _train(model: torch.nn.Module, run: Run) -> dict:
     params, world = run.params, run.world
     device = next(model.parameters()).device
     accum = accumulation_steps(params, run.micro_batch_tokens, world.size)
@@ -150,6 +191,13 @@ def train(model: torch.nn.Module, run: Run) -> dict:
         step, seconds_before, loss = state["step"], state.get("train_seconds", 0.0), state.get("train_loss", loss)
         console.print(f"{run.name}: resuming from {latest} (step {step})", highlight=False)
     forward = torch.compile(model) if params.compile else model
+    take_step = Step(model, forward, optimizer, scaler, run.loss_fn, accum, params, device)
+
+    def stop(loss: float) -> None:
+        kept = run.checkpoints.latest()
+        raise StageError(f"{run.name}: loss is {loss} at step {step + 1}; stopped. "
+                         f"Last good checkpoint: {kept or 'none'} (lower train.lr or use bf16/fp32)")
+
     curves = Curves(run.curves_dir, step, write=world.main)
     peak, _ = peak_flops(device, params.precision)
     tokens_per_step = params.batch_tokens
@@ -160,26 +208,7 @@ def train(model: torch.nn.Module, run: Run) -> dict:
     with Progress(run.name, unit="steps", total=run.total_steps, start=step) as progress:
         while step < run.total_steps:
             lr = lr_at(step, run.total_steps, params)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            total = torch.zeros((), device=device)
-            for micro in range(accum):
-                batch = [t.to(device, non_blocking=True) for t in next(run.batches)]
-                with distributed.gradient_sync(model, sync=micro == accum - 1):
-                    with autocast(device, params.precision):
-                        micro_loss = run.loss_fn(forward, batch) / accum
-                    scaler.scale(micro_loss).backward()
-                total += micro_loss.detach()
-            loss = distributed.mean(total).item()
-            if not math.isfinite(loss):  # before the update, so the weights in memory stay good too
-                kept = run.checkpoints.latest()
-                raise StageError(f"{run.name}: loss is {loss} at step {step + 1}; stopped. "
-                                 f"Last good checkpoint: {kept or 'none'} (lower train.lr or use bf16/fp32)")
-            scaler.unscale_(optimizer)
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), params.grad_clip or float("inf"))
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
+            loss, norm = take_step(run.batches, lr, stop)
             step += 1
             timer_tokens += tokens_per_step
             if step % params.log_every == 0 or step == run.total_steps:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kiln.model import save_model
-from kiln.pipeline.outputs import write_metrics
+from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.progress import console
 from kiln.pipeline.scaling.choice import SHAPE_KEYS, SIZE_FILE, auto_size, describe
 from kiln.pipeline.text.loader import ShardSet
@@ -30,6 +30,8 @@ PANELS = [["loss", "val_loss"], ["val_bpb"], ["lr"], ["grad_norm"], ["tokens_per
 
 def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, tokenizer_path: Path,
              out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, size_file: Path = SIZE_FILE) -> dict:
+    if distributed.from_env().main:  # rank 0 alone writes, so it alone repairs what a killed write left
+        recover(out_dir)
     data = LMData.load(shards_dir, tokenizer_path)
     size = {}
     if model_params.size == "auto":
