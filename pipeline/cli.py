@@ -339,16 +339,16 @@ def scaling_sweep_command(
     """Train the IsoFLOP grid scaling.budgets x scaling.depths, skipping runs already in runs.csv (stage
     `scaling_sweep`).
 
-    Reads the `scaling`, `model` (arch, sequence length) and `train` (optimiser) sections; bare `--set` keys mean
-    scaling.
+    Reads the `scaling` section (the grid and the optimiser its runs train with) and `model` (arch, sequence
+    length); bare `--set` keys mean scaling.
     """
     from kiln.pipeline.config import load_sections
     from kiln.pipeline.scaling.params import ScalingParams
     from kiln.pipeline.scaling.sweep import sweep
-    from kiln.pipeline.train.params import ModelParams, TrainParams
+    from kiln.pipeline.train.params import ModelParams
 
-    scaling, model, train = load_sections((ScalingParams, ModelParams, TrainParams), params, set_)
-    _print_metrics("scaling sweep", sweep(scaling, model, train, shards, tokenizer, out, checkpoints))
+    scaling, model = load_sections((ScalingParams, ModelParams), params, set_)
+    _print_metrics("scaling sweep", sweep(scaling, model, shards, tokenizer, out, checkpoints))
 
 
 @scaling_app.command("size")

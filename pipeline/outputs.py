@@ -15,7 +15,7 @@ from pathlib import Path
 from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover
 from kiln.pipeline.errors import UserError
 
-__all__ = ["atomic_dir", "atomic_write_bytes", "recover", "write_json", "write_metrics", "sha256_file", "exclusive"]
+__all__ = ["atomic_dir", "atomic_write_bytes", "recover", "write_json", "write_metrics", "sha256_file", "exclusive", "lock_path"]
 LOCK_SUFFIX = ".lock"
 
 
@@ -38,6 +38,10 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def lock_path(folder: Path) -> Path:
+    return Path(folder).with_name(Path(folder).name + LOCK_SUFFIX)
+
+
 @contextmanager
 def exclusive(folder: Path) -> Iterator[None]:
     """Hold `folder` for this process: a second run on it stops with one line naming the first's pid.
@@ -47,7 +51,7 @@ def exclusive(folder: Path) -> Iterator[None]:
     it, so the folder holds checkpoints only."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(folder.with_name(folder.name + LOCK_SUFFIX), "a+", encoding="utf-8")
+    handle = open(lock_path(folder), "a+", encoding="utf-8")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -5,8 +5,9 @@ tokens over vocabularies of 32768 and 50304, and 1024 over 128256 (the float64 r
 several 4 GB copies).
 
 The loss per row is a log-sum-exp over the whole vocabulary, but the kernel accumulates it in fp32 and the
-values compared are O(10) (O(10^4) summed over 4096 rows, with the tolerance relative to that sum), so the
-per-dtype tolerances hold without `scale`.
+values compared are O(10) (O(10^4) summed over 4096 rows, an error relative to that sum), so the per-dtype
+tolerances hold without `scale` (measured in the interpreter at 1024 x 128256, "sum": at most 0.15x the
+tolerance, bf16 dlogits).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ REDUCTIONS = ["mean", "sum", "none"]
 def inputs(N, V, dtype, ignore_index=-100, seed=0, device=DEVICE):
     """Logits with a spread like a trained LM's (std 3, so the softmax is peaked), every third row ignored."""
     g = torch.Generator().manual_seed(seed)
-    # Moved before the arithmetic: at LLM sizes that is seconds of single-threaded CPU time per test.
+    # Scaled and cast on the device: at the GPU-only sizes that costs seconds per test on one CPU thread.
     logits = (3 * torch.randn(N, V, generator=g).to(device)).to(dtype)
     targets = torch.randint(V, (N,), generator=g).to(device)
     targets[1::3] = ignore_index

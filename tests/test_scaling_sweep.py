@@ -25,15 +25,14 @@ from kiln.pipeline.train.params import ModelParams, TrainParams
 from kiln.pipeline.train.pretrain import pretrain
 
 MODEL = {"max_seq_len": 16}
-TRAIN = {"batch_size": 4, "lr": 1e-2, "min_lr": 1e-3, "device": "cpu", "log_every": 5, "checkpoint_every": 10}
+TRAIN = {"batch_size": 4, "lr": 1e-2, "min_lr": 1e-3, "device": "cpu"}  # the sweep's own copy of train.*
 SCALING = {"budgets": [2e7, 4e7], "depths": [1, 2, 3], "aspect": 8, "head_dim": 4, "batch_tokens": 64,
-           "warmup_fraction": 0.1, "eval_tokens": 256}
+           "warmup_fraction": 0.1, "eval_tokens": 256, **TRAIN}
 
 
-def sections(scaling=None, model=None, train=None):
+def sections(scaling=None, model=None):
     return (build_section(ScalingParams, {**SCALING, **(scaling or {})}),
-            build_section(ModelParams, {**MODEL, **(model or {})}),
-            build_section(TrainParams, {**TRAIN, **(train or {})}))
+            build_section(ModelParams, {**MODEL, **(model or {})}))
 
 
 def run_sweep(tiny, root, **kw):
@@ -63,8 +62,8 @@ def test_plan_spends_each_budget_on_d_equal_c_over_6n():
 
 def test_fingerprint_follows_what_is_trained_not_how():
     base = plan(*sections(), 300, "sha")[0].fingerprint
-    assert plan(*sections(train={"device": "auto", "log_every": 1, "compile": True}), 300, "sha")[0].fingerprint == base
-    assert plan(*sections(train={"lr": 2e-2}), 300, "sha")[0].fingerprint != base
+    assert plan(*sections(scaling={"device": "auto", "compile": True}), 300, "sha")[0].fingerprint == base
+    assert plan(*sections(scaling={"lr": 2e-2}), 300, "sha")[0].fingerprint != base
     assert plan(*sections(scaling={"eval_tokens": 512}), 300, "sha")[0].fingerprint != base
     assert plan(*sections(), 300, "other tokenizer")[0].fingerprint != base
 
@@ -96,12 +95,12 @@ def test_sweep_skips_finished_runs_and_resumes_an_interrupted_one(tiny, tmp_path
 
     monkeypatch.setattr(scaling_sweep, "train_lm", stop_at_second_run)
     with pytest.raises(KeyboardInterrupt):
-        run_sweep(tiny, tmp_path, train={"lr": 5e-3})  # another lr: every run is stale
+        run_sweep(tiny, tmp_path, scaling={"lr": 5e-3})  # another lr: every run is stale
     with open(tmp_path / "scaling" / "runs.csv", newline="") as f:
         kept = list(csv.DictReader(f))
     assert len(kept) == 1 and kept[0]["fingerprint"] not in {r["fingerprint"] for r in more}
     monkeypatch.setattr(scaling_sweep, "train_lm", real)
-    metrics, rows = run_sweep(tiny, tmp_path, train={"lr": 5e-3})
+    metrics, rows = run_sweep(tiny, tmp_path, scaling={"lr": 5e-3})
     assert metrics["trained"] == 5 and len(rows) == 6 and rows[0] == kept[0]
 
 
@@ -114,7 +113,8 @@ def test_sweep_bad_input(tiny, tmp_path):
         run_sweep(tiny, tmp_path)
     for values, key in (({"budgets": [1e9]}, "scaling.budgets"), ({"depths": [1, 2]}, "scaling.depths"),
                         ({"aspect": 12, "head_dim": 8}, "scaling.aspect"),
-                        ({"approach": "kaplan"}, "scaling.approach")):
+                        ({"approach": "kaplan"}, "scaling.approach"), ({"precision": "fp8"}, "scaling.precision"),
+                        ({"min_lr": 1.0}, "scaling.min_lr")):
         with pytest.raises(UserError, match=key):
             build_section(ScalingParams, values)
 
@@ -130,7 +130,7 @@ FIT = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28, "a": 0.5,
 
 
 def test_choose_size_takes_the_dial_model_nearest_to_n_opt():
-    scaling, model, _ = sections(scaling={"target_flops": 1e15, "approach": "parametric", "aspect": 16,
+    scaling, model = sections(scaling={"target_flops": 1e15, "approach": "parametric", "aspect": 16,
                                           "head_dim": 8})
     choice = choose_size(FIT, "fit.json", scaling, model, 1000)
     n_opt = compute_optimal(FIT, 1e15)[0]

@@ -1,4 +1,8 @@
-"""The `scaling` section, which the sweep, the fit's bootstrap and the size choice read."""
+"""The `scaling` section, which the sweep, the fit's bootstrap and the size choice read.
+
+The sweep trains with its own copy of the optimiser and precision keys (`scaling.lr`, `scaling.precision`, ...,
+by default the same values as `train.*`), so that an experiment on pretraining (`-S train.precision=bf16`)
+reruns pretraining and what follows, not the twelve sweep runs."""
 
 from __future__ import annotations
 
@@ -6,7 +10,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kiln.pipeline.config import Section
+from kiln.pipeline.config import Section, build_section
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.train.params import TrainParams
 
 
 @dataclass
@@ -14,7 +20,8 @@ class ScalingParams(Section):
     """The IsoFLOP sweep (budgets x depths), the fit's bootstrap, and the budget `model.size: auto` sizes for.
 
     A depth L gives a model of d_model = aspect * L and n_head = d_model / head_dim; the rest of the shape
-    comes from the `model` section, the optimiser from `train`."""
+    comes from the `model` section. The keys after `approach` are the training loop's (train.*), for the sweep
+    alone."""
 
     SECTION: ClassVar[str] = "scaling"
     budgets: list[float] = dataclasses.field(default_factory=lambda: [1e11, 1.5e11, 2e11])
@@ -27,6 +34,24 @@ class ScalingParams(Section):
     bootstrap: int = 100
     target_flops: float = 1e13
     approach: str = "isoflop"  # which fit sizes model.size=auto: isoflop (N_opt = k C^a) | parametric (L(N, D))
+    seed: int = 1337
+    device: str = "auto"
+    precision: str = "fp32"
+    kernels: str = "torch"
+    compile: bool = False
+    batch_size: int = 16
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+
+    TRAIN_KEYS: ClassVar[tuple[str, ...]] = ("seed", "device", "precision", "kernels", "compile", "batch_size", "lr",
+                                             "min_lr", "schedule", "decay_fraction", "weight_decay", "beta1",
+                                             "beta2", "grad_clip")
 
     def check(self) -> None:
         if len(set(self.budgets)) < 2 or not all(c > 0 for c in self.budgets):
@@ -48,6 +73,15 @@ class ScalingParams(Section):
             raise self.bad("target_flops", "a positive number of FLOPs")
         if self.approach not in ("isoflop", "parametric"):
             raise self.bad("approach", "'isoflop' or 'parametric'")
+        self.train_params()
+
+    def train_params(self) -> TrainParams:
+        """The loop's settings every sweep run starts from (the sweep sets its length, batch and eval), checked
+        by TrainParams' own rules and reported under their scaling.* names."""
+        try:
+            return build_section(TrainParams, {k: getattr(self, k) for k in self.TRAIN_KEYS})
+        except UserError as e:
+            raise UserError(str(e).replace("params: train.", "params: scaling.", 1)) from None
 
     def shape(self, depth: int) -> dict[str, int]:
         """The depth dial: width grows with depth at a fixed aspect ratio, heads keep a fixed size."""

@@ -8,7 +8,7 @@ CSV records the D and C = 6 N D actually trained, next to the nominal `budget` t
 
 Every run goes through `train_lm`, like pretraining: same loop, shards, data order and evaluation. Its
 learning-rate schedule is fitted to its length: warmup over `scaling.warmup_fraction` of its steps, then cosine
-to `train.min_lr` exactly at its last step (a schedule cut short would handicap the short runs).
+to `scaling.min_lr` exactly at its last step (a schedule cut short would handicap the short runs).
 
 One stage iterates over the grid instead of a DVC `foreach`/`matrix`: those make one stage per run, whose
 outputs a fit stage would have to list one by one in dvc.yaml, so a budget added in params.yaml would not
@@ -65,12 +65,12 @@ class SweepRun:
         return 6.0 * self.params * self.tokens
 
 
-def plan(scaling: ScalingParams, model: ModelParams, train: TrainParams, vocab_size: int,
-         tokenizer_sha256: str) -> list[SweepRun]:
+def plan(scaling: ScalingParams, model: ModelParams, vocab_size: int, tokenizer_sha256: str) -> list[SweepRun]:
     if scaling.batch_tokens % model.max_seq_len:
         raise UserError(f"params: scaling.batch_tokens={scaling.batch_tokens}: expected a multiple of "
                         f"model.max_seq_len={model.max_seq_len}")
-    # Micro-batches no larger than a step, so that a small sweep batch needs no small train.batch_size.
+    train = scaling.train_params()
+    # Micro-batches no larger than a step, so that a small sweep batch needs no small scaling.batch_size.
     batch_size = min(train.batch_size, scaling.batch_tokens // model.max_seq_len)
     runs = []
     for budget in sorted(set(scaling.budgets)):
@@ -115,10 +115,10 @@ def write_rows(path: Path, rows: list[dict]) -> None:
     atomic_write_bytes(path, buf.getvalue().encode())
 
 
-def sweep(scaling: ScalingParams, model: ModelParams, train: TrainParams, shards_dir: Path, tokenizer_path: Path,
+def sweep(scaling: ScalingParams, model: ModelParams, shards_dir: Path, tokenizer_path: Path,
           out_dir: Path = OUT_DIR, checkpoint_dir: Path = CHECKPOINT_DIR) -> dict:
     data = LMData.load(shards_dir, tokenizer_path)
-    runs = plan(scaling, model, train, data.train.vocab_size, data.tokenizer_sha256)
+    runs = plan(scaling, model, data.train.vocab_size, data.tokenizer_sha256)
     csv_path = out_dir / "runs.csv"
     rows = read_rows(csv_path)
     todo = [r for r in runs if rows.get(r.name, {}).get("fingerprint") != r.fingerprint]

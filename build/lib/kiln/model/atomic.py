@@ -1,0 +1,123 @@
+"""The one way kiln writes an output or a checkpoint: a stage leaves all of it or none of it, and a kill at any
+moment loses neither the new result nor the old one.
+
+It lives in `model/` because that is the lowest layer that writes (model folders); every pipeline output and
+checkpoint goes through it too.
+
+A folder is written into `NAME.tmp-*` beside its target, every file and folder in it fsynced, then renamed
+`NAME.new-*`: from that moment a complete new version exists on disk. An old `NAME` is renamed `NAME.old-*`,
+the new one renamed `NAME`, and only then is the old one deleted. POSIX cannot swap two folders in one step, so
+a kill between those renames leaves no `NAME`; `recover(NAME)` finishes the replace from `.new-*` (complete by
+construction) or, if the kill came before it existed, puts `.old-*` back. A file is replaced with one atomic
+rename after an fsync. Stages call `recover` on their outputs when they start, which also removes the temp
+folders a killed run left.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a folder's entries (the names renamed into it), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fsync_path(Path(folder) / name)
+        fsync_path(Path(folder))
+
+
+def _leftovers(final: Path, kind: str) -> list[Path]:
+    """`final`'s leftovers of one kind (tmp, new, old), oldest first."""
+    found = final.parent.glob(f"{glob.escape(final.name)}.{kind}-*")
+    return sorted(found, key=lambda p: p.lstat().st_mtime)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _sibling(final: Path, kind: str) -> Path:
+    return final.with_name(f"{final.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def recover(final: Path) -> None:
+    """Finish or undo a replace of `final` that a kill interrupted, and delete its temp leftovers."""
+    final = Path(final)
+    if not final.parent.is_dir():
+        return
+    news, olds = _leftovers(final, "new"), _leftovers(final, "old")
+    if not final.exists() and news:
+        news.pop().rename(final)
+    elif not final.exists() and olds:
+        olds.pop().rename(final)
+    for path in [*news, *olds, *_leftovers(final, "tmp")]:
+        _remove(path)
+    fsync_path(final.parent)
+
+
+def replace_dir(complete: Path, final: Path) -> None:
+    """Move the complete, synced `complete` into `final`'s place, keeping the old `final` until it is there."""
+    new = _sibling(final, "new")
+    complete.rename(new)
+    fsync_path(final.parent)
+    old = None
+    if final.exists():
+        old = _sibling(final, "old")
+        final.rename(old)
+    new.rename(final)
+    fsync_path(final.parent)
+    if old is not None:
+        _remove(old)
+
+
+@contextmanager
+def atomic_dir(final: Path) -> Iterator[Path]:
+    """Yield an empty temp folder beside `final`; on success it replaces `final`, on error it is removed."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    recover(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        fsync_tree(tmp)
+        replace_dir(tmp, final)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all: a synced temp file beside it, renamed over it in one step."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        fsync_path(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
