@@ -23,10 +23,20 @@ def write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
+# How a run went rather than what it produced: they differ between two runs that give bit-identical outputs, so
+# they go to metrics/timings/<stage>.json, a plain output, and `dvc metrics diff` of a rerun shows no change.
+TIMING_KEYS = frozenset({"seconds", "train_seconds", "tokens_per_s", "mb_per_s", "mfu", "peak_memory_gb", "trained",
+                         "reused", "trained_flops"})
+
+
 def write_metrics(stage: str, values: dict, metrics_dir: Path = Path("metrics")) -> Path:
-    """`metrics/<stage>.json`, the file dvc.yaml lists under `metrics:` for `dvc metrics diff`."""
+    """`metrics/<stage>.json` (the results dvc.yaml lists under `metrics:`) and, when the stage measured any,
+    `metrics/timings/<stage>.json` (its timings, throughput and memory)."""
     path = Path(metrics_dir) / f"{stage}.json"
-    write_json(path, values)
+    timings = {k: v for k, v in values.items() if k in TIMING_KEYS}
+    write_json(path, {k: v for k, v in values.items() if k not in TIMING_KEYS})
+    if timings:
+        write_json(Path(metrics_dir) / "timings" / f"{stage}.json", timings)
     return path
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover
 from kiln.pipeline.errors import UserError
 
-__all__ = ["atomic_dir", "atomic_write_bytes", "recover", "write_json", "write_metrics", "sha256_file", "exclusive"]
+__all__ = ["atomic_dir", "atomic_write_bytes", "recover", "write_json", "write_metrics", "sha256_file", "exclusive", "lock_path"]
 LOCK_SUFFIX = ".lock"
 
 
@@ -23,10 +23,20 @@ def write_json(path: Path, obj) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
 
 
+# How a run went rather than what it produced: they differ between two runs that give bit-identical outputs, so
+# they go to metrics/timings/<stage>.json, a plain output, and `dvc metrics diff` of a rerun shows no change.
+TIMING_KEYS = frozenset({"seconds", "train_seconds", "tokens_per_s", "mb_per_s", "mfu", "peak_memory_gb", "trained",
+                         "reused", "trained_flops"})
+
+
 def write_metrics(stage: str, values: dict, metrics_dir: Path = Path("metrics")) -> Path:
-    """`metrics/<stage>.json`, the file dvc.yaml lists under `metrics:` for `dvc metrics diff`."""
+    """`metrics/<stage>.json` (the results dvc.yaml lists under `metrics:`) and, when the stage measured any,
+    `metrics/timings/<stage>.json` (its timings, throughput and memory)."""
     path = Path(metrics_dir) / f"{stage}.json"
-    write_json(path, values)
+    timings = {k: v for k, v in values.items() if k in TIMING_KEYS}
+    write_json(path, {k: v for k, v in values.items() if k not in TIMING_KEYS})
+    if timings:
+        write_json(Path(metrics_dir) / "timings" / f"{stage}.json", timings)
     return path
 
 
@@ -38,6 +48,10 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def lock_path(folder: Path) -> Path:
+    return Path(folder).with_name(Path(folder).name + LOCK_SUFFIX)
+
+
 @contextmanager
 def exclusive(folder: Path) -> Iterator[None]:
     """Hold `folder` for this process: a second run on it stops with one line naming the first's pid.
@@ -47,7 +61,7 @@ def exclusive(folder: Path) -> Iterator[None]:
     it, so the folder holds checkpoints only."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(folder.with_name(folder.name + LOCK_SUFFIX), "a+", encoding="utf-8")
+    handle = open(lock_path(folder), "a+", encoding="utf-8")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from kiln.model import ModelConfig
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.outputs import atomic_write_bytes, write_metrics
+from kiln.pipeline.outputs import atomic_write_bytes, lock_path, write_metrics
 from kiln.pipeline.progress import console
 from kiln.pipeline.scaling.choice import count_params
 from kiln.pipeline.scaling.params import ScalingParams
@@ -138,7 +138,8 @@ def sweep(scaling: ScalingParams, model: ModelParams, shards_dir: Path, tokenize
             "train_loss": result["train_loss"], "fingerprint": run.fingerprint}
         write_rows(csv_path, [rows[r.name] for r in runs if r.name in rows
                               and rows[r.name]["fingerprint"] == r.fingerprint])
-        shutil.rmtree(checkpoint_dir / run.name, ignore_errors=True)
+        shutil.rmtree(checkpoint_dir / run.name, ignore_errors=True)  # a finished run needs no resume state
+        lock_path(checkpoint_dir / run.name).unlink(missing_ok=True)
         flops_done += run.flops
         elapsed = time.perf_counter() - start
         console.print(f"sweep: {run.name} N={run.params:,} D={run.tokens:,} val loss {result['val_loss']:.4f}; "

@@ -102,7 +102,8 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
                           kiln("tokenizer", "train", "--params", params, *tokenizer),
                           kiln("data", "shard", "--params", params),
                           kiln("train", "--params", params, *_sets(train))],
-             cwd=work, collect={"metrics/pretrain.json": "pretrain.json", "metrics/pretrain": "pretrain"}),
+             cwd=work, collect={"metrics/pretrain.json": "pretrain.json", "metrics/pretrain": "pretrain",
+                                "metrics/timings/pretrain.json": "pretrain_timings.json"}),
         Step("generate", [kiln("bench", "generate", "--params", params, *_sets(model),
                                *(["--vocab-size", "300", "--batch-sizes", "1,2", "--prompt-len", "8",
                                   "--new-tokens", "8", "--device", "cpu"] if smoke else
@@ -223,9 +224,10 @@ def headline(out: Path) -> dict:
         found["best_train_variant"] = best["variant"]
         found["best_train_mfu"] = best["mfu"]
         found["best_train_tokens_per_s"] = best["tokens_per_s"]
-    if (path := out / "pretrain.json").is_file():
-        metrics = json.loads(path.read_text())
-        found |= {f"pretrain_{k}": metrics[k] for k in ("val_loss", "tokens_per_s", "mfu") if k in metrics}
+    for name in ("pretrain.json", "pretrain_timings.json"):
+        if (path := out / name).is_file():
+            metrics = json.loads(path.read_text())
+            found |= {f"pretrain_{k}": metrics[k] for k in ("val_loss", "tokens_per_s", "mfu") if k in metrics}
     return found
 
 
