@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 
+from kiln.pipeline import layout
 from kiln.pipeline.errors import KilnError
 from kiln.pipeline.progress import console
 
@@ -44,9 +45,6 @@ def SamplingOpt(help: str, kind: type = float):
     return Annotated[kind | None, typer.Option(help=f"{help} (default: kiln's sampling default)")]
 
 
-PARAMS = Path("params.yaml")
-CORPUS = Path("data/corpus")
-TOKENIZER = Path("data/tokenizer/tokenizer.json")
 
 
 def reports_errors(fn):
@@ -68,7 +66,7 @@ def reports_errors(fn):
 
 @data_app.command("prepare")
 @reports_errors
-def data_prepare(params: ParamsOpt = PARAMS, set_: SetOpt = [], out: OutOpt = Path("data/corpus")):
+def data_prepare(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], out: OutOpt = layout.CORPUS):
     """Build train/val parquet files from `data.source` (stage `prepare`)."""
     from kiln.pipeline.config import load_section
     from kiln.pipeline.text.prepare import prepare
@@ -80,8 +78,8 @@ def data_prepare(params: ParamsOpt = PARAMS, set_: SetOpt = [], out: OutOpt = Pa
 
 @data_app.command("shard")
 @reports_errors
-def data_shard(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: CorpusOpt = CORPUS,
-               tokenizer: TokenizerOpt = TOKENIZER, out: OutOpt = Path("data/shards")):
+def data_shard(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], corpus: CorpusOpt = layout.CORPUS,
+               tokenizer: TokenizerOpt = layout.TOKENIZER, out: OutOpt = layout.SHARDS):
     """Tokenize both splits into binary shards and a manifest (stage `shard`)."""
     from kiln.pipeline.config import load_section
     from kiln.pipeline.text.shard import ShardParams, shard
@@ -93,7 +91,7 @@ def data_shard(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: CorpusOpt 
 @data_app.command("inspect")
 @reports_errors
 def data_inspect(path: Annotated[Path, typer.Argument(help="A shard file (.bin).")],
-                 tokenizer: TokenizerOpt = TOKENIZER,
+                 tokenizer: TokenizerOpt = layout.TOKENIZER,
                  tokens: Annotated[int, typer.Option("-n", "--tokens", help="How many tokens to decode.")] = 64):
     """Print a shard's header, token count and its first tokens decoded."""
     from kiln.pipeline.text.shard_format import ShardHeader, open_tokens
@@ -112,8 +110,8 @@ def data_inspect(path: Annotated[Path, typer.Argument(help="A shard file (.bin).
 
 @tokenizer_app.command("train")
 @reports_errors
-def tokenizer_train(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: CorpusOpt = CORPUS,
-                    out: OutOpt = Path("data/tokenizer")):
+def tokenizer_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], corpus: CorpusOpt = layout.CORPUS,
+                    out: OutOpt = layout.TOKENIZER_DIR):
     """Train the byte-level BPE on the train split, or build GPT-2's with `source=gpt2` (stage `tokenizer`)."""
     from kiln.pipeline.config import load_section
     from kiln.pipeline.text.tokenizer import TokenizerParams, train_tokenizer
@@ -125,7 +123,7 @@ def tokenizer_train(params: ParamsOpt = PARAMS, set_: SetOpt = [], corpus: Corpu
 @tokenizer_app.command("encode")
 @reports_errors
 def tokenizer_encode(text: Annotated[str, typer.Argument(help="Text to encode ('-' reads stdin).")],
-                     tokenizer: TokenizerOpt = TOKENIZER):
+                     tokenizer: TokenizerOpt = layout.TOKENIZER):
     """Print the ids of TEXT, then its pieces (special-token text becomes the special token)."""
     from kiln.pipeline.errors import UserError
     from kiln.pipeline.text.corpus import SURROGATE
@@ -145,7 +143,7 @@ def tokenizer_encode(text: Annotated[str, typer.Argument(help="Text to encode ('
 @tokenizer_app.command("decode")
 @reports_errors
 def tokenizer_decode(ids: Annotated[list[str], typer.Argument(help="Token ids, space- or comma-separated.")],
-                     tokenizer: TokenizerOpt = TOKENIZER):
+                     tokenizer: TokenizerOpt = layout.TOKENIZER):
     """Print the text of token IDS."""
     from kiln.pipeline.errors import UserError
     from kiln.pipeline.text.tokens import load_tokenizer
@@ -161,13 +159,13 @@ def tokenizer_decode(ids: Annotated[list[str], typer.Argument(help="Token ids, s
 @app.command("pretrain")
 @app.command("train", hidden=True)
 @reports_errors
-def pretrain_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
-                  shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = Path("data/shards"),
-                  tokenizer: TokenizerOpt = TOKENIZER, out: OutOpt = Path("data/models/base"),
+def pretrain_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+                  shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = layout.SHARDS,
+                  tokenizer: TokenizerOpt = layout.TOKENIZER, out: OutOpt = layout.BASE_MODEL,
                   checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] =
-                  Path("data/checkpoints/pretrain"),
+                  layout.checkpoints("pretrain"),
                   size: Annotated[Path, typer.Option(help="With model.size=auto: the choice `kiln scaling size` wrote.")]
-                  = Path("data/scaling/size.json")):
+                  = layout.SIZE):
     """Pretrain the base model on the shards, resuming from the newest checkpoint (stage `pretrain`).
 
     Reads the `model` and `train` sections; `--set` takes `model.*` and `train.*` keys (bare keys mean train).
@@ -193,11 +191,11 @@ def pretrain_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
 
 @app.command("sft")
 @reports_errors
-def sft_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
-                base: Annotated[Path, typer.Option(help="The model to start from.")] = Path("data/models/base"),
-                tokenizer: TokenizerOpt = TOKENIZER, corpus: CorpusOpt = CORPUS,
-                out: OutOpt = Path("data/models/sft"),
-                checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = Path("data/checkpoints/sft")):
+def sft_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+                base: Annotated[Path, typer.Option(help="The model to start from.")] = layout.BASE_MODEL,
+                tokenizer: TokenizerOpt = layout.TOKENIZER, corpus: CorpusOpt = layout.CORPUS,
+                out: OutOpt = layout.SFT_MODEL,
+                checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = layout.checkpoints("sft")):
     """Supervised fine-tuning on chat examples: the built-in task or a dataset (stage `sft`).
 
     Reads the `sft` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
@@ -214,12 +212,12 @@ def sft_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
 
 @app.command("dpo")
 @reports_errors
-def dpo_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 sft_model: Annotated[Path, typer.Option("--sft", help="The SFT model: policy start and reference.")] =
-                Path("data/models/sft"),
-                tokenizer: TokenizerOpt = TOKENIZER, corpus: CorpusOpt = CORPUS,
-                out: OutOpt = Path("data/models/dpo"),
-                checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = Path("data/checkpoints/dpo")):
+                layout.SFT_MODEL,
+                tokenizer: TokenizerOpt = layout.TOKENIZER, corpus: CorpusOpt = layout.CORPUS,
+                out: OutOpt = layout.DPO_MODEL,
+                checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = layout.checkpoints("dpo")):
     """Direct preference optimisation from the SFT model on preference pairs (stage `dpo`).
 
     Reads the `dpo` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
@@ -237,15 +235,15 @@ def dpo_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
 @app.command("evaluate")
 @app.command("eval", hidden=True)
 @reports_errors
-def evaluate_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+def evaluate_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                  models: Annotated[Path, typer.Option(help="The folder holding the eval.models folders.")] =
-                 Path("data/models"),
+                 layout.MODELS,
                  shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json (val split).")] =
-                 Path("data/shards"),
-                 tokenizer: TokenizerOpt = TOKENIZER, corpus: CorpusOpt = CORPUS,
-                 metrics: Annotated[Path, typer.Option(help="Folder for eval.json.")] = Path("metrics"),
+                 layout.SHARDS,
+                 tokenizer: TokenizerOpt = layout.TOKENIZER, corpus: CorpusOpt = layout.CORPUS,
+                 metrics: Annotated[Path, typer.Option(help="Folder for eval.json.")] = layout.METRICS,
                  samples: Annotated[Path, typer.Option(help="Folder for <model>.md generations.")] =
-                 Path("metrics/samples")):
+                 layout.SAMPLES):
     """Val loss/perplexity/bits per byte, multiple-choice tasks, post-training accuracy and samples of every
     model in eval.models, side by side in metrics/eval.json (stage `evaluate`).
 
@@ -267,8 +265,8 @@ def evaluate_command(params: ParamsOpt = PARAMS, set_: SetOpt = [],
 def generate_command(
         prompt: Annotated[list[str], typer.Option(help="Text to continue (repeatable: one completion each).")],
         model: Annotated[Path, typer.Option(help="A model folder (config.json + model.safetensors).")] =
-        Path("data/models/base"),
-        tokenizer: TokenizerOpt = TOKENIZER,
+        layout.BASE_MODEL,
+        tokenizer: TokenizerOpt = layout.TOKENIZER,
         max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to add (default: fill the context).")] = None,
         temperature: SamplingOpt("0 is greedy.") = None,
         top_k: SamplingOpt("Sample among the k likeliest tokens.", int) = None,
@@ -290,8 +288,8 @@ def generate_command(
 @app.command("chat")
 @reports_errors
 def chat_command(
-        model: Annotated[Path, typer.Option(help="A chat model folder (SFT or DPO).")] = Path("data/models/dpo"),
-        tokenizer: TokenizerOpt = TOKENIZER,
+        model: Annotated[Path, typer.Option(help="A chat model folder (SFT or DPO).")] = layout.DPO_MODEL,
+        tokenizer: TokenizerOpt = layout.TOKENIZER,
         system: Annotated[str | None, typer.Option(help="A system message that opens the conversation.")] = None,
         max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer (default: a quarter of the "
                                                                 "context).")] = None,
@@ -329,13 +327,13 @@ def chat_command(
 @scaling_app.command("sweep")
 @reports_errors
 def scaling_sweep_command(
-        params: ParamsOpt = PARAMS, set_: SetOpt = [],
-        shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = Path("data/shards"),
-        tokenizer: TokenizerOpt = TOKENIZER,
+        params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+        shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = layout.SHARDS,
+        tokenizer: TokenizerOpt = layout.TOKENIZER,
         out: Annotated[Path, typer.Option(help="Folder for runs.csv and each run's curves (kept across runs).")] =
-        Path("data/scaling"),
+        layout.SCALING,
         checkpoints: Annotated[Path, typer.Option(help="Resume state of the run in progress.")] =
-        Path("data/checkpoints/scaling")):
+        layout.checkpoints("scaling")):
     """Train the IsoFLOP grid scaling.budgets x scaling.depths, skipping runs already in runs.csv (stage
     `scaling_sweep`).
 
@@ -354,10 +352,10 @@ def scaling_sweep_command(
 @scaling_app.command("size")
 @reports_errors
 def scaling_size_command(
-        params: ParamsOpt = PARAMS, set_: SetOpt = [],
-        fit: Annotated[Path, typer.Option(help="The fit `kiln scaling fit` wrote.")] = Path("data/scaling/fit.json"),
-        tokenizer: TokenizerOpt = TOKENIZER,
-        out: Annotated[Path, typer.Option(help="Where to write the choice (JSON).")] = Path("data/scaling/size.json")):
+        params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+        fit: Annotated[Path, typer.Option(help="The fit `kiln scaling fit` wrote.")] = layout.FIT,
+        tokenizer: TokenizerOpt = layout.TOKENIZER,
+        out: Annotated[Path, typer.Option(help="Where to write the choice (JSON).")] = layout.SIZE):
     """With model.size=auto, pick the depth-dial model and token count for scaling.target_flops from the fit
     (stage `scaling_size`); with model.size=fixed, record just that.
 
@@ -386,7 +384,7 @@ def scaling_fit_command(
         seed: Annotated[int, typer.Option(help="Seed of the bootstrap resampling.")] = 0,
         metrics: Annotated[Path | None, typer.Option(help="Also write the fitted scalars here, for dvc metrics.")]
         = None,
-        params: ParamsOpt = PARAMS, set_: SetOpt = []):
+        params: ParamsOpt = layout.PARAMS, set_: SetOpt = []):
     """Fit IsoFLOP profiles (approach 2) and L(N, D) = E + A/N^alpha + B/D^beta (approach 3) to finished runs
     (stage `scaling_fit`). Reads scaling.target_flops and scaling.bootstrap unless the options give them."""
     from kiln.pipeline.config import load_section
@@ -401,11 +399,11 @@ def scaling_fit_command(
 
 @bench_app.command("shard")
 @reports_errors
-def bench_shard(corpus: CorpusOpt = CORPUS, tokenizer: TokenizerOpt = TOKENIZER,
+def bench_shard(corpus: CorpusOpt = layout.CORPUS, tokenizer: TokenizerOpt = layout.TOKENIZER,
                 split: str = "train",
                 max_mb: Annotated[float, typer.Option(help="Encode at most this many MB of text.")] = 8.0,
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
-                Path("metrics/bench/shard.json")):
+                layout.BENCH / "shard.json"):
     """Sharding throughput against a single-process loop over HF `Tokenizer.encode`, in one run."""
     from kiln.pipeline.tools.bench import bench_shard as run
 
@@ -414,7 +412,7 @@ def bench_shard(corpus: CorpusOpt = CORPUS, tokenizer: TokenizerOpt = TOKENIZER,
 
 @bench_app.command("train")
 @reports_errors
-def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 variants: Annotated[str, typer.Option(
                     help="Comma-separated PRECISION-MODE[-KERNELS] list: PRECISION fp32|bf16|fp16, MODE "
                          "eager|compile, KERNELS auto|triton|torch (default: --kernels). The first is the speedup "
@@ -432,7 +430,7 @@ def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
                 kernels: Annotated[str, typer.Option(help="auto | triton | torch, as train.kernels, for variants "
                                                           "that name none.")] = "torch",
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
-                Path("metrics/bench/train.json")):
+                layout.BENCH / "train.json"):
     """Training-step tokens/s and MFU, fp32 vs bf16, eager vs torch.compile, torch vs Triton kernels, in one run.
 
     A step is forward, backward, clipping and AdamW on random token ids, for the shape in the `model` section
@@ -449,7 +447,7 @@ def bench_train(params: ParamsOpt = PARAMS, set_: SetOpt = [],
 
 @bench_app.command("generate")
 @reports_errors
-def bench_generate(params: ParamsOpt = PARAMS, set_: SetOpt = [],
+def bench_generate(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                    model: Annotated[Path | None, typer.Option(
                        help="A trained model folder (default: random weights in the `model` section's shape).")] = None,
                    vocab_size: Annotated[int, typer.Option(help="Vocabulary of the random model.")] = 4096,
@@ -463,7 +461,7 @@ def bench_generate(params: ParamsOpt = PARAMS, set_: SetOpt = [],
                    device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
                    = "auto",
                    out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
-                   Path("metrics/bench/generate.json")):
+                   layout.BENCH / "generate.json"):
     """Prefill and decode tokens/s of generation with and without the KV cache, for each batch size, in one run."""
     from kiln.pipeline.config import load_section
     from kiln.pipeline.tools.bench_generate import bench_generate as run
@@ -489,7 +487,7 @@ def bench_kernels(ops: Annotated[str | None, typer.Option(
                   compile_baseline: Annotated[bool, typer.Option(
                       "--compile/--no-compile", help="Also time torch.compile of each reference.")] = True,
                   out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
-                  Path("metrics/bench/kernels.json")):
+                  layout.BENCH / "kernels.json"):
     """Each Triton kernel vs torch eager, torch.compile and Liger-Kernel: ms, GB/s, % of copy bandwidth, peak
     memory, goal met (CUDA; `--size smoke` on CPU)."""
     from kiln.pipeline.tools.bench_kernels import bench_kernels as run
@@ -507,7 +505,7 @@ def bench_gpu(size: Annotated[str, typer.Option(
                   help="Comma-separated subset of env, tests, kernels, train, pretrain, generate (default: all).")]
               = None,
               out: Annotated[Path, typer.Option(help="Folder for the JSON, logs and curves.")] =
-              Path("metrics/bench/gpu"),
+              layout.BENCH / "gpu",
               work: Annotated[Path | None, typer.Option(
                   help="Scratch folder for the pretrain step's data and model (default: a new temp folder).")]
               = None):
@@ -544,7 +542,7 @@ def convert_to_hf(
     from kiln.pipeline.tools.convert import to_hf
 
     if tokenizer is None:
-        tokenizer = model / "tokenizer.json" if (model / "tokenizer.json").is_file() else TOKENIZER
+        tokenizer = model / "tokenizer.json" if (model / "tokenizer.json").is_file() else layout.TOKENIZER
     to_hf(model, out, tokenizer)
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+import kiln.model.atomic
 import kiln.model.checkpoint
 from kiln.model import GPT, KVCache, ModelConfig, generate, load_config, load_model, save_model
 
@@ -325,7 +326,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, monkeypatch, fail_in):
     if fail_in == "save_file":
         monkeypatch.setattr(kiln.model.checkpoint, "save_file", boom)
     else:
-        monkeypatch.setattr(kiln.model.checkpoint, "_fsync", boom)  # after both files are written, before rename
+        monkeypatch.setattr(kiln.model.atomic, "fsync_tree", boom)  # after both files are written, before rename
     new = make(seed=1)
     with pytest.raises(OSError, match="disk full"):
         save_model(new, new.config, out, {"run": 2})

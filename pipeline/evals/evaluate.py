@@ -25,6 +25,7 @@ from typing import ClassVar
 import torch
 
 from kiln.model import generate, load_config
+from kiln.pipeline import layout
 from kiln.pipeline.config import Section, coerce
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.sampling import Sampling, TextModel
@@ -112,8 +113,6 @@ class EvalParams(Section):
         return specs
 
 
-MODELS_DIR = Path("data/models")
-SAMPLES_DIR = Path("metrics/samples")
 
 
 @dataclass
@@ -182,8 +181,8 @@ def samples_markdown(name: str, model_dir: Path, lm: TextModel, prompts: list[st
 
 
 def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOParams, shards_dir: Path,
-             tokenizer_path: Path, corpus_dir: Path, models_dir: Path = MODELS_DIR,
-             metrics_dir: Path = Path("metrics"), samples_dir: Path = SAMPLES_DIR) -> dict:
+             tokenizer_path: Path, corpus_dir: Path, models_dir: Path = layout.MODELS,
+             metrics_dir: Path = layout.METRICS, samples_dir: Path = layout.SAMPLES) -> dict:
     dirs = check_models(params, models_dir)
     if not tokenizer_path.is_file():
         raise UserError(f"{tokenizer_path}: tokenizer not found (run `kiln tokenizer train` first)")

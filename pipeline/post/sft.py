@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.post.chat_format import ChatFormat
@@ -23,10 +24,9 @@ from kiln.pipeline.train.lm import CADENCE
 from kiln.pipeline.train.loop import Run, accumulation_steps, train
 from kiln.pipeline.train.params import TrainParams
 
-BASE_DIR = Path("data/models/base")
-MODEL_DIR = Path("data/models/sft")
-CHECKPOINT_DIR = Path("data/checkpoints/sft")
-CURVES_DIR = Path("metrics/sft")
+MODEL_DIR = layout.SFT_MODEL
+CHECKPOINT_DIR = layout.checkpoints("sft")
+CURVES_DIR = layout.curves("sft")
 PANELS = [["loss", "val_loss"], ["val_accuracy", "val_accuracy_title", "val_accuracy_speaker", "val_accuracy_continue"],
           ["lr"], ["grad_norm"]]
 

@@ -11,9 +11,6 @@ import torch
 from kiln.model import GPT, ModelConfig
 from kiln.pipeline.errors import UserError
 
-SIZE_FILE = Path("data/scaling/size.json")
-
-
 SHAPE_KEYS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
-from kiln.pipeline.scaling.choice import SIZE_FILE, count_params, describe, read_json
+from kiln.pipeline.scaling.choice import count_params, describe, read_json
 from kiln.pipeline.scaling.laws import PARAM_NAMES, compute_optimal, predict
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.train.params import ModelParams
@@ -53,7 +54,7 @@ def choose_size(fit: dict, fit_path: Path, scaling: ScalingParams, model: ModelP
 
 
 def scaling_size(scaling: ScalingParams, model: ModelParams, fit_path: Path, tokenizer_path: Path,
-                 out: Path = SIZE_FILE) -> dict:
+                 out: Path = layout.SIZE) -> dict:
     if model.size == "fixed":
         choice = {"size": "fixed"}
         console.print("scaling size: model.size is fixed; the pretrain stage uses the model section as it is",

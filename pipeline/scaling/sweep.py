@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.model import ModelConfig
+from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import atomic_write_bytes, lock_path, write_metrics
 from kiln.pipeline.progress import console
@@ -39,8 +40,6 @@ from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.train.lm import CADENCE, LMData, train_lm
 from kiln.pipeline.train.params import ModelParams, TrainParams
 
-OUT_DIR = Path("data/scaling")
-CHECKPOINT_DIR = Path("data/checkpoints/scaling")
 COLUMNS = ("run", "params", "non_embedding_params", "tokens", "flops", "loss", "bpb", "seconds", "budget", "depth",
            "d_model", "n_head", "steps", "train_loss", "fingerprint")
 
@@ -116,7 +115,7 @@ def write_rows(path: Path, rows: list[dict]) -> None:
 
 
 def sweep(scaling: ScalingParams, model: ModelParams, shards_dir: Path, tokenizer_path: Path,
-          out_dir: Path = OUT_DIR, checkpoint_dir: Path = CHECKPOINT_DIR) -> dict:
+          out_dir: Path = layout.SCALING, checkpoint_dir: Path = layout.checkpoints("scaling")) -> dict:
     data = LMData.load(shards_dir, tokenizer_path)
     runs = plan(scaling, model, data.train.vocab_size, data.tokenizer_sha256)
     csv_path = out_dir / "runs.csv"

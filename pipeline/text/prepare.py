@@ -17,13 +17,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import atomic_dir, write_metrics
 from kiln.pipeline.progress import Progress
 from kiln.pipeline.text.corpus import SPLITS, SURROGATE
 from kiln.pipeline.text.sources import DataParams, DecodeStats, Document, read_documents
 
-CORPUS_DIR = Path("data/corpus")
 SCHEMA = pa.schema([("text", pa.string()), ("source", pa.string())])
 ROWS_PER_WRITE = 1024
 
@@ -80,7 +80,7 @@ class SplitWriter:
         self._writer.close()
 
 
-def prepare(params: DataParams, out_dir: Path = CORPUS_DIR) -> dict:
+def prepare(params: DataParams, out_dir: Path = layout.CORPUS) -> dict:
     stats = DecodeStats()
     seen: set[bytes] = set()
     duplicates = empty = kept_bytes = 0

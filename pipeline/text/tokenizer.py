@@ -30,12 +30,14 @@ from typing import ClassVar
 import pyarrow.parquet as pq
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kiln.pipeline import layout
 from kiln.pipeline.config import Section
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.layout import TOKENIZER_FILE
 from kiln.pipeline.outputs import atomic_dir, write_metrics
 from kiln.pipeline.progress import console
 from kiln.pipeline.text.corpus import iter_texts
-from kiln.pipeline.text.tokens import SPECIAL_TOKENS, TOKENIZER_FILE, resolve_pattern
+from kiln.pipeline.text.tokens import SPECIAL_TOKENS, resolve_pattern
 
 
 @dataclass
@@ -68,7 +70,6 @@ class TokenizerParams(Section):
             raise self.bad("pattern", f"'gpt4', 'gpt2' or a valid regex ({e})") from None
 
 
-TOKENIZER_DIR = Path("data/tokenizer")
 # GPT-2's BPE as OpenAI published it, with the sha256 that tiktoken_ext/openai_public.py pins for `gpt2`.
 GPT2_SHA256 = {
     "encoder.json": "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
@@ -89,7 +90,7 @@ def new_tokenizer(pattern: str, bpe: models.BPE | None = None) -> Tokenizer:
     return tok
 
 
-def train_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path = TOKENIZER_DIR) -> dict:
+def train_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path = layout.TOKENIZER_DIR) -> dict:
     """The stage: train on the corpus (`source: train`) or build GPT-2's (`source: gpt2`), then measure it on
     the val split and write `tokenizer.json` with `metrics/tokenizer.json`."""
     train_path, val_path = corpus_dir / "train.parquet", corpus_dir / "val.parquet"

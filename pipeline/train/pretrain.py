@@ -12,9 +12,10 @@ from pathlib import Path
 import torch
 
 from kiln.model import save_model
+from kiln.pipeline import layout
 from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.progress import console
-from kiln.pipeline.scaling.choice import SHAPE_KEYS, SIZE_FILE, auto_size, describe
+from kiln.pipeline.scaling.choice import SHAPE_KEYS, auto_size, describe
 from kiln.pipeline.text.loader import ShardSet
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.curves import plot_png
@@ -22,14 +23,14 @@ from kiln.pipeline.train.lm import LMData, train_lm
 from kiln.pipeline.train.params import ModelParams, TrainParams
 from kiln.pipeline.train.throughput import peak_flops
 
-MODEL_DIR = Path("data/models/base")
-CHECKPOINT_DIR = Path("data/checkpoints/pretrain")
-CURVES_DIR = Path("metrics/pretrain")
+MODEL_DIR = layout.BASE_MODEL
+CHECKPOINT_DIR = layout.checkpoints("pretrain")
+CURVES_DIR = layout.curves("pretrain")
 PANELS = [["loss", "val_loss"], ["val_bpb"], ["lr"], ["grad_norm"], ["tokens_per_s"]]
 
 
 def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, tokenizer_path: Path,
-             out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, size_file: Path = SIZE_FILE) -> dict:
+             out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, size_file: Path = layout.SIZE) -> dict:
     if distributed.from_env().main:  # rank 0 alone writes, so it alone repairs what a killed write left
         recover(out_dir)
     data = LMData.load(shards_dir, tokenizer_path)

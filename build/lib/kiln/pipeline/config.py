@@ -19,6 +19,7 @@ from typing import ClassVar
 import yaml
 
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.layout import PARAMS
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 SECTIONS = ("data", "tokenizer", "shard", "model", "train", "scaling", "sft", "dpo", "eval")
@@ -54,7 +55,7 @@ def read_params_file(path: Path) -> dict:
 S = typing.TypeVar("S", bound=Section)
 
 
-def load_section(cls: type[S], path: Path = Path("params.yaml"), overrides: typing.Iterable[str] = ()) -> S:
+def load_section(cls: type[S], path: Path = PARAMS, overrides: typing.Iterable[str] = ()) -> S:
     """Read `cls.SECTION` from `path`, apply `--set` overrides, type-check and validate."""
     section = cls.SECTION
     values = read_params_file(path).get(section) or {}
@@ -75,7 +76,7 @@ def load_section(cls: type[S], path: Path = Path("params.yaml"), overrides: typi
     return build_section(cls, values)
 
 
-def load_sections(classes: tuple[type[Section], ...], path: Path = Path("params.yaml"),
+def load_sections(classes: tuple[type[Section], ...], path: Path = PARAMS,
                   overrides: typing.Iterable[str] = ()) -> list[Section]:
     """Several sections for a command that reads more than one; `--set` keys go to the section they name,
     bare keys to the first."""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.layout import METRICS
 
 __all__ = ["atomic_dir", "atomic_write_bytes", "recover", "write_json", "write_metrics", "sha256_file", "exclusive", "lock_path"]
 LOCK_SUFFIX = ".lock"
@@ -29,7 +30,7 @@ TIMING_KEYS = frozenset({"seconds", "train_seconds", "tokens_per_s", "mb_per_s",
                          "reused", "trained_flops"})
 
 
-def write_metrics(stage: str, values: dict, metrics_dir: Path = Path("metrics")) -> Path:
+def write_metrics(stage: str, values: dict, metrics_dir: Path = METRICS) -> Path:
     """`metrics/<stage>.json` (the results dvc.yaml lists under `metrics:`) and, when the stage measured any,
     `metrics/timings/<stage>.json` (its timings, throughput and memory)."""
     path = Path(metrics_dir) / f"{stage}.json"

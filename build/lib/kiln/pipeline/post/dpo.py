@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kiln.pipeline import layout
 from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.post.common import IGNORE, ChoiceScorer, ExampleBatches, answer_logps, rows_sha256, start
 from kiln.pipeline.post.params import DPOParams
@@ -31,10 +32,9 @@ from kiln.pipeline.train.lm import CADENCE
 from kiln.pipeline.train.loop import Run, accumulation_steps, train
 from kiln.pipeline.train.params import TrainParams
 
-SFT_DIR = Path("data/models/sft")
-MODEL_DIR = Path("data/models/dpo")
-CHECKPOINT_DIR = Path("data/checkpoints/dpo")
-CURVES_DIR = Path("metrics/dpo")
+MODEL_DIR = layout.DPO_MODEL
+CHECKPOINT_DIR = layout.checkpoints("dpo")
+CURVES_DIR = layout.curves("dpo")
 PANELS = [["loss", "val_loss"], ["train/rewards/accuracies", "val/rewards/accuracies", "val/preference_accuracy"],
           ["val/rewards/chosen", "val/rewards/rejected", "val/rewards/margins"], ["val_accuracy"], ["lr"]]
 

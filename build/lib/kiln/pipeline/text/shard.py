@@ -18,6 +18,7 @@ from typing import ClassVar
 import numpy as np
 import pyarrow.parquet as pq
 
+from kiln.pipeline import layout
 from kiln.pipeline.config import Section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import atomic_dir, sha256_file, write_json, write_metrics
@@ -44,7 +45,6 @@ class ShardParams(Section):
             raise self.bad("threads", "0 (every core) or a positive integer")
 
 
-SHARD_DIR = Path("data/shards")
 
 
 class ShardWriter:
@@ -81,7 +81,7 @@ class ShardWriter:
         self.shards.append({"file": name, "tokens": len(chunk), "sha256": hashlib.sha256(data).hexdigest()})
 
 
-def shard(params: ShardParams, corpus_dir: Path, tokenizer_path: Path, out_dir: Path = SHARD_DIR) -> dict:
+def shard(params: ShardParams, corpus_dir: Path, tokenizer_path: Path, out_dir: Path = layout.SHARDS) -> dict:
     tok = load_tokenizer(tokenizer_path)
     vocab_size, eot = tok.get_vocab_size(), tok.token_to_id(EOT)
     if eot is None:

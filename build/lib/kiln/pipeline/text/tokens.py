@@ -15,9 +15,6 @@ from tokenizers import Regex, Tokenizer
 
 from kiln.pipeline.errors import UserError
 
-TOKENIZER_FILE = "tokenizer.json"
-
-
 EOT = "<|endoftext|>"
 
 

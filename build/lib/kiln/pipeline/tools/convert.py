@@ -25,10 +25,11 @@ from kiln.model.checkpoint import read_json_object
 from kiln.model.hf import EMBEDDING, hf_config, hf_shapes, kiln_config, to_hf_tensors, to_kiln_tensors
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.sampling import TextModel
+from kiln.pipeline.layout import TOKENIZER_FILE
 from kiln.pipeline.outputs import atomic_dir, sha256_file, write_json
 from kiln.pipeline.post.chat_format import IM_END, IM_START, PAD
 from kiln.pipeline.progress import console
-from kiln.pipeline.text.tokens import EOT, TOKENIZER_FILE, load_tokenizer
+from kiln.pipeline.text.tokens import EOT, load_tokenizer
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 TORCH_WEIGHTS, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
