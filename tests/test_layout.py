@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -19,8 +20,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_wheel_holds_one_top_level_package(tmp_path):
+    # Built from a copy: setuptools writes build/ into the source folder, which must stay the user's.
+    source = tmp_path / "src"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".*", "data", "metrics", "tests", "build",
+                                                                "__pycache__", "*.egg-info"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(tmp_path), str(REPO)], check=True, capture_output=True)
+                    "--wheel-dir", str(tmp_path), str(source)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("kiln-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} == {"kiln"}

@@ -1,1 +1,0 @@
-"""Evaluation: the evaluate stage, task formats, scoring, sampling."""

@@ -1,1 +1,0 @@
-"""Post-training: the chat format, its data, SFT and DPO."""

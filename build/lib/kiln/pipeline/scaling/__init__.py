@@ -1,1 +1,0 @@
-"""Scaling laws: the IsoFLOP sweep, the fits, the model size they give."""

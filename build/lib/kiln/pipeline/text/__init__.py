@@ -1,1 +1,0 @@
-"""Corpus, tokenizer, shards and the loader that reads them."""

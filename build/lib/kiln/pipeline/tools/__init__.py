@@ -1,1 +1,0 @@
-"""Commands beside the DAG: HF conversion and the benchmarks."""

@@ -1,1 +1,0 @@
-"""The one training loop and what it is made of; the pretrain stage."""
