@@ -54,3 +54,16 @@ def poisoned_allocations():
         yield
     finally:
         torch.empty, torch.empty_like = empty, empty_like
+
+
+def record_launches(monkeypatch, function, reference) -> list:
+    """Route `function.apply` (an op's autograd Function) to its reference and record each call, so a test of
+    backend="auto" sees whether the Triton path was taken."""
+    launched = []
+
+    def record(*args):
+        launched.append(args)
+        return reference(*args)
+
+    monkeypatch.setattr(function, "apply", record)
+    return launched

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import kiln.kernels.flash_attention as fa
 from kiln.kernels.flash_attention import flash_attention, reference
 
-from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations, record_launches
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -130,13 +130,7 @@ def test_torch_backend_is_reference(dtype):
 
 @pytest.mark.parametrize("device", ["cpu", *on_gpu("cuda")])
 def test_auto_uses_kernels_only_on_cuda(monkeypatch, device):
-    launched = []
-
-    def record(*args):
-        launched.append(args)
-        return reference(*args)
-
-    monkeypatch.setattr(fa.FlashAttention, "apply", record)
+    launched = record_launches(monkeypatch, fa.FlashAttention, reference)
     q, k, v, _ = inputs(1, 2, 1, 5, 16, torch.float32, device=device)
     torch.testing.assert_close(flash_attention(q, k, v, causal=False), reference(q, k, v, causal=False),
                                atol=0, rtol=0)

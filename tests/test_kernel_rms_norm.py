@@ -22,7 +22,7 @@ import torch
 import kiln.kernels.rms_norm
 from kiln.kernels.rms_norm import reference, rms_norm
 
-from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations, record_launches
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -105,13 +105,7 @@ def test_torch_backend_is_reference():
 
 @pytest.mark.parametrize("device", ["cpu", *on_gpu("cuda")])
 def test_auto_uses_kernels_only_on_cuda(monkeypatch, device):
-    launched = []
-
-    def record(*args):
-        launched.append(args)
-        return reference(*args)
-
-    monkeypatch.setattr(kiln.kernels.rms_norm.RMSNormFunction, "apply", record)
+    launched = record_launches(monkeypatch, kiln.kernels.rms_norm.RMSNormFunction, reference)
     x, w = inputs((3, 123), torch.float32, device=device)
     assert torch.equal(rms_norm(x, w, backend="auto"), reference(x, w))
     assert bool(launched) == (device == "cuda")

@@ -17,7 +17,7 @@ import kiln.kernels.rope
 from kiln.kernels.rope import reference, rope
 from kiln.model.gpt import ModelConfig, apply_rope, rope_tables
 
-from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations, record_launches
 
 DTYPES = [torch.float32, torch.bfloat16]
 MAX_POS = 32
@@ -125,13 +125,7 @@ def test_torch_backend_is_reference(dtype):
 
 @pytest.mark.parametrize("device", ["cpu", *on_gpu("cuda")])
 def test_auto_uses_kernels_only_on_cuda(monkeypatch, device):
-    launched = []
-
-    def record(*args):
-        launched.append(args)
-        return reference(*args)
-
-    monkeypatch.setattr(kiln.kernels.rope.RoPEFunction, "apply", record)
+    launched = record_launches(monkeypatch, kiln.kernels.rope.RoPEFunction, reference)
     q, k, _, _ = inputs(1, 3, 2, 1, 6, torch.float32, device=device)
     cos, sin = tables(6, device=device)
     for a, b in zip(rope(q, k, cos, sin, 1), reference(q, k, cos, sin, 1)):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import kiln.kernels.swiglu
 from kiln.kernels.swiglu import reference, swiglu
 
-from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations
+from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations, record_launches
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -76,13 +76,7 @@ def test_torch_backend_is_reference():
 
 @pytest.mark.parametrize("device", ["cpu", *on_gpu("cuda")])
 def test_auto_uses_kernels_only_on_cuda(monkeypatch, device):
-    launched = []
-
-    def record(*args):
-        launched.append(args)
-        return reference(*args)
-
-    monkeypatch.setattr(kiln.kernels.swiglu.SwiGLUFunction, "apply", record)
+    launched = record_launches(monkeypatch, kiln.kernels.swiglu.SwiGLUFunction, reference)
     gate, up, _ = inputs((3, 37), torch.float32, device=device)
     assert torch.equal(swiglu(gate, up, backend="auto"), reference(gate, up))
     assert bool(launched) == (device == "cuda")
