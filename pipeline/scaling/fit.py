@@ -296,7 +296,7 @@ def write_plots(folder: Path, runs: Runs, iso: dict, fitted: dict) -> None:
     plt = pyplot()
 
     iso_rows = []
-    fig, ax = plt.subplots(figsize=(6, 4.2))
+    fig, ax = plt.subplots(figsize=(7.4, 4.4))
     colours = plt.cm.viridis(np.linspace(0, 0.9, len(iso["profiles"])))
     for (c, n, loss, coef), colour, m in zip(iso["profiles"], colours, iso["minima"]):
         iso_rows += [(c, ni, li, float(np.polyval(coef, math.log(ni)))) for ni, li in zip(n, loss)]
@@ -304,32 +304,35 @@ def write_plots(folder: Path, runs: Runs, iso: dict, fitted: dict) -> None:
         ax.scatter(n, loss, color=colour, s=14)
         ax.plot(np.exp(xs), np.polyval(coef, xs), color=colour, label=f"{c:.2g}")
         ax.scatter([m["n_opt"]], [m["loss_opt"]], color=colour, marker="*", s=120, edgecolor="black", zorder=3)
-    ax.set(xscale="log", xlabel="parameters N", ylabel="loss", title="IsoFLOP profiles (star: parabola vertex)")
-    ax.legend(title="FLOPs", fontsize=7)
+    ax.set(xscale="log", xlabel="parameters N", ylabel="held-out loss (nats/token)",
+           title="IsoFLOP profiles: loss at fixed compute (star: vertex)")
+    ax.legend(title="budget C (FLOPs)", fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     save_png(fig, folder / "isoflops.png")
 
     c = np.array([m["flops"] for m in iso["minima"]])
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, k, e, label in ((axes[0], "n_opt", iso["k_n"], iso["a"], "N"), (axes[1], "d_opt", iso["k_d"],
-                                                                                   iso["b"], "D")):
-        ax.set(xlabel="FLOPs C", ylabel=f"{label}_opt")
+    for ax, key, k, e, label in ((axes[0], "n_opt", iso["k_n"], iso["a"], "N_opt (parameters)"),
+                                 (axes[1], "d_opt", iso["k_d"], iso["b"], "D_opt (tokens)")):
+        ax.set(xlabel="compute C (FLOPs)", ylabel=label)
         if not iso["minima"]:
             ax.text(0.5, 0.5, "no budget forms a valley", ha="center", transform=ax.transAxes)
             continue
         ax.scatter(c, [m[key] for m in iso["minima"]], label="IsoFLOP vertices")
         if e is not None:
-            ax.plot(c, k * c ** e, label=f"{k:.3g} C^{e:.3f}")
+            ax.plot(c, k * c ** e, label=f"fit {k:.3g} C^{e:.3f}")
         ax.set(xscale="log", yscale="log")
-        ax.legend()
+        ax.legend(loc="upper left")
+    fig.suptitle("compute-optimal model size and tokens (IsoFLOP vertices)")
     save_png(fig, folder / "optimum.png")
 
     pred = predict(fitted, runs.params, runs.tokens)
-    fig, ax = plt.subplots(figsize=(5, 5))
+    fig, ax = plt.subplots(figsize=(5.8, 5.4))
     ax.scatter(runs.loss, pred, s=14)
     lo, hi = min(runs.loss.min(), pred.min()), max(runs.loss.max(), pred.max())
     ax.plot([lo, hi], [lo, hi], color="grey", linestyle="--", label="y = x")
-    ax.set(xlabel="observed loss", ylabel="predicted loss", title="parametric fit L(N, D)")
-    ax.legend()
+    ax.set(xlabel="observed held-out loss (nats/token)", ylabel="predicted loss (nats/token)",
+           title="parametric fit L(N, D) = E + A/N^alpha + B/D^beta")
+    ax.legend(loc="upper left")
     save_png(fig, folder / "parametric.png")
 
     _write_csv(folder / "isoflops.csv", ("budget", "params", "loss", "fit_loss"), iso_rows)

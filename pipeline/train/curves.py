@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import io
+from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.pipeline.outputs import atomic_write_bytes
@@ -79,33 +80,48 @@ def pyplot():
 
 
 def save_png(fig, path: Path) -> Path:
-    """Render `fig` to `path` atomically (temp file, then rename) and free it."""
+    """Render `fig` to `path` atomically (temp file, then rename) and free it. Constrained layout keeps titles,
+    axis labels and the legends placed outside the axes from overlapping."""
     buf = io.BytesIO()
-    fig.tight_layout()
+    fig.set_layout_engine("constrained")
     fig.savefig(buf, format="png", dpi=110)
     pyplot().close(fig)
     atomic_write_bytes(path, buf.getvalue())
     return path
 
 
-def plot_png(directory: Path, out: Path, panels: list[list[str]], title: str) -> Path | None:
-    """One panel per group of metric names (drawn on shared axes), side by side; None if nothing was logged."""
+@dataclass(frozen=True)
+class Panel:
+    """One axes of a curves figure: metric name -> legend label, drawn against step."""
+
+    title: str
+    ylabel: str
+    series: dict[str, str]
+
+
+def plot_png(directory: Path, out: Path, panels: list[Panel], title: str, columns: int = 3) -> Path | None:
+    """The panels whose metrics were logged, `columns` to a row; None if nothing was logged. A legend sits
+    under its axes, where it cannot hide a curve."""
     plt = pyplot()
     files = metric_files(directory)
-    panels = [[n for n in names if n in files] for names in panels]
-    panels = [names for names in panels if names]
+    panels = [Panel(p.title, p.ylabel, {n: label for n, label in p.series.items() if n in files}) for p in panels]
+    panels = [p for p in panels if p.series]
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    for ax, names in zip(axes[0], panels):
-        for name in names:
+    columns = min(columns, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.4 * columns, 3.3 * rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        for name, label in panel.series.items():
             points = read_metric(files[name])
             ax.plot([s for s, _ in points], [v for _, v in points], marker="." if len(points) < 30 else None,
-                    label=name)
-        ax.set_xlabel("step")
-        ax.set_title(", ".join(names))
-        if len(names) > 1:
-            ax.legend()
+                    label=label)
+        ax.set(xlabel="step", ylabel=panel.ylabel, title=panel.title)
+        if len(panel.series) > 1:
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=len(panel.series), frameon=False,
+                      fontsize=8)
         ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
     fig.suptitle(title)
     return save_png(fig, out)

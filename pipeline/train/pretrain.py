@@ -18,7 +18,7 @@ from kiln.pipeline.progress import console
 from kiln.pipeline.scaling.choice import SHAPE_KEYS, auto_size, describe
 from kiln.pipeline.text.loader import ShardSet
 from kiln.pipeline.train import distributed
-from kiln.pipeline.train.curves import plot_png
+from kiln.pipeline.train.curves import Panel, plot_png
 from kiln.pipeline.train.lm import LMData, train_lm
 from kiln.pipeline.train.params import ModelParams, TrainParams
 from kiln.pipeline.train.throughput import peak_flops
@@ -26,7 +26,11 @@ from kiln.pipeline.train.throughput import peak_flops
 MODEL_DIR = layout.BASE_MODEL
 CHECKPOINT_DIR = layout.checkpoints("pretrain")
 CURVES_DIR = layout.curves("pretrain")
-PANELS = [["loss", "val_loss"], ["val_bpb"], ["lr"], ["grad_norm"], ["tokens_per_s"]]
+PANELS = [Panel("loss", "cross-entropy (nats/token)", {"loss": "train", "val_loss": "held-out"}),
+          Panel("held-out bits per byte", "bits/byte", {"val_bpb": "val_bpb"}),
+          Panel("learning rate", "lr", {"lr": "lr"}),
+          Panel("gradient norm before clipping", "global L2 norm", {"grad_norm": "grad_norm"}),
+          Panel("throughput", "tokens/s", {"tokens_per_s": "tokens/s"})]
 
 
 def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, tokenizer_path: Path,
