@@ -41,6 +41,15 @@ def fsync_tree(root: Path) -> None:
         fsync_path(Path(folder))
 
 
+def publish_modes(root: Path) -> None:
+    """Folders 0755 and files 0644, as a plain write under umask 022 makes them: mkdtemp makes the folder 0700
+    and safetensors' save_file writes its file 0600, so an output would otherwise be private to its writer."""
+    for folder, _, files in os.walk(root):
+        Path(folder).chmod(0o755)
+        for name in files:
+            (Path(folder) / name).chmod(0o644)
+
+
 def _leftovers(final: Path, kind: str) -> list[Path]:
     """`final`'s leftovers of one kind (tmp, new, old), oldest first."""
     found = final.parent.glob(f"{glob.escape(final.name)}.{kind}-*")
@@ -97,7 +106,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
-        tmp.chmod(0o755)  # mkdtemp makes it 0700
+        publish_modes(tmp)
         fsync_tree(tmp)
         replace_dir(tmp, final)
     except BaseException:

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from kiln.model import atomic
 from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover
@@ -28,6 +30,20 @@ def write_version(final: Path, text: str) -> None:
 
 def listing(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
+
+
+def test_outputs_are_readable_by_others_like_a_plain_write(tmp_path):
+    """A model folder is shared (DVC cache, other users, a serving process): a file its writer made 0600, as
+    safetensors does, and the 0700 temp folder come out 0644 and 0755."""
+    final = tmp_path / "model"
+    with atomic_dir(final) as tmp:
+        save_file({"w": torch.zeros(2)}, tmp / "model.safetensors")
+        (tmp / "sub").mkdir(mode=0o700)
+        (tmp / "sub" / "c.json").write_text("{}")
+        (tmp / "sub" / "c.json").chmod(0o600)
+    modes = {p.relative_to(tmp_path).as_posix(): p.stat().st_mode & 0o777 for p in [final, *final.rglob("*")]}
+    assert modes == {"model": 0o755, "model/model.safetensors": 0o644, "model/sub": 0o755,
+                     "model/sub/c.json": 0o644}
 
 
 def test_replace_leaves_the_new_version_and_nothing_else(tmp_path):
