@@ -16,7 +16,8 @@ from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.layout import METRICS
 
-__all__ = ["atomic_dir", "atomic_write_bytes", "recover", "write_json", "write_metrics", "sha256_file", "exclusive", "lock_path"]
+__all__ = ["atomic_dir", "atomic_write_bytes", "recover", "write_json", "write_metrics", "sha256_file",
+           "exclusive", "lock_path"]
 LOCK_SUFFIX = ".lock"
 
 
@@ -32,10 +33,14 @@ TIMING_KEYS = frozenset({"seconds", "train_seconds", "tokens_per_s", "mb_per_s",
 
 def write_metrics(stage: str, values: dict, metrics_dir: Path = METRICS) -> Path:
     """`metrics/<stage>.json` (the results dvc.yaml lists under `metrics:`) and, when the stage measured any,
-    `metrics/timings/<stage>.json` (its timings, throughput and memory)."""
+    `metrics/timings/<stage>.json` (its timings, throughput and memory).
+
+    The results sit under the stage's name, so `dvc metrics show` and `dvc exp show` name a column
+    `sft.val_accuracy`, not `metrics/sft.json:val_accuracy` (what DVC falls back to when two files share a key).
+    """
     path = Path(metrics_dir) / f"{stage}.json"
     timings = {k: v for k, v in values.items() if k in TIMING_KEYS}
-    write_json(path, {k: v for k, v in values.items() if k not in TIMING_KEYS})
+    write_json(path, {stage: {k: v for k, v in values.items() if k not in TIMING_KEYS}})
     if timings:
         write_json(Path(metrics_dir) / "timings" / f"{stage}.json", timings)
     return path

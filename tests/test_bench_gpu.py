@@ -60,7 +60,7 @@ def test_train_step_compares_torch_and_triton_kernels(smoke):
 
 def test_real_pretrain_stage_ran_in_the_scratch_folder(smoke):
     _, out, work = smoke
-    metrics = json.loads((out / "pretrain.json").read_text())
+    metrics = json.loads((out / "pretrain.json").read_text())["pretrain"]
     assert metrics["steps"] == 4 and metrics["val_loss"] > 0
     assert (out / "pretrain" / "curves.png").is_file()
     assert (work / "data" / "models" / "base" / "model.safetensors").is_file()

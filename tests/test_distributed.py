@@ -41,7 +41,7 @@ def assert_same_run(root, single, abs=1e-5):
     assert [s for s, _ in losses(root)] == list(range(1, 9))  # one writer: no step logged twice
     for (_, a), (_, b) in zip(curve, losses(root)):
         assert b == pytest.approx(a, abs=abs)
-    written = json.loads((root / "metrics/pretrain.json").read_text())
+    written = json.loads((root / "metrics/pretrain.json").read_text())["pretrain"]
     assert written["val_loss"] == pytest.approx(metrics["val_loss"], abs=abs)
     assert written["tokens"] == metrics["tokens"]
     mine = load_file(root / "base" / "model.safetensors")

@@ -95,20 +95,20 @@ def test_repro_noop_and_experiment(project):
                 "metrics/scaling/isoflops.png", "data/models/sft/model.safetensors",
                 "data/models/dpo/model.safetensors", "metrics/dpo/curves.png"):
         assert (project / out).is_file()
-    assert json.loads((project / "metrics/tokenizer.json").read_text())["vocab_size"] == 300
+    assert json.loads((project / "metrics/tokenizer.json").read_text())["tokenizer"]["vocab_size"] == 300
     assert len((project / "data/scaling/runs.csv").read_text().splitlines()) == 1 + 6
-    scaling = json.loads((project / "metrics/scaling.json").read_text())
+    scaling = json.loads((project / "metrics/scaling.json").read_text())["scaling"]
     assert scaling["n_points"] == 6 and {"E", "A", "B", "alpha", "beta", "n_opt", "d_opt"} <= set(scaling)
     assert json.loads((project / "data/scaling/size.json").read_text()) == {"size": "fixed"}
     shown = json.loads(run(project, "dvc", "plots", "show", "--json"))
     assert not shown.get("errors")
     assert {"isoflop profiles", "compute-optimal N and D", "metrics/scaling/optimum.png", "sft loss",
             "dpo preference accuracy"} <= set(shown["data"])
-    sft = json.loads((project / "metrics/sft.json").read_text())
+    sft = json.loads((project / "metrics/sft.json").read_text())["sft"]
     assert sft["examples"] == 9 and sft["val_examples"] == 3 and sft["val_loss"] < sft["base"]["val_loss"]
-    dpo = json.loads((project / "metrics/dpo.json").read_text())
+    dpo = json.loads((project / "metrics/dpo.json").read_text())["dpo"]
     assert dpo["pairs"] == 9 and {"val/rewards/accuracies", "train/rewards/margins", "val/logps/chosen"} <= set(dpo)
-    report = json.loads((project / "metrics/eval.json").read_text())
+    report = json.loads((project / "metrics/eval.json").read_text())["eval"]
     for metric in ("val_bpb", "mine/acc", "posttrain/preference_accuracy"):
         assert list(report[metric]) == ["base", "sft", "dpo"]
     assert report["items"] == {"mine": 6, "posttrain": 0, "posttrain_pairs": 3}
@@ -139,7 +139,7 @@ def test_repro_noop_and_experiment(project):
     exp = run(project, "dvc", "exp", "run", "-S", "model.size=auto", "-S", "scaling.approach=parametric")
     assert ran_stages(exp) == {"scaling_sweep", "scaling_size", "pretrain", "sft", "dpo", "evaluate"}  # sweep: no-op
     size = json.loads((project / "data/scaling/size.json").read_text())
-    pretrained = json.loads((project / "metrics/pretrain.json").read_text())
+    pretrained = json.loads((project / "metrics/pretrain.json").read_text())["pretrain"]
     assert pretrained["size_auto"]["n_layer"] == size["n_layer"] and pretrained["tokens"] <= size["tokens"]
     assert "model.size auto" in exp
     run(project, "dvc", "exp", "apply", "HEAD")
@@ -147,9 +147,9 @@ def test_repro_noop_and_experiment(project):
     exp = run(project, "dvc", "exp", "run", "-S", "tokenizer.vocab_size=330")
     assert ran_stages(exp) == {"tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size", "pretrain",
                                "sft", "dpo", "evaluate"}
-    assert json.loads((project / "metrics/tokenizer.json").read_text())["vocab_size"] == 330
+    assert json.loads((project / "metrics/tokenizer.json").read_text())["tokenizer"]["vocab_size"] == 330
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))
-    change = diff["metrics/tokenizer.json"]["vocab_size"]
+    change = diff["metrics/tokenizer.json"]["tokenizer.vocab_size"]
     assert change["old"] == 300 and change["new"] == 330
     run(project, "dvc", "exp", "apply", "HEAD")  # back to the baseline's outputs
 
@@ -158,19 +158,21 @@ def test_repro_noop_and_experiment(project):
     assert ran_stages(exp) == {"pretrain", "sft", "dpo", "evaluate"}
     assert "bf16" in exp  # the run says what it trains in
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))["metrics/pretrain.json"]
-    assert diff["val_loss"]["old"] != diff["val_loss"]["new"]  # bf16 rounding moves the numbers, a little
-    assert abs(diff["val_loss"]["new"] - diff["val_loss"]["old"]) < 0.1
+    diff = diff["pretrain.val_loss"]
+    assert diff["old"] != diff["new"]  # bf16 rounding moves the numbers, a little
+    assert abs(diff["new"] - diff["old"]) < 0.1
 
     # On top of that experiment's workspace (no `exp apply` in between: the stages' resume state and curves
     # persist outside the cache, so DVC would see them changed), a DPO knob reruns DPO alone.
-    before = json.loads((project / "metrics/eval.json").read_text())
+    before = json.loads((project / "metrics/eval.json").read_text())["eval"]
     exp = run(project, "dvc", "exp", "run", "-S", "dpo.beta=0.3")
     assert ran_stages(exp) == {"dpo", "evaluate"}
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))
-    assert diff["metrics/dpo.json"]["val/rewards/margins"]["old"] != diff["metrics/dpo.json"]["val/rewards/margins"]["new"]
-    assert {"val_loss.base", "val_loss.sft", "val_loss.dpo"} <= set(diff["metrics/eval.json"])  # vs the fp32 commit
+    margins = diff["metrics/dpo.json"]["dpo.val/rewards/margins"]
+    assert margins["old"] != margins["new"]
+    assert {"eval.val_loss.base", "eval.val_loss.sft", "eval.val_loss.dpo"} <= set(diff["metrics/eval.json"])  # vs fp32
     # The re-evaluation moves the DPO model's numbers only.
-    after = json.loads((project / "metrics/eval.json").read_text())
+    after = json.loads((project / "metrics/eval.json").read_text())["eval"]
     assert after["val_loss"]["dpo"] != before["val_loss"]["dpo"]
     assert {k: v for k, v in after["val_loss"].items() if k != "dpo"} == \
         {k: v for k, v in before["val_loss"].items() if k != "dpo"}

@@ -142,7 +142,7 @@ def test_eval_reports_every_model_side_by_side_and_is_deterministic(shakespeare,
                                 {"name": "mine", "data": str(task), "format": "query"}]}
     result, out = run_eval(shakespeare, workspace, params)
     assert result.exit_code == 0, result.output
-    report = json.loads((out / "eval.json").read_text())
+    report = json.loads((out / "eval.json").read_text())["eval"]
     models = ["base", "sft", "dpo"]
     for metric in ("val_loss", "val_bpb", "val_ppl", "cloze/acc", "cloze/acc_norm", "mine/acc", "mine/acc_norm",
                    "posttrain/accuracy", "posttrain/preference_accuracy"):

@@ -74,7 +74,7 @@ def test_sft_reproduces_its_examples(tiny, sft_model):
     got = greedy_answers(model_dir, tiny.tokenizer, conversations)
     # The 6 training examples are reproduced exactly (the 2 held out are unknowable names).
     assert sum(g == c[-1]["content"] for g, c in zip(got, conversations)) >= 6
-    assert json.loads((tmp_path / "metrics/sft.json").read_text())["examples"] == 6
+    assert json.loads((tmp_path / "metrics/sft.json").read_text())["sft"]["examples"] == 6
     assert (tmp_path / "curves-sft/curves.png").is_file()
 
 

@@ -137,7 +137,7 @@ def test_cli_end_to_end_on_csv(tmp_path):
                                       "--metrics", str(metrics)])
     assert result.exit_code == 0, result.output
     fit = json.loads(out.read_text())
-    summary = json.loads(metrics.read_text())  # scalars only, for dvc metrics
+    summary = json.loads(metrics.read_text())["scaling"]  # scalars only, for dvc metrics
     assert summary["alpha"] == pytest.approx(fit["alpha"], rel=1e-5) and summary["n_points"] == 24
     assert "budgets" not in summary and summary["ci"]["E"]["low"] <= summary["ci"]["E"]["high"]
     for key in ("E", "A", "B", "alpha", "beta", "a", "b", "n_opt", "d_opt", "predicted_loss", "n_points",

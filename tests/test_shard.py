@@ -69,7 +69,7 @@ def test_hf_backend_writes_identical_shards(tiny, tmp_path, monkeypatch):
           tmp_path / "hf")
     for path in tiny.shards.iterdir():
         assert (tmp_path / "hf" / path.name).read_bytes() == path.read_bytes(), path.name
-    metrics = json.loads((tmp_path / "metrics/shard.json").read_text())
+    metrics = json.loads((tmp_path / "metrics/shard.json").read_text())["shard"]
     timings = json.loads((tmp_path / "metrics/timings/shard.json").read_text())
     assert timings["mb_per_s"] > 0 and metrics["train_tokens"] + metrics["val_tokens"] > 0
     assert not {"seconds", "mb_per_s"} & set(metrics)  # timings stay out of what `dvc metrics diff` compares

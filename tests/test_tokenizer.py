@@ -61,7 +61,7 @@ def test_special_tokens_reserved_first(shakespeare):
 
 def test_vocab_and_metrics(shakespeare):
     tok = load_tokenizer(shakespeare.tokenizer)
-    metrics = json.loads((shakespeare.root / "metrics/tokenizer.json").read_text())
+    metrics = json.loads((shakespeare.root / "metrics/tokenizer.json").read_text())["tokenizer"]
     assert tok.get_vocab_size() == metrics["vocab_size"] == 1024
     # bytes/token recomputed independently: one text at a time through the plain HF tokenizer
     ordinary = load_tokenizer(shakespeare.tokenizer, ordinary=True)

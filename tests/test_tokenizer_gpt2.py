@@ -141,7 +141,7 @@ def test_special_token_ids_and_metrics(built, encoders):
         assert tok.encode(token).ids == [tok.token_to_id(token)]
         assert enc.encode_single_token(token) == tok.token_to_id(token)
     assert tok.id_to_token(0) == "!" and tok.id_to_token(50255) == "Ġgazed"  # GPT-2's first byte, last merge
-    metrics = json.loads((built / "metrics/tokenizer.json").read_text())
+    metrics = json.loads((built / "metrics/tokenizer.json").read_text())["tokenizer"]
     assert metrics["vocab_size"] == 50260 and "requested_vocab_size" not in metrics
     assert 2.0 < metrics["bytes_per_token_val"] < 6
 
@@ -256,7 +256,7 @@ def test_cli_builds_gpt2(tmp_path, built, gpt2_dir):
                in line for line in result.output.splitlines())
     written = tmp_path / "data/tokenizer/tokenizer.json"
     assert written.read_bytes() == (built / "data/tokenizer/tokenizer.json").read_bytes()  # same params, same file
-    assert json.loads((tmp_path / "metrics/tokenizer.json").read_text())["vocab_size"] == 50260
+    assert json.loads((tmp_path / "metrics/tokenizer.json").read_text())["tokenizer"]["vocab_size"] == 50260
 
 
 def tampered(folder: Path, gpt2_dir: Path) -> Path:

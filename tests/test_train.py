@@ -53,7 +53,7 @@ def test_resumed_run_equals_straight_run(tiny, tmp_path):
     assert [s for s, _ in read_metric(curves["val_loss"])] == [4, 8]
     assert read_metric(curves["val_loss"])[-1][1] == pytest.approx(resumed["val_loss"], abs=1e-5)
     assert (tmp_path / "b" / "metrics/pretrain/curves.png").read_bytes().startswith(b"\x89PNG")
-    assert json.loads((tmp_path / "b" / "metrics/pretrain.json").read_text())["steps"] == 8
+    assert json.loads((tmp_path / "b" / "metrics/pretrain.json").read_text())["pretrain"]["steps"] == 8
 
 
 def test_schedule_shapes():
@@ -189,7 +189,7 @@ def test_killed_mid_checkpoint_resumes_from_the_previous_one(tiny, tmp_path):
     assert "resuming from" in resumed.output and "step 2)" in resumed.output
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000006", "step_00000008"]
     straight, _ = run(tiny, tmp_path / "straight", max_steps=8, checkpoint_every=2)
-    assert json.loads((tmp_path / "metrics/pretrain.json").read_text())["val_loss"] == straight["val_loss"]
+    assert json.loads((tmp_path / "metrics/pretrain.json").read_text())["pretrain"]["val_loss"] == straight["val_loss"]
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tiny, tmp_path):

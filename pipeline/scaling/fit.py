@@ -275,7 +275,7 @@ def scaling_fit(runs_path: Path, out: Path, target_flops: float | None = None, p
     if plots is not None:
         write_plots(Path(plots), runs, iso, fitted)
     if metrics is not None:
-        write_json(metrics, summary_metrics(result))
+        write_json(metrics, {"scaling": summary_metrics(result)})
     write_json(out, result)
     return result | {"skipped_budgets": iso["skipped"]}
 

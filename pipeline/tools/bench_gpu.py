@@ -227,6 +227,7 @@ def headline(out: Path) -> dict:
     for name in ("pretrain.json", "pretrain_timings.json"):
         if (path := out / name).is_file():
             metrics = json.loads(path.read_text())
+            metrics = metrics.get("pretrain", metrics)  # the timings file is flat
             found |= {f"pretrain_{k}": metrics[k] for k in ("val_loss", "tokens_per_s", "mfu") if k in metrics}
     return found
 
