@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import random
 from dataclasses import dataclass
@@ -86,3 +87,12 @@ def tiny(tmp_path_factory) -> Built:
     for i, text in enumerate(make_documents(300)):
         (src / f"{i:04d}.txt").write_text(text, encoding="utf-8")
     return build(root, {"source": str(src), "val_fraction": 0.2}, {"vocab_size": 300}, {"shard_tokens": 2048})
+
+
+@contextlib.contextmanager
+def one_dvc_at_a_time():
+    """DVC locks the repository it runs in: tests that run dvc in this checkout take turns across workers."""
+    repo = Path(__file__).resolve().parents[1]
+    with open(Path("/tmp") / f"kiln-dvc-{abs(hash(str(repo)))}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

@@ -12,6 +12,8 @@ import yaml
 from kiln.pipeline.tools import offline_plots
 from kiln.pipeline.train.curves import Panel, plot_png
 
+from conftest import one_dvc_at_a_time
+
 ROOT = Path(__file__).resolve().parents[1]
 NETWORK_SCRIPT = re.compile(r"<script[^>]*\bsrc\s*=\s*[\"']?(https?:)?//", re.IGNORECASE)
 
@@ -29,8 +31,9 @@ def test_dvc_plots_show_renders_every_plot_offline(tmp_path):
     template = tmp_path / "page.html"
     template.write_text(offline_plots.page())
     out = tmp_path / "plots"
-    run = subprocess.run([sys.executable, "-m", "dvc", "plots", "show", "--html-template", str(template),
-                          "-o", str(out)], cwd=ROOT, capture_output=True, text=True)
+    with one_dvc_at_a_time():
+        run = subprocess.run([sys.executable, "-m", "dvc", "plots", "show", "--html-template", str(template),
+                              "-o", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert "failed" not in (run.stdout + run.stderr).lower()
     html = (out / "index.html").read_text()
