@@ -1,6 +1,5 @@
 """Training curves: DVCLive writes them (one TSV per metric, `step` column, for `dvc plots`), and a PNG of
-them is drawn at the end because the HTML that `dvc plots show` writes loads Vega from a CDN and is blank
-offline.
+them is drawn at the end, to look at without DVC (and on the GPU machine, which has no dvc).
 
 DVCLive is imported when a run starts, not with this module: the GPU machine that runs the benchmarks has
 no dvc.
