@@ -96,3 +96,26 @@ def one_dvc_at_a_time():
     with open(Path("/tmp") / f"kiln-dvc-{abs(hash(str(repo)))}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def fails_in_one_line(args: list[str], code: int, *names: str) -> str:
+    """Run `kiln *args` in this process and check it failed as bad input or a failed stage must: exit `code`,
+    one line of output that mentions every one of `names` (a file, a key, a value), and no traceback."""
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    result = CliRunner().invoke(app, args)
+    output = result.output.strip()
+    assert result.exit_code == code, f"kiln {' '.join(args)}: exit {result.exit_code}, expected {code}:\n{output}"
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    assert len(output.splitlines()) == 1 and "Traceback" not in output, output
+    for name in names:
+        assert str(name) in output, f"{name!r} not named in: {output}"
+    return output
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """Every file under `root` with its bytes: compared before and after a failed run, it shows nothing of the
+    previous output was touched."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
