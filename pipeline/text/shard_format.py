@@ -75,6 +75,15 @@ class ShardHeader:
 
 
 def open_tokens(path: Path, header: ShardHeader) -> np.memmap:
+    """The ids, memory-mapped, once one vectorised max (under 1 ms per million tokens) has shown that all of
+    them are inside the vocabulary: an id past it would fail deep inside training, or on a GPU read past the
+    embedding table, and a shard whose sha256 was re-signed after editing passes every other check."""
     if header.tokens == 0:
         return np.zeros(0, dtype=header.dtype)
-    return np.memmap(path, dtype=header.dtype, mode="r", offset=HEADER_BYTES, shape=(header.tokens,))
+    ids = np.memmap(path, dtype=header.dtype, mode="r", offset=HEADER_BYTES, shape=(header.tokens,))
+    top = int(ids.max())
+    if top >= header.vocab_size:
+        at = int(np.argmax(ids >= header.vocab_size))
+        raise UserError(f"{path}: token id {top} (first bad one at position {at}) is outside the vocabulary of "
+                        f"{header.vocab_size} ids the header gives")
+    return ids
