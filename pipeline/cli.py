@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from kiln.pipeline import layout
 from kiln.pipeline.errors import KilnError
@@ -55,7 +56,8 @@ def reports_errors(fn):
         try:
             return fn(*args, **kwargs)
         except KilnError as e:
-            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            # escape: a message quotes input, and "[/x]" in it would be read as rich markup
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             console.print("interrupted; no output was written", highlight=False)
