@@ -14,6 +14,8 @@ reads and writes the folders. What it decides:
 
 from __future__ import annotations
 
+import math
+import reprlib
 from dataclasses import dataclass
 
 import torch
@@ -129,20 +131,22 @@ LLAMA_FIXED = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": 
 GPT2_FIXED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
               "scale_attn_by_inverse_layer_idx": (False,), "add_cross_attention": (False,),
               "tie_word_embeddings": (True,)}
-GPT2_DROPOUTS = ("embd_pdrop", "attn_pdrop", "resid_pdrop")  # transformers' default: 0.1 each
+GPT2_DROPOUTS = ("embd_pdrop", "attn_pdrop", "resid_pdrop")
 
 
 def kiln_config(hf: dict, where: str) -> ModelConfig:
-    """The ModelConfig that computes exactly what HF's model for config `hf` computes, or ValueError."""
+    """The ModelConfig that computes exactly what HF's model for config `hf` computes, or ValueError naming the
+    field. Every field read is checked by type and range: config.json is untrusted input."""
     archs = hf.get("architectures")
     name = archs[0] if isinstance(archs, list) and len(archs) == 1 else None
     arch = ARCHITECTURES.get(name) if isinstance(name, str) else None
     if arch is None:
-        raise ValueError(f"{where}: architectures={archs!r} is not supported (kiln converts "
+        raise ValueError(f"{where}: architectures={reprlib.repr(archs)} is not supported (kiln converts "
                         f"{' or '.join(ARCHITECTURES)})")
     for name, allowed in (LLAMA_FIXED if arch == "llama" else GPT2_FIXED).items():
-        if name in hf and hf[name] not in allowed:
-            raise ValueError(f"{where}: {name}={hf[name]!r} is not supported (kiln's {arch} model computes "
+        # By type too: `1` is not `true`, and NaN equals nothing.
+        if name in hf and not any(hf[name] == a and type(hf[name]) is type(a) for a in allowed):
+            raise ValueError(f"{where}: {name}={reprlib.repr(hf[name])} is not supported (kiln's {arch} model computes "
                             f"{' / '.join(map(repr, allowed))})")
     values = _llama_values(hf, where) if arch == "llama" else _gpt2_values(hf, where)
     try:
@@ -151,62 +155,94 @@ def kiln_config(hf: dict, where: str) -> ModelConfig:
         raise ValueError(f"{where}: not a shape kiln's model takes (model.{e})") from None
 
 
-def _need(hf: dict, name: str, where: str) -> int:
-    """A size field, which has no default worth assuming."""
+def _size(hf: dict, name: str, where: str, default: int | None = None) -> int:
+    """A positive integer field. `default` stands for an absent or null one; without it the field is required
+    (a size has no default worth assuming)."""
+    value = hf.get(name)
+    if value is None and default is not None:
+        return default
+    if name not in hf:
+        raise ValueError(f"{where}: {name}: missing")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{where}: {name}: expected a positive integer, got {reprlib.repr(value)}")
+    return value
+
+
+def _real(value, name: str, where: str, default: float, rate: bool = False) -> float:
+    """Field `name`'s `value`: a finite positive number, or a dropout `rate` in [0, 1); `default` stands for an
+    absent (null) one."""
+    if value is None:
+        return default
+    try:
+        x = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:  # an integer too large for a float
+        x = math.inf
+    if not (0 <= x < 1 if rate else 0 < x < math.inf):
+        raise ValueError(f"{where}: {name}: expected {'a number in [0, 1)' if rate else 'a finite positive number'}"
+                         f", got {reprlib.repr(value)}")
+    return x
+
+
+def _flag(hf: dict, name: str, where: str, default: bool) -> bool:
     value = hf.get(name)
     if value is None:
-        raise ValueError(f"{where}: {name}: missing")
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{where}: {name}: expected an integer, got {value!r}")
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {name}: expected true or false, got {reprlib.repr(value)}")
     return value
 
 
 def _llama_values(hf: dict, where: str) -> dict:
-    d, heads = _need(hf, "hidden_size", where), _need(hf, "num_attention_heads", where)
+    d, heads = _size(hf, "hidden_size", where), _size(hf, "num_attention_heads", where)
     head_dim = hf.get("head_dim")
-    if head_dim is not None and head_dim * heads != d:
+    if head_dim is not None and _size(hf, "head_dim", where) * heads != d:
         raise ValueError(f"{where}: head_dim={head_dim} is not supported (kiln's head_dim is "
                         f"hidden_size/num_attention_heads = {d}/{heads})")
-    ffn = _need(hf, "intermediate_size", where)
+    ffn = _size(hf, "intermediate_size", where)
     derived = ModelConfig(vocab_size=1, arch="llama", d_model=d).ffn_dim
-    return {"vocab_size": _need(hf, "vocab_size", where), "n_layer": _need(hf, "num_hidden_layers", where),
-            "n_head": heads, "n_kv_head": hf.get("num_key_value_heads") or heads, "d_model": d,
+    return {"vocab_size": _size(hf, "vocab_size", where), "n_layer": _size(hf, "num_hidden_layers", where),
+            "n_head": heads, "n_kv_head": _size(hf, "num_key_value_heads", where, default=heads), "d_model": d,
             "d_ff": 0 if ffn == derived else ffn,  # 0: kiln's own rule gives it (round trips as 0)
-            "max_seq_len": _need(hf, "max_position_embeddings", where), "rope_theta": _rope_theta(hf, where),
-            "norm_eps": hf.get("rms_norm_eps", 1e-6), "tie_embeddings": hf.get("tie_word_embeddings", False),
-            "dropout": 0.0}
+            "max_seq_len": _size(hf, "max_position_embeddings", where), "rope_theta": _rope_theta(hf, where),
+            "norm_eps": _real(hf.get("rms_norm_eps"), "rms_norm_eps", where, 1e-6),
+            "tie_embeddings": _flag(hf, "tie_word_embeddings", where, False), "dropout": 0.0}
 
 
 def _rope_theta(hf: dict, where: str) -> float:
     """transformers 5 writes rope_parameters {rope_type, rope_theta}; earlier versions rope_theta and
     rope_scaling. Only the unscaled ("default") rotation is kiln's."""
-    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    rope = hf.get(key) or {}
+    key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+    rope = hf.get(key)
+    rope = {} if rope is None else rope
     if not isinstance(rope, dict):
-        raise ValueError(f"{where}: {key}: expected an object, got {rope!r}")
+        raise ValueError(f"{where}: {key}: expected an object, got {reprlib.repr(rope)}")
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind != "default":
-        raise ValueError(f"{where}: {key}.rope_type={kind!r} is not supported (kiln's rotary embedding is "
+        raise ValueError(f"{where}: {key}.rope_type={reprlib.repr(kind)} is not supported (kiln's rotary embedding is "
                         f"unscaled: 'default')")
     other = sorted(set(rope) - {"rope_type", "type", "rope_theta"})
     if other:
-        raise ValueError(f"{where}: {key}.{other[0]}={rope[other[0]]!r} is not supported (kiln's rotary "
+        raise ValueError(f"{where}: {key}.{other[0]}={reprlib.repr(rope[other[0]])} is not supported (kiln's rotary "
                         f"embedding takes only rope_theta)")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    if "rope_theta" in rope:
+        return _real(rope["rope_theta"], f"{key}.rope_theta", where, 10000.0)
+    return _real(hf.get("rope_theta"), "rope_theta", where, 10000.0)
 
 
 def _gpt2_values(hf: dict, where: str) -> dict:
-    rates = {name: hf.get(name, 0.1) for name in GPT2_DROPOUTS}
+    # 0.1: transformers' default for each rate
+    rates = {name: _real(hf.get(name), name, where, 0.1, rate=True) for name in GPT2_DROPOUTS}
     if len(set(rates.values())) > 1:
         raise ValueError(f"{where}: {', '.join(f'{k}={v}' for k, v in rates.items())} is not supported (kiln's "
                         f"model has one dropout rate)")
-    d, inner = _need(hf, "n_embd", where), hf.get("n_inner")
-    heads = _need(hf, "n_head", where)
-    return {"vocab_size": _need(hf, "vocab_size", where), "n_layer": _need(hf, "n_layer", where),
+    d, heads = _size(hf, "n_embd", where), _size(hf, "n_head", where)
+    inner = _size(hf, "n_inner", where, default=4 * d)
+    return {"vocab_size": _size(hf, "vocab_size", where), "n_layer": _size(hf, "n_layer", where),
             "n_head": heads, "n_kv_head": heads, "d_model": d,
-            "d_ff": 0 if inner in (None, 4 * d) else inner,  # 0: kiln's own rule gives it (round trips as 0)
-            "max_seq_len": _need(hf, "n_positions", where), "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
-            "tie_embeddings": True, "dropout": rates["resid_pdrop"]}
+            "d_ff": 0 if inner == 4 * d else inner,  # 0: kiln's own rule gives it (round trips as 0)
+            "max_seq_len": _size(hf, "n_positions", where),
+            "norm_eps": _real(hf.get("layer_norm_epsilon"), "layer_norm_epsilon", where, 1e-5), "tie_embeddings": True,
+            "dropout": rates["resid_pdrop"]}
 
 
 def hf_config(config: ModelConfig, special: dict[str, int | None]) -> dict:

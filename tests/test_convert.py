@@ -159,17 +159,19 @@ def test_to_hf_loads_in_transformers_and_computes_the_same(exported, tiny):
     kiln_dir, hf_dir = exported
     kiln, _ = load_model(kiln_dir)
     tok = load_tokenizer(tiny.tokenizer)
-    assert sorted(p.name for p in hf_dir.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
-                                                         "tokenizer_config.json"]
+    assert sorted(p.name for p in hf_dir.iterdir()) == ["config.json", "generation_config.json", "model.safetensors",
+                                                         "tokenizer.json", "tokenizer_config.json"]
     with safe_open(hf_dir / "model.safetensors", "pt") as f:
         assert f.metadata() == {"format": "pt"}
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     assert hf.dtype == torch.float32 and hf.config.vocab_size == kiln.config.vocab_size
     assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[kiln.config.arch]
-    # generate() stops at eos and pads with pad: kiln's <|endoftext|> (what `kiln generate` stops at) and <|pad|>.
-    eot, pad = tok.token_to_id(EOT), tok.token_to_id("<|pad|>")
+    # generate() stops at any eos id and pads with pad: these chat models at <|im_end|> or <|endoftext|> (what
+    # `kiln chat` stops at), and <|pad|>.
+    eot, pad, im_end = tok.token_to_id(EOT), tok.token_to_id("<|pad|>"), tok.token_to_id(IM_END)
     assert (hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id) == (eot, eot, pad)
-    assert (hf.generation_config.eos_token_id, hf.generation_config.pad_token_id) == (eot, pad)
+    assert (hf.generation_config.bos_token_id, hf.generation_config.eos_token_id,
+            hf.generation_config.pad_token_id) == (eot, [im_end, eot], pad)
     ids = random_ids(kiln.config.vocab_size, seed=7)
     with torch.no_grad():
         diff = max_diff(kiln(ids), hf(ids).logits)
@@ -225,6 +227,9 @@ def test_tokenizer_encodes_like_kiln_and_chat_template_renders_kilns_chatml(expo
         [{"role": "user", "content": "doc 7: the king"}],
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "naïve café?"},
          {"role": "assistant", "content": " well, said 🙂 "}, {"role": "user", "content": "x=y+1;\tO\nday"}],
+        [{"role": "system", "content": "You are kiln."}],
+        [{"role": "user", "content": ""}, {"role": "assistant", "content": "speak\n\n"},
+         {"role": "user", "content": "東京 1234 hear me"}, {"role": "assistant", "content": "O night"}],
     ]
     for messages in conversations:
         want = chat.prompt(messages)
@@ -239,9 +244,11 @@ def test_transformers_greedy_generation_matches_kiln_generate_and_chat(exported,
     hf_tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
     prompt, new = "doc 12: the queen", 12
 
-    # `kiln generate`: the prompt follows <|endoftext|>, as every document in the shards does.
+    # `kiln generate`: the prompt follows <|endoftext|>, as every document in the shards does, and the text
+    # ends at <|endoftext|> alone (generation_config's eos ids are the chat ones).
     ids = [hf_tok.bos_token_id, *hf_tok(prompt)["input_ids"]]
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)[0, len(ids):].tolist()
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
+                      eos_token_id=hf_tok.eos_token_id)[0, len(ids):].tolist()
     kiln, _ = load_model(kiln_dir)
     assert out == kiln_generate(kiln, [ids], new, temperature=0, stop_ids=[hf_tok.eos_token_id])[0]
     assert len(out) == new, "no early <|endoftext|>: every step is compared"
@@ -256,7 +263,7 @@ def test_transformers_greedy_generation_matches_kiln_generate_and_chat(exported,
     ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert len(ids) + 8 - 1 <= kiln.config.max_seq_len, "kiln chat would shorten the answer to fit its context"
     stops = [hf_tok.convert_tokens_to_ids(IM_END), hf_tok.eos_token_id]
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=stops)[0, len(ids):]
+    out = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, len(ids):]  # generation_config's eos
     answer = out.tolist()
     answer = answer[:next((i for i, t in enumerate(answer) if t in stops), len(answer))]
     result = CliRunner().invoke(app, ["chat", "--model", str(kiln_dir), "--tokenizer", str(tiny.tokenizer),
@@ -264,6 +271,48 @@ def test_transformers_greedy_generation_matches_kiln_generate_and_chat(exported,
                                 input=messages[0]["content"] + "\n")
     assert result.exit_code == 0, result.output
     assert result.output == "kiln> " + hf_tok.decode(answer) + "\n"
+
+
+def test_exported_chat_model_stops_at_im_end_in_transformers_as_kiln_chat_does(tiny, tmp_path):
+    """The bug this guards: with `<|endoftext|>` as its only eos id, transformers ran a chat model's answer on
+    past `<|im_end|>` into a made-up next turn. The model is made to end its answer: greedy kiln output is
+    taken without stops, and the head rows of its k-th new token and `<|im_end|>` are swapped (untied, so the
+    input embeddings, and the k tokens before, are unchanged): step k now emits `<|im_end|>`."""
+    tok = load_tokenizer(tiny.tokenizer)
+    chat = ChatFormat(load_tokenizer(tiny.tokenizer, ordinary=True))
+    config = ModelConfig(vocab_size=tok.get_vocab_size(), arch="llama", n_layer=1, n_head=2, n_kv_head=1,
+                         d_model=32, max_seq_len=64, tie_embeddings=False)
+    torch.manual_seed(8)
+    model = GPT(config)
+    add_noise(model, seed=9)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who said day?"}]
+    prompt = chat.prompt(messages)
+    free = kiln_generate(model, [prompt], 12, temperature=0)[0]
+    k = next(k for k in range(2, 12) if free[k] not in free[:k])
+    assert chat.im_end not in free[:k + 1] and chat.eot not in free[:k]
+    with torch.no_grad():
+        model.lm_head.weight[[free[k], chat.im_end]] = model.lm_head.weight[[chat.im_end, free[k]]].clone()
+    want = kiln_generate(model, [prompt], 12, temperature=0, stop_ids=[chat.im_end, chat.eot])[0]
+    assert want == [*free[:k], chat.im_end]
+
+    sha = sha256_file(tiny.tokenizer)
+    for kind, extra in (("chat", {"chat_format": "chatml"}), ("base", {})):
+        save_model(model, config, tmp_path / kind, {"tokenizer_sha256": sha, **extra})
+        result = convert("to-hf", tmp_path / kind, tmp_path / f"hf-{kind}", "--tokenizer", tiny.tokenizer)
+        assert result.exit_code == 0, result.output
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf-chat")
+    ids = hf_tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert ids == prompt
+    for kind, stops in (("chat", [chat.im_end, chat.eot]), ("base", chat.eot)):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{kind}").eval()
+        assert hf.generation_config.eos_token_id == stops, kind
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+        # The chat model ends its turn where kiln chat does; the base model knows no turns and runs on.
+        assert out == (want if kind == "chat" else kiln_generate(model, [prompt], 12, temperature=0,
+                                                                 stop_ids=[chat.eot])[0]), kind
+    assert len(out) == 12 and chat.im_end in out
+    base_tok = json.loads((tmp_path / "hf-base" / "tokenizer_config.json").read_text())
+    assert "chat_template" not in base_tok and base_tok["eos_token"] == EOT
 
 
 # --- refusals -------------------------------------------------------------------------------------------------
@@ -312,7 +361,7 @@ def assert_refused(result, message: str, out) -> None:
     ("llama", {"head_dim": 16}, "head_dim=16 is not supported (kiln's head_dim is hidden_size/num_attention_heads"),
     ("llama", {"num_key_value_heads": 3}, "n_kv_head: 3 does not divide n_head=4"),
     ("llama", {"hidden_size": None}, "config.json: hidden_size: missing"),
-    ("llama", {"num_hidden_layers": "2"}, "config.json: num_hidden_layers: expected an integer, got '2'"),
+    ("llama", {"num_hidden_layers": "2"}, "config.json: num_hidden_layers: expected a positive integer, got '2'"),
     ("llama", {"vocab_size": 100}, "tensor shapes do not match config.json (model.embed_tokens.weight (99, 32) != "
                                    "(100, 32)"),
     ("llama", {"tie_word_embeddings": True}, "model.safetensors: lm_head.weight differs from "

@@ -3,17 +3,22 @@
 The tensor and config mapping is `model/hf.py`; this module reads and writes the folders. Neither direction
 needs `transformers` (an optional dependency; the tests use it as the independent reference). What it decides:
 - Weights come from safetensors (one file or an index of shards), or from pytorch_model.bin read with
-  `torch.load(weights_only=True)`; every name and shape is checked against the config before conversion.
+  `torch.load(weights_only=True)`; every name, shape and dtype is checked against the config before
+  conversion, and every value is finite. Each HF file read is untrusted: a field of the wrong type or range,
+  an index naming a file outside its folder, an unreadable file is a UserError naming the file and field.
 - The tokenizer is copied byte for byte, so its sha256 still matches the one the model records. HF's side gets
   a tokenizer_config.json with `<|endoftext|>` as bos and eos, and a chat template for chat models that
   renders kiln's ChatML; like kiln's tokenizer it adds no token by itself (`kiln generate` prepends
   `<|endoftext|>` to a prompt, and a transformers user must do the same to get the same continuation).
+  generation_config.json gives generate() kiln's end tokens: `<|im_end|>` and `<|endoftext|>` for a chat model
+  (without the first, a chat model's answer would run on into a made-up next turn), `<|endoftext|>` for a base one.
 - An output folder appears whole or not at all: it is built beside its final name and renamed into place.
 """
 
 from __future__ import annotations
 
 import re
+import reprlib
 import shutil
 from pathlib import Path
 
@@ -33,15 +38,16 @@ from kiln.pipeline.text.tokens import EOT, load_tokenizer
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 TORCH_WEIGHTS, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
-TOKENIZER_CONFIG = "tokenizer_config.json"
+TOKENIZER_CONFIG, GENERATION_CONFIG = "tokenizer_config.json", "generation_config.json"
 HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
 # Tensors some checkpoints hold that are not weights: GPT-2's causal-mask buffers, Llama's rotary frequencies
 # (kiln derives both from the config).
 NOT_WEIGHTS = re.compile(r"(^|\.)h\.\d+\.attn\.(masked_)?bias$|\.rotary_emb\.inv_freq$")
 
-# kiln's ChatML (kiln.pipeline.post.chat_format.ChatFormat.render) as a transformers chat template. Token ids match kiln's
-# except where kiln's per-part encoding differs from encoding the rendered string: a message that starts with
-# a line break, or that contains special-token text (kiln encodes it as plain text).
+# kiln's ChatML (kiln.pipeline.post.chat_format.ChatFormat.render) as a transformers chat template, the
+# generation prompt included. Token ids match kiln's except where kiln's per-part encoding differs from
+# encoding the rendered string: a message that starts with a line break, or that contains special-token text
+# (kiln encodes it as plain text).
 CHATML_TEMPLATE = (
     "{{- '<|endoftext|>' }}"
     "{%- for message in messages %}"
@@ -59,11 +65,7 @@ CHATML_TEMPLATE = (
 def from_hf(src: str, out: Path) -> None:
     """Write the kiln model folder `out` from an HF folder or hub id `src`."""
     src_dir = source_dir(src)
-    config_path = src_dir / CONFIG
-    try:
-        config = kiln_config(_read_json(config_path), str(config_path))
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    config = read_hf_config(src_dir / CONFIG)
     tensors = read_hf_weights(src_dir, config)
     extra = {"converted_from": src}
     tokenizer = src_dir / TOKENIZER_FILE
@@ -96,8 +98,15 @@ def source_dir(src: str) -> Path:
     try:
         return Path(snapshot_download(src, allow_patterns=["*.json", "*.safetensors"]))
     except Exception as e:  # huggingface_hub raises many types (offline, no such repo, gated, ...)
-        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
-        raise UserError(f"{src}: no such folder, and downloading it from the hub failed ({first})") from None
+        raise UserError(f"{src}: no such folder, and downloading it from the hub failed ({_first_line(e)})") from None
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    """The kiln config of an HF config.json; UserError naming the file and field for anything else."""
+    try:
+        return kiln_config(_read_json(path), str(path))
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def read_hf_weights(src_dir: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -106,13 +115,7 @@ def read_hf_weights(src_dir: Path, config: ModelConfig) -> dict[str, torch.Tenso
     files, where = _weight_files(src_dir)
     tensors = {}
     for path in files:
-        try:
-            if path.suffix == ".safetensors":
-                tensors.update(load_file(path))
-            else:
-                tensors.update(torch.load(path, map_location="cpu", weights_only=True))
-        except Exception as e:  # safetensors and torch.load raise their own types for bad files
-            raise UserError(f"{path}: not a readable weights file ({e})") from None
+        tensors.update(_read_weights(path))
     if config.arch == "gpt2":  # GPT-2's original files name the tensors without the `transformer.` prefix
         tensors = {k if k.startswith(("transformer.", "lm_head.")) else f"transformer.{k}": v
                    for k, v in tensors.items()}
@@ -123,6 +126,9 @@ def read_hf_weights(src_dir: Path, config: ModelConfig) -> dict[str, torch.Tenso
         if embedding is not None and not torch.equal(head, embedding):
             raise UserError(f"{where}: lm_head.weight differs from {EMBEDDING[config.arch]}, but config.json ties "
                             f"them (tie_word_embeddings)")
+    if config.n_layer > len(tensors):  # before hf_shapes, which builds every layer a hostile config.json asks for
+        raise UserError(f"{where}: tensors do not match config.json ({config.n_layer:,} layers, but only "
+                        f"{len(tensors):,} tensors)")
     want = hf_shapes(config)
     missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     if missing or unexpected:
@@ -131,6 +137,24 @@ def read_hf_weights(src_dir: Path, config: ModelConfig) -> dict[str, torch.Tenso
     wrong = [f"{k} {tuple(tensors[k].shape)} != {want[k]}" for k in want if tuple(tensors[k].shape) != want[k]]
     if wrong:
         raise UserError(f"{where}: tensor shapes do not match config.json ({'; '.join(wrong[:3])})")
+    for name, t in tensors.items():
+        if not t.is_floating_point() or not torch.isfinite(t).all():
+            raise UserError(f"{where}: {name}: expected finite floating-point weights, got "
+                            + (f"{t.dtype}" if not t.is_floating_point() else "a non-finite value"))
+    return tensors
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file or pytorch_model.bin (read without running pickle code)."""
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(path)
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors and torch.load raise their own types for bad files
+        raise UserError(f"{path}: not a readable weights file ({_first_line(e)})") from None
+    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                for k, v in tensors.items()):
+        raise UserError(f"{path}: expected a dict of tensor name -> tensor, got {type(tensors).__name__}")
     return tensors
 
 
@@ -140,16 +164,42 @@ def _weight_files(src_dir: Path) -> tuple[list[Path], Path]:
         if (src_dir / single).is_file():
             return [src_dir / single], src_dir / single
         if (src_dir / index).is_file():
-            weight_map = _read_json(src_dir / index).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise UserError(f"{src_dir / index}: weight_map: missing")
-            return [src_dir / name for name in sorted(set(weight_map.values()))], src_dir / index
+            return index_files(src_dir / index), src_dir / index
     raise UserError(f"{src_dir}: no weights ({WEIGHTS}, {INDEX}, {TORCH_WEIGHTS} or {TORCH_INDEX})")
 
 
+def index_files(index: Path) -> list[Path]:
+    """The weight files an index's weight_map names, each a file beside the index (never a path out of its
+    folder), of the index's own kind (.safetensors or .bin)."""
+    weight_map = _read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise UserError(f"{index}: weight_map: expected a non-empty object (tensor name -> file name), got "
+                        f"{reprlib.repr(weight_map)}")
+    suffix = Path(index.name.removesuffix(".index.json")).suffix  # .safetensors or .bin
+    for tensor, name in weight_map.items():
+        if not (isinstance(name, str) and name.endswith(suffix) and Path(name).name == name and "\0" not in name):
+            raise UserError(f"{index}: weight_map[{tensor!r}]: expected the name of a {suffix} file beside the "
+                            f"index, got {reprlib.repr(name)}")
+    names = sorted(set(weight_map.values()))
+    if absent := [name for name in names if not (index.parent / name).is_file()]:
+        raise UserError(f"{index}: weight_map names {absent[0]}, which is not in {index.parent}")
+    return [index.parent / name for name in names]
+
+
 def _chat_template(src_dir: Path) -> str | None:
+    """The source's chat template, if any. transformers also allows a list of named templates, which is never
+    kiln's own."""
     path = src_dir / TOKENIZER_CONFIG
-    return _read_json(path).get("chat_template") if path.is_file() else None
+    template = _read_json(path).get("chat_template") if path.is_file() else None
+    if not (template is None or isinstance(template, (str, list))):
+        raise UserError(f"{path}: chat_template: expected a string or a list of named templates, got "
+                        f"{reprlib.repr(template)}")
+    return template if isinstance(template, str) else None
+
+
+def _first_line(e: Exception) -> str:
+    """The first line of an exception's message: library errors (torch.load's above all) span many lines."""
+    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
 def _params(tensors: dict[str, torch.Tensor]) -> int:
@@ -195,10 +245,15 @@ def to_hf(model_dir: Path, out: Path, tokenizer_path: Path) -> None:
                         "model_max_length": config.max_seq_len, "clean_up_tokenization_spaces": False}
     if chat:
         tokenizer_config["chat_template"] = CHATML_TEMPLATE
+    # generate() stops at any of these eos ids, as kiln does: a chat model's turn ends with <|im_end|>, and
+    # kiln chat stops there or at <|endoftext|>; a base model stops at <|endoftext|> alone (kiln generate).
+    generation = {"bos_token_id": eot, "eos_token_id": [tok.token_to_id(IM_END), eot] if chat else eot,
+                  "pad_token_id": pad}
     tensors = to_hf_tensors(model.state_dict(), config)
     with atomic_dir(out) as tmp:
         save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         write_json(tmp / CONFIG, hf)
+        write_json(tmp / GENERATION_CONFIG, generation)
         shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
         write_json(tmp / TOKENIZER_CONFIG, tokenizer_config)
     console.print(f"to-hf: {out} ({hf['architectures'][0]}, {_params(tensors):,} parameters, float32"
