@@ -78,18 +78,23 @@ def test_parse_reply_stops_at_end_of_turn(chat):
 def test_dpo_loss_matches_hand_computed_values():
     pc, pr = torch.tensor([-1.0, -3.0], dtype=torch.float64), torch.tensor([-2.0, -1.0], dtype=torch.float64)
     rc, rr = torch.tensor([-1.5, -2.0], dtype=torch.float64), torch.tensor([-1.5, -2.0], dtype=torch.float64)
+    tokens = torch.tensor([1, 4]), torch.tensor([2, 1])  # answer lengths: IPO averages the log-ratios over them
     beta = 0.1
     # h = (pc - rc) - (pr - rr): pair 0: 0.5 - (-0.5) = 1; pair 1: -1 - 1 = -2
     h = [1.0, -2.0]
+    h_ipo = [0.5 / 1 - (-0.5) / 2, -1 / 4 - 1 / 1]
     sig = lambda z: 1 / (1 + math.exp(-z))  # noqa: E731
     want_sigmoid = [-math.log(sig(beta * v)) for v in h]
     want_smooth = [-(0.8 * math.log(sig(beta * v)) + 0.2 * math.log(sig(-beta * v))) for v in h]
-    want_ipo = [(v - 1 / (2 * beta)) ** 2 for v in h]  # (1 - 5)^2 = 16, (-2 - 5)^2 = 49
-    losses, chosen, rejected = dpo_loss(pc, pr, rc, rr, beta)
+    want_ipo = [(v - 1 / (2 * beta)) ** 2 for v in h_ipo]  # (0.75 - 5)^2, (-1.25 - 5)^2
+    losses, chosen, rejected = dpo_loss(pc, pr, rc, rr, tokens, beta)
     assert losses.tolist() == pytest.approx(want_sigmoid, abs=1e-12)
     assert chosen.tolist() == pytest.approx([0.05, -0.1]) and rejected.tolist() == pytest.approx([-0.05, 0.1])
-    assert dpo_loss(pc, pr, rc, rr, beta, label_smoothing=0.2)[0].tolist() == pytest.approx(want_smooth, abs=1e-12)
-    assert dpo_loss(pc, pr, rc, rr, beta, loss="ipo")[0].tolist() == pytest.approx(want_ipo, abs=1e-12)
+    assert dpo_loss(pc, pr, rc, rr, tokens, beta, label_smoothing=0.2)[0].tolist() == pytest.approx(want_smooth,
+                                                                                                   abs=1e-12)
+    losses, chosen_ipo, rejected_ipo = dpo_loss(pc, pr, rc, rr, tokens, beta, loss="ipo")
+    assert losses.tolist() == pytest.approx(want_ipo, abs=1e-12)
+    assert chosen_ipo.tolist() == chosen.tolist() and rejected_ipo.tolist() == rejected.tolist()  # summed, as TRL
 
 
 @pytest.mark.parametrize("kind,smoothing", [("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0)])
@@ -98,7 +103,8 @@ def test_dpo_gradient_raises_chosen_and_lowers_rejected(kind, smoothing):
     pc = torch.randn(8, generator=gen, dtype=torch.float64, requires_grad=True)
     pr = torch.randn(8, generator=gen, dtype=torch.float64, requires_grad=True)
     rc, rr = torch.randn(8, generator=gen, dtype=torch.float64), torch.randn(8, generator=gen, dtype=torch.float64)
-    losses, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, label_smoothing=smoothing, loss=kind)
+    losses, _, _ = dpo_loss(pc, pr, rc, rr, (torch.ones(8), torch.ones(8)), beta=0.5, label_smoothing=smoothing,
+                            loss=kind)
     losses.sum().backward()
     if kind == "ipo":  # a squared loss pushes towards the target margin 1/(2 beta) = 1, from either side
         below = ((pc - rc) - (pr - rr)).detach() < 1.0

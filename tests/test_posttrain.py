@@ -2,7 +2,10 @@
 
 import contextlib
 import json
+import random
+from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
@@ -13,10 +16,13 @@ from kiln.model import GPT, ModelConfig, generate, load_model, save_model
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.post.chat_data import Pair
 from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.post.common import IGNORE
 from kiln.pipeline.post.corpus_task import task_items
-from kiln.pipeline.post.dpo import dpo
+from kiln.pipeline.post.dpo import dpo, pair_metrics
 from kiln.pipeline.post.params import DPOParams, SFTParams
+from kiln.pipeline.post.preference import PairRows, logps, pair_rows
 from kiln.pipeline.post.sft import sft
 from kiln.pipeline.text.tokens import load_tokenizer
 from kiln.pipeline.train.params import TrainParams
@@ -96,6 +102,85 @@ def test_dpo_learns_every_preference(tiny, sft_model, tmp_path):
     assert (tmp_path / "dpo/model.safetensors").is_file()
     curves = tmp_path / "curves-dpo/plots/metrics"
     assert (curves / "val/rewards/accuracies.tsv").is_file() and (curves / "loss.tsv").is_file()
+
+
+def pairs_of_many_lengths(n: int = 12) -> list[Pair]:
+    """Answers of a few to 40-odd tokens, so that a sum and a per-token average of their log-probs differ."""
+    rng = random.Random(0)
+    words = ["the", "king", "queen", "of", "Denmark", "night", "day", "speak", "hear", "me", "well,", "said", "O"]
+
+    def answer(k: int) -> list[dict]:
+        return [{"role": "assistant", "content": " ".join(rng.choices(words, k=k))}]
+
+    return [Pair([{"role": "user", "content": f"Say {i}"}], answer(1 + i + i // 2), answer(rng.randint(1, 4)))
+            for i in range(n)]
+
+
+def llama_twin(model: GPT):
+    """The same weights as a transformers Llama, its forward patched as TRL's DPOTrainer patches it."""
+    import transformers
+    from trl.trainer.utils import add_fused_lm_head
+
+    from kiln.model.hf import hf_config, to_hf_tensors
+
+    twin = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(hf_config(model.config, {})))
+    missing = twin.load_state_dict(to_hf_tensors(model.state_dict(), model.config), strict=False).missing_keys
+    assert missing == ["lm_head.weight"]  # tied to the embedding, as in kiln
+    add_fused_lm_head(twin, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    return twin.eval()
+
+
+def trl_dpo(policy: GPT, reference: GPT, rows: PairRows, pad: int, beta: float, loss: str,
+            label_smoothing: float) -> tuple[float, dict[str, float]]:
+    """(loss, logged metrics) of TRL's own `DPOTrainer._compute_loss` (trl 1.16, trl/trainer/dpo_trainer.py)
+    on transformers twins of the two models and the very token rows kiln scores, the trainer's state stubbed."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    # TRL's batch: chosen rows then rejected ones, whole sequences, a completion mask over the answer tokens.
+    x, y = (torch.cat(t) for t in zip(rows.chosen, rows.rejected))
+    ids = torch.cat([x, torch.full_like(x[:, :1], pad)], dim=1)
+    ids[:, 1:] = torch.where(y != IGNORE, y, ids[:, 1:])
+    completion = torch.nn.functional.pad((y != IGNORE).long(), (1, 0))
+    inputs = {"input_ids": ids, "attention_mask": (ids != pad).long(), "completion_mask": completion}
+    if loss == "sigmoid" and label_smoothing:
+        # TRL 1.x's sigmoid ignores label_smoothing; conservative DPO, TRL 0.x's smoothed sigmoid
+        # -(1 - e) log s(bh) - e log s(-bh), is 2(1 - e) sigmoid - (1 - 2e) robust, TRL's two losses weighted.
+        losses, weights = ["sigmoid", "robust"], [2 * (1 - label_smoothing), -(1 - 2 * label_smoothing)]
+    else:
+        losses, weights = [loss], [1.0]
+    twin = llama_twin(policy)
+    trainer = SimpleNamespace(
+        model=twin, ref_model=llama_twin(reference), precompute_ref_logps=False, ld_alpha=None,
+        f_divergence_type="reverse_kl", loss_types=losses, loss_weights=weights, beta=beta,
+        label_smoothing=label_smoothing, use_weighting=False, aux_loss_enabled=False, _tp_size=1,
+        _total_train_tokens=0, _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        args=SimpleNamespace(gradient_checkpointing_kwargs=None),
+        accelerator=SimpleNamespace(device=torch.device("cpu"), gather=lambda t: t, gather_for_metrics=lambda t: t))
+    with torch.no_grad():
+        value = DPOTrainer._compute_loss(trainer, twin, inputs, return_outputs=False)
+    return value.item(), {k: v[0] for k, v in trainer._metrics["eval"].items()}
+
+
+@pytest.mark.parametrize("loss,smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0)])
+def test_dpo_loss_and_metrics_are_trls(tiny, loss, smoothing):
+    chat = ChatFormat(load_tokenizer(tiny.tokenizer, ordinary=True))
+    config = ModelConfig(vocab_size=load_tokenizer(tiny.tokenizer).get_vocab_size(), n_layer=2, n_head=2,
+                         n_kv_head=2, d_model=64, max_seq_len=96)
+    policy, reference = (GPT(config).eval() for _ in range(2))  # two random draws: the log-ratios are not 0
+    rows = pair_rows(pairs_of_many_lengths(), chat, config.max_seq_len, "test")
+    assert len(rows) == 12 and rows.tokens()[0].min() < 10 < 40 < rows.tokens()[0].max()
+    rows.ref_chosen, rows.ref_rejected = logps(reference, rows, 5, "fp32")
+    pc, pr = logps(policy, rows, 5, "fp32")
+    params = build_section(DPOParams, {"beta": 0.5, "loss": loss, "label_smoothing": smoothing})
+    ours, our_loss = pair_metrics(params, rows, pc, pr, "val")
+    want_loss, want = trl_dpo(policy, reference, rows, chat.pad, 0.5, loss, smoothing)
+    assert our_loss == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
+    names = ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
+             "logps/rejected"]
+    assert {k: ours[f"val/{k}"] for k in names} == pytest.approx({k: want[k] for k in names}, rel=1e-4, abs=1e-5)
+    assert 0 < want["rewards/accuracies"] < 1
+    # The check can tell sums from per-token averages: on these answers they are far apart.
+    assert abs(want["logps/chosen"] - (pc / rows.tokens()[0]).mean().item()) > 10
 
 
 def test_builtin_task_holds_out_val_passages_only(shakespeare):

@@ -225,7 +225,7 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
                 progress.advance(0, part="posttrain")
                 out |= {f"posttrain/{k.removeprefix('val_')}": v
                         for k, v in post.scorer.accuracy(model, params.batch_size, train.precision).items()}
-                pc, pr = logps(model, post.pairs, params.batch_size, train.precision, average=False)
+                pc, pr = logps(model, post.pairs, params.batch_size, train.precision)
                 pair_logps[model_dir.resolve()] = (pc, pr)
                 out["posttrain/preference_accuracy"] = (pc > pr).double().mean().item()
                 init = (meta.get("init") or {}).get("model")

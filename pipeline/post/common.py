@@ -158,6 +158,11 @@ def answer_logps(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return -model(x, y, reduction="none").sum(dim=-1)
 
 
+def answer_tokens(y: torch.Tensor) -> torch.Tensor:
+    """How many targets each row has (N,): the length of its answer."""
+    return (y != IGNORE).sum(dim=-1)
+
+
 @torch.no_grad()
 def score_rows(model, x: torch.Tensor, y: torch.Tensor, batch_size: int, precision: str) -> torch.Tensor:
     """answer_logps of every row, on CPU in float64, batch by batch in eval mode."""

@@ -3,13 +3,17 @@
 The policy starts as the SFT model, which is also the frozen reference. The reference's log-probabilities of
 every chosen and rejected answer are computed once, before training, so no second model sits in memory while
 the policy trains. An answer's log-probability is summed over its tokens after the shared prompt (its
-`<|im_end|>` included); `dpo.loss: ipo` averages it per token instead, as the IPO paper and TRL do.
+`<|im_end|>` included). The losses are TRL's (`DPOTrainer._compute_loss`, trl 1.16): `dpo.loss: ipo` divides
+each log-ratio by its answer's length, as TRL does after checking with the IPO authors, so that the margin
+target 1/(2 beta) does not depend on how long the answers are. `dpo.label_smoothing` is conservative DPO, the
+smoothed sigmoid loss of TRL 0.x (TRL 1.x's `sigmoid` ignores label_smoothing; its `robust` is another loss).
 
-Metrics carry TRL's names: rewards/chosen = beta (log pi(chosen) - log ref(chosen)), rewards/rejected alike,
-rewards/margins their difference, rewards/accuracies the share of pairs with margin > 0, logps/chosen and
-logps/rejected the policy's summed log-probabilities; `train/` on a fixed sample of training pairs, `val/` on
-the held-out ones. `val/preference_accuracy` (log pi(chosen) > log pi(rejected)) needs no reference, so the SFT
-model has one too (`sft` in the metrics) and the two can be compared.
+Metrics carry TRL's names and are TRL's quantities, whatever the loss: rewards/chosen = beta (log pi(chosen) -
+log ref(chosen)) with summed log-probabilities, rewards/rejected alike, rewards/margins their difference,
+rewards/accuracies the share of pairs with margin > 0, logps/chosen and logps/rejected the policy's summed
+log-probabilities; `train/` on a fixed sample of training pairs, `val/` on the held-out ones.
+`val/preference_accuracy` (log pi(chosen) > log pi(rejected)) needs no reference, so the SFT model has one too
+(`sft` in the metrics) and the two can be compared.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch.nn.functional as F
 
 from kiln.pipeline import layout
 from kiln.pipeline.outputs import recover, write_metrics
-from kiln.pipeline.post.common import IGNORE, ChoiceScorer, ExampleBatches, answer_logps, rows_sha256, start
+from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, answer_logps, answer_tokens, rows_sha256, start
 from kiln.pipeline.post.params import DPOParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
 from kiln.pipeline.progress import console
@@ -47,20 +51,22 @@ PANELS = [Panel("DPO loss", "loss, mean over pairs", {"loss": "train", "val_loss
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0,
-             loss: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss per pair, chosen reward, rejected reward) from log-probabilities of shape (N,).
+             ref_rejected: torch.Tensor, tokens: tuple[torch.Tensor, torch.Tensor], beta: float,
+             label_smoothing: float = 0.0, loss: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss per pair, chosen reward, rejected reward) from summed log-probabilities of shape (N,) and the
+    answers' lengths `tokens` (chosen, rejected).
 
     h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)), the implicit reward margin over beta.
     sigmoid: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)  (eps > 0: conservative DPO, which
-    assumes a share eps of the labels are flipped); ipo: (h - 1 / (2 beta))^2, a squared loss that stops pushing
-    once the margin reaches 1/(2 beta) instead of driving it to infinity.
+    assumes a share eps of the labels are flipped); ipo: (h' - 1 / (2 beta))^2 with h' = h but each log-ratio
+    divided by its answer's length, a squared loss that stops pushing once the margin reaches 1/(2 beta)
+    instead of driving it to infinity. The rewards are beta times the summed log-ratios for either loss.
     """
     chosen, rejected = policy_chosen - ref_chosen, policy_rejected - ref_rejected
-    h = chosen - rejected
     if loss == "ipo":
-        losses = (h - 1 / (2 * beta)) ** 2
+        losses = (chosen / tokens[0] - rejected / tokens[1] - 1 / (2 * beta)) ** 2
     else:
+        h = chosen - rejected
         losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
     return losses, beta * chosen.detach(), beta * rejected.detach()
 
@@ -68,7 +74,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
 def pair_metrics(params: DPOParams, rows: PairRows, pc: torch.Tensor, pr: torch.Tensor,
                  prefix: str) -> tuple[dict, float]:
     """(TRL's reward and log-prob metrics under `prefix/`, mean DPO loss) for policy log-probs pc, pr."""
-    losses, chosen, rejected = dpo_loss(pc, pr, rows.ref_chosen, rows.ref_rejected, params.beta,
+    losses, chosen, rejected = dpo_loss(pc, pr, rows.ref_chosen, rows.ref_rejected, rows.tokens(), params.beta,
                                         params.label_smoothing, params.loss)
     metrics = {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
                "rewards/margins": (chosen - rejected).mean(), "rewards/accuracies": (chosen > rejected).double().mean(),
@@ -83,30 +89,27 @@ def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_p
     model, loop, chat, data, seq_len = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len
     train_rows = pair_rows(data.train, chat, seq_len, "dpo train")
     val_rows = pair_rows(data.val, chat, seq_len, "dpo held-out")
-    average = params.loss == "ipo"
     for rows in (train_rows, val_rows):  # the reference, once: the model is still the SFT model here
-        rows.ref_chosen, rows.ref_rejected = logps(model, rows, params.batch_size, loop.precision, average)
+        rows.ref_chosen, rows.ref_rejected = logps(model, rows, params.batch_size, loop.precision)
     sample = train_rows.head(max(len(val_rows), 1))
     scorer = ChoiceScorer(data.items, chat, seq_len)
 
     def evaluate(m) -> dict:
         out = scorer.accuracy(m, params.batch_size, loop.precision)
         if len(sample):
-            pc, pr = logps(m, sample, params.batch_size, loop.precision, average)
+            pc, pr = logps(m, sample, params.batch_size, loop.precision)
             out |= pair_metrics(params, sample, pc, pr, "train")[0]
         if len(val_rows):
-            pc, pr = logps(m, val_rows, params.batch_size, loop.precision, average)
+            pc, pr = logps(m, val_rows, params.batch_size, loop.precision)
             metrics, loss = pair_metrics(params, val_rows, pc, pr, "val")
             out |= metrics | {"val_loss": loss, "val/preference_accuracy": (pc > pr).double().mean().item()}
         return out
 
     def loss_fn(m, batch):
         xc, yc, xr, yr, ref_c, ref_r = batch
-        lp = answer_logps(m, torch.cat([xc, xr]), torch.cat([yc, yr]))
-        if average:
-            lp = lp / (torch.cat([yc, yr]) != IGNORE).sum(-1)
-        pc, pr = lp.split(len(xc))
-        return dpo_loss(pc, pr, ref_c, ref_r, params.beta, params.label_smoothing, params.loss)[0].mean()
+        pc, pr = answer_logps(m, torch.cat([xc, xr]), torch.cat([yc, yr])).split(len(xc))
+        tokens = answer_tokens(yc), answer_tokens(yr)
+        return dpo_loss(pc, pr, ref_c, ref_r, tokens, params.beta, params.label_smoothing, params.loss)[0].mean()
 
     before = evaluate(model)
     tensors = (*train_rows.chosen, *train_rows.rejected, train_rows.ref_chosen.float(), train_rows.ref_rejected.float())

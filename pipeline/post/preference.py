@@ -10,7 +10,7 @@ import torch
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.post.chat_data import Pair
 from kiln.pipeline.post.chat_format import ChatFormat
-from kiln.pipeline.post.common import IGNORE, fits, score_rows, to_rows
+from kiln.pipeline.post.common import answer_tokens, fits, score_rows, to_rows
 from kiln.pipeline.progress import console
 
 
@@ -25,6 +25,10 @@ class PairRows:
 
     def __len__(self) -> int:
         return len(self.chosen[0])
+
+    def tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """How many tokens each chosen and each rejected answer has."""
+        return answer_tokens(self.chosen[1]), answer_tokens(self.rejected[1])
 
     def head(self, n: int) -> PairRows:
         return PairRows((self.chosen[0][:n], self.chosen[1][:n]), (self.rejected[0][:n], self.rejected[1][:n]),
@@ -49,10 +53,7 @@ def pair_rows(pairs: list[Pair], chat: ChatFormat, seq_len: int, what: str) -> P
     return PairRows(to_rows(chosen, seq_len, chat.pad, what), to_rows(rejected, seq_len, chat.pad, what))
 
 
-def logps(model, rows: PairRows, batch_size: int, precision: str, average: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed (or per-token averaged) log-probabilities of the chosen and rejected answers, no gradients."""
-    out = []
-    for x, y in (rows.chosen, rows.rejected):
-        lp = score_rows(model, x, y, batch_size, precision)
-        out.append(lp / (y != IGNORE).sum(-1) if average else lp)
-    return out[0], out[1]
+def logps(model, rows: PairRows, batch_size: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probabilities of the chosen and rejected answers, no gradients."""
+    chosen, rejected = (score_rows(model, x, y, batch_size, precision) for x, y in (rows.chosen, rows.rejected))
+    return chosen, rejected
