@@ -13,8 +13,13 @@ import pytest
 from typer.testing import CliRunner
 
 from kiln.pipeline.cli import app
+from kiln.pipeline.config import build_section
+from kiln.pipeline.errors import UserError
 from kiln.pipeline.scaling.fit import Runs, isoflop_fit, load_runs, natural, parametric_fit
 from kiln.pipeline.scaling.laws import compute_optimal, predict
+from kiln.pipeline.scaling.params import ScalingParams
+from kiln.pipeline.scaling.size import choose_size
+from kiln.pipeline.train.params import ModelParams
 
 # Chinchilla's published fit (Hoffmann et al. 2022, eq. 10): realistic magnitudes for every parameter.
 TRUE = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
@@ -170,7 +175,6 @@ GOOD = [(n, d, 3.0 + i * 0.01) for i, (n, d) in enumerate(
     ("negative params", "params = -5"),
     ("nan loss", "loss = NaN"),
     ("too few points", "fewer than the 5 parameters"),
-    ("one budget", "at least 2 budgets"),
     ("not json", "not valid JSON"),
     ("not a number", "'abc' is not a number"),
 ])
@@ -185,10 +189,6 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, case, expected):
         path = bad_csv(tmp_path, GOOD + [(1e6, 1e9, "nan")])
     elif case == "too few points":
         path = bad_csv(tmp_path, GOOD[:4])
-    elif case == "one budget":
-        path = tmp_path / "runs.json"
-        path.write_text(json.dumps([{"parameters": n, "compute_budget": 1e18, "final_loss": 3 + (i - 3) ** 2 / 10}
-                                    for i, n in enumerate([1e6, 2e6, 4e6, 8e6, 1.6e7, 3.2e7])]))
     elif case == "not json":
         path = tmp_path / "runs.json"
         path.write_text("[{not json")
@@ -200,3 +200,45 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, case, expected):
     assert result.exit_code == 2, result.output
     assert expected in " ".join(result.output.split()), result.output
     assert not out.exists() and not (tmp_path / "plots").exists()
+
+
+def test_scattered_runs_are_fitted_by_approach_3_alone_and_size_by_it(tmp_path):
+    # A table from anywhere (here Chinchilla's law, Hoffmann et al. 2022 eq. 10, sampled at scattered N and D
+    # with 0.3% noise): no two runs share a budget, so approach 2 has nothing to fit, and approach 3 must.
+    rng = np.random.default_rng(7)
+    n = np.exp(rng.uniform(math.log(1e7), math.log(1e10), 40))
+    d = np.exp(rng.uniform(math.log(1e9), math.log(1e12), 40))
+    runs_csv = write_csv(tmp_path / "runs.csv", Runs(n, d, 6 * n * d, predict(TRUE, n, d) *
+                                                      np.exp(rng.normal(0, 0.003, 40)), "synthetic"))
+    out = tmp_path / "fit.json"
+    result = CliRunner().invoke(app, ["scaling", "fit", "--runs", str(runs_csv), "--out", str(out),
+                                      "--target-flops", "1e21", "--bootstrap", "0"])
+    assert result.exit_code == 0, result.output
+    said = [line for line in result.output.splitlines() if "approach 2" in line]
+    assert len(said) == 1 and "no IsoFLOP grid" in said[0] and "approach 3" in said[0], result.output
+    assert "skipped budget" not in result.output
+    fit = json.loads(out.read_text())
+    assert fit["approaches"] == ["parametric"] and fit["a"] is None and fit["n_budgets"] == 0
+    assert "no IsoFLOP grid" in fit["isoflop_unused"]
+    assert abs(fit["alpha"] - TRUE["alpha"]) < 0.05 and abs(fit["beta"] - TRUE["beta"]) < 0.05
+    assert abs(fit["E"] - TRUE["E"]) < 0.05
+    assert fit["n_opt"] / compute_optimal(TRUE, 1e21)[0] == pytest.approx(1, abs=0.3)
+
+    # `kiln scaling size` reads this fit: by the parametric law it sizes; asked for IsoFLOP it says it cannot.
+    model = build_section(ModelParams, {"size": "auto"})
+    parametric = build_section(ScalingParams, {"approach": "parametric", "target_flops": 1e15})
+    choice = choose_size(fit, out, parametric, model, vocab_size=1024)
+    assert choice["n_opt"] / compute_optimal(TRUE, 1e15)[0] == pytest.approx(1, abs=0.3)
+    assert choice["n_opt_isoflop"] is None and choice["tokens"] == round(1e15 / (6 * choice["params"]))
+    with pytest.raises(UserError, match="scaling.approach=parametric") as refused:
+        choose_size(fit, out, build_section(ScalingParams, {"approach": "isoflop", "target_flops": 1e15}), model,
+                    vocab_size=1024)
+    assert "\n" not in str(refused.value) and str(out) in str(refused.value)
+
+
+def test_grid_fit_says_both_approaches():
+    runs = isoflop_runs(budgets=(1e18, 1e19), per_budget=5)
+    iso = isoflop_fit(runs)
+    assert iso["unused"] is None and iso["a"] is not None
+    one = isoflop_fit(isoflop_runs(budgets=(1e18,), per_budget=5))
+    assert one["a"] is None and "no IsoFLOP grid" in one["unused"] and "found 1 among 1 budgets" in one["unused"]

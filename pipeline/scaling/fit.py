@@ -12,8 +12,9 @@ grid of starting points; the paper's grid (4,500 points) is screened in one vect
 from the best few, which finds the same optimum for a fraction of the time.
 
 Input is any CSV with `params,tokens,loss` (and optionally `flops`), or the CS336 assignment-3 JSON list of
-`{parameters, compute_budget, final_loss}`. Every bad input is reported as a one-line UserError before anything
-is written.
+`{parameters, compute_budget, final_loss}`. Approach 2 needs an IsoFLOP grid; a table of runs from anywhere
+else (a paper's, scattered over N and D) is fitted by approach 3 alone, which the console and the output's
+`approaches` say. Every bad input is reported as a one-line UserError before anything is written.
 """
 
 from __future__ import annotations
@@ -139,8 +140,8 @@ def budget_of(runs: Runs) -> np.ndarray:
 
 def isoflop_fit(runs: Runs) -> dict:
     """A parabola per budget with enough runs; the vertices of those that form a valley; the power laws
-    through the vertices, or None for a, b when fewer than 2 budgets form one (a grid that does not bracket
-    the optimum is worth a warning and the parametric fit, not a failed stage)."""
+    through the vertices. With fewer than 2 valleys a, b are None and `unused` says why: runs that are no
+    IsoFLOP grid, or a grid that does not bracket the optimum, leave the parametric fit, not a failed stage."""
     budgets = budget_of(runs)
     minima, profiles, skipped = [], [], []
     for c in np.unique(budgets):
@@ -159,15 +160,20 @@ def isoflop_fit(runs: Runs) -> dict:
         n_opt = math.exp(x_opt)
         minima.append({"flops": float(c), "n_opt": n_opt, "d_opt": float(c) / (6 * n_opt),
                        "loss_opt": float(np.polyval(coef, x_opt)), "runs": int(at.sum())})
+    fit = {"a": None, "b": None, "k_n": None, "k_d": None, "unused": None}
     if len(profiles) < 2:
-        raise UserError(f"{runs.source}: approach 2 needs at least 2 budgets with >= {MIN_RUNS_PER_BUDGET} runs "
-                        f"each; usable: {len(profiles)}" + (f", skipped: {', '.join(skipped)}" if skipped else ""))
-    fit = {"a": None, "b": None, "k_n": None, "k_d": None}
-    if len(minima) >= 2:
+        # Not a grid: one line for the whole table rather than one per stray budget.
+        fit["unused"] = (f"the runs are no IsoFLOP grid (it needs at least 2 budgets with >= {MIN_RUNS_PER_BUDGET} "
+                         f"runs each; found {len(profiles)} among {len(np.unique(budgets))} budgets)")
+        profiles, minima, skipped = [], [], []
+    elif len(minima) < 2:
+        fit["unused"] = (f"fewer than 2 budgets form a valley ({len(minima)} of {len(profiles)}); widen the sizes "
+                         "(scaling.depths) or move the budgets")
+    else:
         log_c = np.log([m["flops"] for m in minima])
         a, log_kn = np.polyfit(log_c, np.log([m["n_opt"] for m in minima]), 1)
         b, log_kd = np.polyfit(log_c, np.log([m["d_opt"] for m in minima]), 1)
-        fit = {"a": float(a), "b": float(b), "k_n": math.exp(log_kn), "k_d": math.exp(log_kd)}
+        fit |= {"a": float(a), "b": float(b), "k_n": math.exp(log_kn), "k_d": math.exp(log_kd)}
     return {**fit, "minima": minima, "profiles": profiles, "skipped": skipped}
 
 
@@ -250,7 +256,8 @@ def bootstrap(runs: Runs, theta: np.ndarray, samples: int, seed: int) -> dict[st
 
 def scaling_fit(runs_path: Path, out: Path, target_flops: float | None = None, plots: Path | None = None,
                 samples: int = 100, seed: int = 0, metrics: Path | None = None) -> dict:
-    """Fit both approaches, then write plots and the JSON (last, so its presence means the rest is there)."""
+    """Fit both approaches (approach 3 alone when approach 2 has no exponents), then write plots and the JSON
+    (last, so its presence means the rest is there)."""
     if target_flops is not None and not target_flops > 0:
         raise UserError(f"--target-flops: {target_flops:g} must be positive")
     if samples < 0:
@@ -259,8 +266,11 @@ def scaling_fit(runs_path: Path, out: Path, target_flops: float | None = None, p
     iso = isoflop_fit(runs)
     theta, huber = parametric_fit(runs.params, runs.tokens, runs.loss)
     fitted = natural(theta)
-    result = {**fitted, "a": iso["a"], "b": iso["b"], "k_n": iso["k_n"], "k_d": iso["k_d"],
+    result = {"approaches": ["parametric"] if iso["unused"] else ["isoflop", "parametric"], **fitted,
+              "a": iso["a"], "b": iso["b"], "k_n": iso["k_n"], "k_d": iso["k_d"],
               "huber_loss": huber, "n_points": len(runs.loss), "n_budgets": len(iso["minima"])}
+    if iso["unused"]:
+        result["isoflop_unused"] = iso["unused"]
     if target_flops is not None:
         n_opt, d_opt, loss_opt = compute_optimal(fitted, target_flops)
         result |= {"target_flops": target_flops, "n_opt": n_opt, "d_opt": d_opt, "predicted_loss": float(loss_opt)}
@@ -298,15 +308,21 @@ def write_plots(folder: Path, runs: Runs, iso: dict, fitted: dict) -> None:
     iso_rows = []
     fig, ax = plt.subplots(figsize=(7.4, 4.4))
     colours = plt.cm.viridis(np.linspace(0, 0.9, len(iso["profiles"])))
-    for (c, n, loss, coef), colour, m in zip(iso["profiles"], colours, iso["minima"]):
+    vertex = {m["flops"]: m for m in iso["minima"]}  # a budget without a valley has a profile but no vertex
+    for (c, n, loss, coef), colour in zip(iso["profiles"], colours):
         iso_rows += [(c, ni, li, float(np.polyval(coef, math.log(ni)))) for ni, li in zip(n, loss)]
         xs = np.linspace(math.log(n.min()), math.log(n.max()), 100)
         ax.scatter(n, loss, color=colour, s=14)
         ax.plot(np.exp(xs), np.polyval(coef, xs), color=colour, label=f"{c:.2g}")
-        ax.scatter([m["n_opt"]], [m["loss_opt"]], color=colour, marker="*", s=120, edgecolor="black", zorder=3)
+        if c in vertex:
+            ax.scatter([vertex[c]["n_opt"]], [vertex[c]["loss_opt"]], color=colour, marker="*", s=120,
+                       edgecolor="black", zorder=3)
     ax.set(xscale="log", xlabel="parameters N", ylabel="held-out loss (nats/token)",
            title="IsoFLOP profiles: loss at fixed compute (star: vertex)")
-    ax.legend(title="budget C (FLOPs)", fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    if iso["profiles"]:
+        ax.legend(title="budget C (FLOPs)", fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
+    else:
+        ax.text(0.5, 0.5, "no IsoFLOP grid in these runs", ha="center", transform=ax.transAxes)
     save_png(fig, folder / "isoflops.png")
 
     c = np.array([m["flops"] for m in iso["minima"]])
@@ -356,23 +372,24 @@ def print_summary(result: dict, out: Path) -> None:
 
     from kiln.pipeline.progress import console
 
-    table = Table(title=f"L(N, D) = E + A/N^alpha + B/D^beta on {result['n_points']} runs, "
-                        f"{result['n_budgets']} IsoFLOP budgets")
+    iso_used = "isoflop" in result["approaches"]
+    budgets = f", {result['n_budgets']} IsoFLOP budgets" if iso_used else ""
+    table = Table(title=f"L(N, D) = E + A/N^alpha + B/D^beta on {result['n_points']} runs{budgets}")
     for col in ("parameter", "fit", "95% bootstrap CI"):
         table.add_column(col)
     ci = result.get("ci", {})
     for name in PARAM_NAMES:
         lo_hi = f"[{ci[name][0]:.4g}, {ci[name][1]:.4g}]" if name in ci else "-"
         table.add_row(name, f"{result[name]:.4g}", lo_hi)
-    for name, quantity in (("a", "N_opt"), ("b", "D_opt")):
-        value = result[name]
-        table.add_row(f"{name} ({quantity} ~ C^{name})", "-" if value is None else f"{value:.4f}", "IsoFLOP")
+    if iso_used:
+        for name, quantity in (("a", "N_opt"), ("b", "D_opt")):
+            table.add_row(f"{name} ({quantity} ~ C^{name})", f"{result[name]:.4f}", "IsoFLOP")
     console.print(table)
     for skipped in result["skipped_budgets"]:
         console.print(f"skipped budget {skipped}", highlight=False)
-    if result["a"] is None:
-        console.print("warning: fewer than 2 budgets form a valley, so there are no IsoFLOP exponents; widen the "
-                      "sizes (scaling.depths) or move the budgets", highlight=False)
+    if not iso_used:
+        console.print(f"approach 2 (IsoFLOP) not used: {result['isoflop_unused']}; fitted by approach 3 "
+                      "(parametric L(N, D)) alone", highlight=False, soft_wrap=True)
     if "target_flops" in result:
         iso = (f"; IsoFLOP N_opt {result['n_opt_isoflop']:.4g}, D_opt {result['d_opt_isoflop']:.4g}"
                if "n_opt_isoflop" in result else "")
