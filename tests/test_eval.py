@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -13,7 +14,7 @@ from typer.testing import CliRunner
 
 from kiln.model import GPT, ModelConfig, save_model
 from kiln.pipeline.cli import app
-from kiln.pipeline.evals.scoring import ChoiceTask, encode_request
+from kiln.pipeline.evals.scoring import ChoiceTask, choice_accuracy, encode_request
 from kiln.pipeline.evals.tasks import MCItem
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.text.tokens import EOT, load_tokenizer
@@ -54,15 +55,56 @@ def test_encode_request_moves_trailing_space_and_cuts_from_the_left(tok):
     assert tok.decode(list(r.ids[-r.n_target:])) == " said"  # the space belongs to the continuation
     long = encode_request(tok, eot, "the queen of Denmark " * 20, "speak", 16)
     assert len(long.ids) == 17 and tok.decode(list(long.ids[-long.n_target:])) == " speak"
+    # An answer that alone fills the window still fits (after one id of context); one token more is refused, as
+    # lm-evaluation-harness asserts len(continuation_enc) <= max_length (HFLM._loglikelihood_tokens).
+    answer = " " + " ".join(["king"] * 40)
+    n = len(tok.encode("the" + answer).ids) - len(tok.encode("the").ids)
+    fits = encode_request(tok, eot, "the", answer, n)
+    assert fits.n_target == n and len(fits.ids) == n + 1 and fits.ids[0] == tok.encode("the").ids[-1]
+    assert encode_request(tok, eot, "the", answer, n - 1) is None
+
+
+def test_items_with_an_answer_longer_than_the_window_are_left_out_and_counted(tok):
+    eot = tok.token_to_id(EOT)
+    m = scrambled(tok.get_vocab_size(), 16)
+    short = MCItem(("the king",) * 2, (" said", " spoke"), 0)
+    long = MCItem(("the king",) * 2, (" said", " " + "speak to me " * 10), 0)
+    task = ChoiceTask(tok, eot, [short, long, short], m.config.max_seq_len)
+    assert (task.items, task.too_long, len(task.requests)) == ([short, short], 1, 4)
+    alone = ChoiceTask(tok, eot, [short], m.config.max_seq_len)
+    assert task.score(m, 8, "fp32") == alone.score(m, 8, "fp32")
+
+
+def test_acc_norm_divides_by_characters_of_the_choice_as_lm_evaluation_harness():
+    """lm-evaluation-harness, lm_eval/api/task.py, ConfigurableTask.process_results (multiple_choice):
+    `completion_len = np.array([float(len(i)) for i in choices])`, `pred_norm = np.argmax(lls / completion_len)`,
+    with `choices` the raw answers (doc_to_choice): the target delimiter is added to the request, not counted.
+    The log-likelihoods here are made up so that the character and the UTF-8-byte-with-delimiter conventions pick
+    different answers."""
+    items = [MCItem(("q",) * 2, (" ab", " abcdef"), 1, ("ab", "abcdef")),   # -3/2 < -8/6, but -3/3 > -8/7
+             MCItem(("q",) * 2, (" 東京", " Tokyo"), 1, ("東京", "Tokyo")),  # -3/2 < -5/5, but -3/7 > -5/6 (bytes)
+             MCItem(("q",) * 3, (" a", " b", " c"), 0, ("a", "b", "c"))]     # a tie goes to the first
+    lls = [-3.0, -8.0, -3.0, -5.0, -1.0, -1.0, -1.0]
+    harness, by_bytes, at = [], [], 0
+    for item in items:
+        ll = np.array(lls[at:at + item.n_choices])
+        at += item.n_choices
+        harness.append(int(np.argmax(ll / np.array([float(len(c)) for c in item.choices]))))
+        by_bytes.append(int(np.argmax(ll / np.array([len(k.encode()) for k in item.continuations]))))
+    assert harness == [item.gold for item in items] and by_bytes == [0, 0, 0]
+    got = choice_accuracy(torch.tensor(lls, dtype=torch.float64), items)
+    assert got == {"acc": 1 / 3, "acc_norm": 1.0}
 
 
 def test_multiple_choice_scores_match_a_hand_computation(tok):
     eot = tok.token_to_id(EOT)
     m = scrambled(tok.get_vocab_size(), 24)
     items = [
-        MCItem(("doc 1: the king",) * 4, (" said", " of Denmark well,", " O", " café 東京"), 2),
-        MCItem(("the queen said ", "the king said "), (" speak to me",) * 2, 1),  # partial scoring: contexts differ
-        MCItem(("night " * 30,) * 2, (" day", " hear me"), 0),  # longer than the context window: cut on the left
+        MCItem(("doc 1: the king",) * 4, (" said", " of Denmark well,", " O", " café 東京"), 2,
+               ("said", "of Denmark well,", "O", "café 東京")),
+        MCItem(("the queen said ", "the king said "), (" speak to me",) * 2, 1,  # partial scoring: contexts differ
+               ("the queen said ", "the king said ")),
+        MCItem(("night " * 30,) * 2, (" day", " hear me"), 0, ("day", "hear me")),  # context cut on the left
         MCItem(("",) * 3, ("naïve", "1234", "x=y+1;"), 0),  # empty context: only <|endoftext|> before it
     ]
     # Rows of 3: the first item (4 choices) takes a batch alone, the others share theirs.
@@ -71,9 +113,9 @@ def test_multiple_choice_scores_match_a_hand_computation(tok):
     hits = norm = 0
     for item in items:
         scores = [by_hand(m, tok, eot, c, k)[0] for c, k in zip(item.contexts, item.continuations)]
-        per_byte = [s / len(k.encode()) for s, k in zip(scores, item.continuations)]
+        per_char = [s / len(c) for s, c in zip(scores, item.choices or item.continuations)]
         hits += max(range(item.n_choices), key=lambda i: (scores[i], -i)) == item.gold
-        norm += max(range(item.n_choices), key=lambda i: (per_byte[i], -i)) == item.gold
+        norm += max(range(item.n_choices), key=lambda i: (per_char[i], -i)) == item.gold
     assert len(task.requests) == 11
     assert got == {"acc": hits / 4, "acc_norm": norm / 4}
     assert 0 < hits + norm < 8  # the items are not all right or all wrong, so the comparison can fail
@@ -133,10 +175,9 @@ def run_eval(shakespeare, root: Path, eval_params: dict, out: str = "out") -> tu
 
 def test_eval_reports_every_model_side_by_side_and_is_deterministic(shakespeare, workspace, tmp_path):
     task = tmp_path / "task.jsonl"
-    rows = [{"query": "ROMEO. But soft,", "choices": [" what light", " hear me"], "gold": 0},
-            {"query": "Good night,", "choices": [" good night", " sweet"], "gold": 5},  # gold out of range
-            {"query": "To be", "choices": [], "gold": 0},                               # empty choice list
-            {"choices": [" a", " b"], "gold": 1}]                                       # no query
+    rows = [{"query": "ROMEO. But soft,", "choices": ["what light", "hear me"], "gold": 0},
+            {"query": "Good night,", "choices": ["good night", "hear me " * 100], "gold": 0},  # > 128 tokens
+            {"query": "To be", "choices": ["or not", "sweet"], "gold": 1}]
     task.write_text("".join(json.dumps(r) + "\n" for r in rows))
     params = {**EVAL, "tasks": [{"name": "cloze", "data": "builtin", "limit": 16},
                                 {"name": "mine", "data": str(task), "format": "query"}]}
@@ -151,8 +192,11 @@ def test_eval_reports_every_model_side_by_side_and_is_deterministic(shakespeare,
     for name in models:
         assert report["val_ppl"][name] == pytest.approx(math.exp(report["val_loss"][name]), rel=1e-4)
         assert 0 <= report["cloze/acc"][name] <= 1
-    assert report["items"] == {"cloze": 16, "mine": 1, "posttrain": 12, "posttrain_pairs": 12}
-    assert "3 rows skipped" in " ".join(result.output.split())
+    assert report["items"] == {"cloze": 16, "cloze/too_long": 0, "mine": 2, "mine/too_long": 1, "posttrain": 12,
+                               "posttrain_pairs": 12}
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning")]
+    assert warnings == ["warning: eval.tasks[1] mine: 1 of 3 items left out: an answer is longer than the model's "
+                        "128-token context (lm-evaluation-harness refuses them)"]
     base_samples = (out / "samples" / "base.md").read_text()
     assert "plain continuation" in base_samples and "ROMEO." in base_samples
     assert "chat format" in (out / "samples" / "dpo.md").read_text()
@@ -177,6 +221,17 @@ def test_eval_bad_input_exits_2_naming_it(shakespeare, workspace, change, named)
     assert result.exit_code == 2, result.output
     assert named in result.output and "Traceback" not in result.output
     assert not (out / "eval.json").exists()
+
+
+def test_eval_with_no_samples_writes_a_samples_file_per_model_saying_so(shakespeare, workspace):
+    params = {**EVAL, "models": ["base", "dpo"], "samples": [], "tasks": [], "posttrain": False}
+    result, out = run_eval(shakespeare, workspace, params, out="nosamples")
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (out / "samples").iterdir()) == ["base.md", "dpo.md"]
+    for name in ("base", "dpo"):
+        text = (out / "samples" / f"{name}.md").read_text()
+        assert text.startswith(f"# Samples: {name} (") and "No prompts: `eval.samples` is empty." in text
+        assert "## 1" not in text
 
 
 def test_eval_refuses_a_model_folder_without_weights(shakespeare, workspace, tmp_path):

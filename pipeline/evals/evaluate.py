@@ -4,7 +4,8 @@ For each model: val loss, perplexity and bits per byte on the first `eval.tokens
 tokens for every model, so the numbers compare across models and runs); each task of `eval.tasks` scored as
 lm-evaluation-harness does (pipeline/scoring.py); the built-in post-training task's held-out accuracy and the
 preference accuracy on the DPO held-out pairs; and greedy generations of a few fixed prompts written to
-`metrics/samples/<model>.md`.
+`metrics/samples/<model>.md`. `items` in eval.json counts the items each task scored and `<task>/too_long` those
+left out because an answer alone does not fit the context window (the harness refuses them).
 
 eval.json is keyed metric first, model second ({"val_bpb": {"base": .., "sft": .., "dpo": ..}}), so that
 `dvc metrics show` and `dvc metrics diff` list the models of one metric together. Multiple-choice tasks are
@@ -142,11 +143,25 @@ def load_tasks(params: EvalParams, chat: ChatFormat, corpus_dir: Path, seq_len: 
         if spec.data == "builtin":
             items = cloze_items(corpus_dir, chat, seq_len, spec.limit, params.seed)
             tasks.append(Task(spec.name, "cloze", items, {}))
-            console.print(f"eval.tasks[{i}] {spec.name}: {len(items):,} cloze items from the corpus's val split",
-                          highlight=False)
         else:
             tasks.append(load_task(spec, f"eval.tasks[{i}]"))
     return tasks
+
+
+def encode_tasks(tasks: list[Task], tokenizer, eot: int, seq_len: int) -> list[ChoiceTask]:
+    """Each task's requests, and one line per task saying what will be scored: nothing is printed before every
+    task is known to have something to score, so that bad input reads as one line."""
+    scorers = [ChoiceTask(tokenizer, eot, task.items, seq_len, task.format == "lambada") for task in tasks]
+    too_long = f"an answer is longer than the model's {seq_len}-token context"
+    for i, (task, scorer) in enumerate(zip(tasks, scorers)):
+        if not scorer.items:
+            raise UserError(f"eval.tasks[{i}] {task.name}: in every item {too_long}: nothing to score")
+    for i, (task, scorer) in enumerate(zip(tasks, scorers)):
+        console.print(f"eval.tasks[{i}] {task.summary()}", highlight=False)
+        if scorer.too_long:
+            console.print(f"warning: eval.tasks[{i}] {task.name}: {scorer.too_long:,} of {len(task.items):,} items "
+                          f"left out: {too_long} (lm-evaluation-harness refuses them)", highlight=False, soft_wrap=True)
+    return scorers
 
 
 def load_posttrain(sft: SFTParams, dpo: DPOParams, chat: ChatFormat, seq_len: int, corpus_dir: Path) -> PostTrainData:
@@ -160,7 +175,15 @@ def load_posttrain(sft: SFTParams, dpo: DPOParams, chat: ChatFormat, seq_len: in
 
 def samples_markdown(name: str, model_dir: Path, lm: TextModel, prompts: list[str], sampling: Sampling,
                      chat: ChatFormat | None) -> str:
-    """Each prompt and its generation, as markdown; a chat model gets each prompt as a user message."""
+    """Each prompt and its generation, as markdown; a chat model gets each prompt as a user message. No prompts
+    still make the file, one of the stage's declared outputs."""
+    how = "greedy" if sampling.temperature == 0 else (f"temperature {sampling.temperature}, top_k {sampling.top_k}, "
+                                                      f"top_p {sampling.top_p}, seed {sampling.seed}")
+    lines = [f"# Samples: {name} ({model_dir})", "",
+             f"{how}, at most {sampling.max_new_tokens} new tokens, "
+             + ("each prompt as a user message in the chat format" if chat else "plain continuation"), ""]
+    if not prompts:
+        return "\n".join([*lines, "No prompts: `eval.samples` is empty.", ""])
     if chat is None:
         outs = lm.complete(prompts, sampling)
     else:
@@ -170,11 +193,6 @@ def samples_markdown(name: str, model_dir: Path, lm: TextModel, prompts: list[st
         raw = generate(lm.model, ids, new, temperature=sampling.temperature, top_k=sampling.top_k,
                        top_p=sampling.top_p, stop_ids=[chat.im_end, chat.eot], seed=sampling.seed)
         outs = [chat.parse_reply(r) for r in raw]
-    how = "greedy" if sampling.temperature == 0 else (f"temperature {sampling.temperature}, top_k {sampling.top_k}, "
-                                                      f"top_p {sampling.top_p}, seed {sampling.seed}")
-    lines = [f"# Samples: {name} ({model_dir})", "",
-             f"{how}, at most {sampling.max_new_tokens} new tokens, "
-             + ("each prompt as a user message in the chat format" if chat else "plain continuation"), ""]
     for i, (prompt, out) in enumerate(zip(prompts, outs), 1):
         lines += [f"## {i}", "", "Prompt:", "", "```text", prompt, "```", "", "Output:", "", "```text", out, "```", ""]
     return "\n".join(lines)
@@ -193,7 +211,7 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
     chat = ChatFormat(first.tokenizer)
     seq_len = first.model.config.max_seq_len
     tasks = load_tasks(params, chat, corpus_dir, seq_len)
-    scorers = [ChoiceTask(first.tokenizer, chat.eot, task.items, seq_len, task.format == "lambada") for task in tasks]
+    scorers = encode_tasks(tasks, first.tokenizer, chat.eot, seq_len)
     post = load_posttrain(sft, dpo, chat, seq_len, corpus_dir) if params.posttrain else None
     sampling = Sampling(params.max_new_tokens, params.temperature, params.top_k, params.top_p, params.seed)
     sampling.check()
@@ -238,11 +256,13 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
             samples[name] = samples_markdown(name, model_dir, lm, params.samples, sampling,
                                              chat if meta.get("chat_format") else None)
             progress.advance(1)
-    for task in tasks:
-        console.print(f"{task.name}: {len(task.items):,} items scored"
+    for task, scorer in zip(tasks, scorers):
+        console.print(f"{task.name}: {len(scorer.items):,} items scored"
                       + (f", {sum(task.skipped.values()):,} rows skipped" if task.skipped else ""), highlight=False)
     metrics = report(results)
-    metrics["items"] = {task.name: len(task.items) for task in tasks}
+    metrics["items"] = {}
+    for task, scorer in zip(tasks, scorers):
+        metrics["items"] |= {task.name: len(scorer.items), f"{task.name}/too_long": scorer.too_long}
     if post is not None:
         metrics["items"] |= {"posttrain": len(post.scorer.kinds), "posttrain_pairs": len(post.pairs)}
     for name, text in samples.items():

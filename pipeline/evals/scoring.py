@@ -4,12 +4,15 @@ scored by the summed log-probability of the continuation's tokens given the cont
 A request is encoded the harness's way: trailing whitespace of the context moves to the continuation (so " Paris"
 stays one token), the continuation's tokens are those of context + continuation after the context's tokens, and
 the whole follows `<|endoftext|>`, as every document does in pretraining. A request longer than the context
-window loses the start of its context. Items are batched whole (all choices of an item in one forward), rows
-right-padded: causal attention keeps the padding out of every real position.
+window loses the start of its context; an item with a continuation that alone does not fit is left out and
+counted (`too_long`), as the harness refuses such a request rather than score a cut answer. Items are batched
+whole (all choices of an item in one forward), rows right-padded: causal attention keeps the padding out of
+every real position.
 
-acc picks the choice with the highest summed log-probability; acc_norm divides it by the continuation's UTF-8
-bytes first (the harness divides by characters; the same for ASCII), which removes the bias towards short
-choices. Ties go to the first choice (numpy's argmax), as in the harness.
+acc picks the choice with the highest summed log-probability; acc_norm divides it by the length of the choice in
+characters first, the delimiter not counted (lm_eval/api/task.py, ConfigurableTask.process_results:
+`completion_len = np.array([float(len(i)) for i in choices])`), which removes the bias towards short choices and is
+the convention of published acc_norm numbers. Ties go to the first choice (numpy's argmax), as in the harness.
 """
 
 from __future__ import annotations
@@ -30,16 +33,19 @@ class Request:
     n_target: int         # the continuation: the last n_target ids
 
 
-def encode_request(tokenizer, eot: int, context: str, continuation: str, max_len: int) -> Request:
+def encode_request(tokenizer, eot: int, context: str, continuation: str, max_len: int) -> Request | None:
     """`max_len` is the model's context window; the request keeps the last max_len + 1 ids (the last is never
-    an input), so a long context loses its start (and a continuation that alone does not fit, its start too)."""
+    an input), so a long context loses its start. None when the continuation alone has more than max_len
+    tokens: lm-evaluation-harness refuses it (HFLM._loglikelihood_tokens asserts
+    `len(continuation_enc) <= self.max_length`)."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     context_ids = tokenizer.encode(context).ids
     target = tokenizer.encode(context + continuation).ids[len(context_ids):]
-    ids = [eot, *context_ids, *target][-(max_len + 1):]
-    return Request(tuple(ids), min(len(target), len(ids) - 1))
+    if len(target) > max_len:
+        return None
+    return Request(tuple([eot, *context_ids, *target][-(max_len + 1):]), len(target))
 
 
 @torch.no_grad()
@@ -91,12 +97,17 @@ def _batches(groups: list[int], batch_rows: int):
 
 
 class ChoiceTask:
-    """Items encoded once (the same requests serve every model evaluated), scored per model."""
+    """Items encoded once (the same requests serve every model evaluated), scored per model. `items` are those
+    that fit the context window; `too_long` counts the others."""
 
     def __init__(self, tokenizer, eot: int, items: list[MCItem], max_len: int, lambada: bool = False):
-        self.items, self.lambada, self.max_len = items, lambada, max_len
-        self.requests = [encode_request(tokenizer, eot, c, k, max_len)
-                         for item in items for c, k in zip(item.contexts, item.continuations)]
+        self.lambada, self.max_len = lambada, max_len
+        encoded = [[encode_request(tokenizer, eot, c, k, max_len) for c, k in zip(item.contexts, item.continuations)]
+                   for item in items]
+        fits = [None not in requests for requests in encoded]
+        self.items = [item for item, ok in zip(items, fits) if ok]
+        self.requests = [r for requests, ok in zip(encoded, fits) if ok for r in requests]
+        self.too_long = len(items) - len(self.items)
 
     def score(self, model, batch_rows: int, precision: str) -> dict[str, float]:
         """acc and acc_norm; for LAMBADA-style items (one continuation each), acc = the continuation is the
@@ -109,11 +120,16 @@ class ChoiceTask:
                                       precision)
         if self.lambada:
             return {"acc": greedy.double().mean().item(), "ppl": math.exp(-logp.mean().item())}
-        hits = norm_hits = at = 0
-        for item in items:
-            scores = logp[at:at + item.n_choices]
-            at += item.n_choices
-            sizes = torch.tensor([max(1, len(k.encode("utf-8"))) for k in item.continuations], dtype=torch.float64)
-            hits += int(scores.argmax()) == item.gold
-            norm_hits += int((scores / sizes).argmax()) == item.gold
-        return {"acc": hits / len(items), "acc_norm": norm_hits / len(items)}
+        return choice_accuracy(logp, items)
+
+
+def choice_accuracy(logp: torch.Tensor, items: list[MCItem]) -> dict[str, float]:
+    """acc and acc_norm from the summed log-probability of every choice of every item, in order."""
+    hits = norm_hits = at = 0
+    for item in items:
+        scores = logp[at:at + item.n_choices]
+        at += item.n_choices
+        chars = torch.tensor([len(c) for c in item.choices or item.continuations], dtype=torch.float64)
+        hits += int(scores.argmax()) == item.gold
+        norm_hits += int((scores / chars).argmax()) == item.gold
+    return {"acc": hits / len(items), "acc_norm": norm_hits / len(items)}

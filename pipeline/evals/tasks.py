@@ -4,24 +4,26 @@ Each benchmark ships in its own shape (llm-foundry's query/choices jsonl, WinoGr
 HellaSwag's original schema, LAMBADA's context and last word, MMLU's header-less CSV per subject), so there is one
 small adapter per format and the scorer only sees `MCItem`s: a context and a continuation per choice and the index
 of the right one. Where lm-evaluation-harness defines a prompt (HellaSwag's cleanup, the MMLU template) it is
-followed to the character, so that scores can be compared with published ones. Broken rows are counted by reason
-and skipped, as in `chat_data`; only a task with no usable row at all is an error.
+followed to the character, so that scores can be compared with published ones. Every field is checked by type: a
+row that breaks its format (a gold index that is not an int in range, choices that are not a list of strings) is
+an error naming its file and line, as the harness would fail on it. Only rows the benchmark itself leaves
+unlabelled (HellaSwag's test split) are counted and skipped; a task with no usable row at all is an error.
 """
 
 from __future__ import annotations
 
-import csv
-import gzip
 import itertools
 import re
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.evals.task_files import Row, is_row_file, read_csv_file, read_row_file
 from kiln.pipeline.post.chat_data import Skip, convert_rows, read_rows, reasons
-from kiln.pipeline.progress import console
+from kiln.pipeline.text.corpus import SURROGATE
 
 TASK_FORMATS = ("query", "partial", "hellaswag", "lambada", "mmlu")
 
@@ -32,6 +34,7 @@ TASK_COLUMNS = {"query": ("query", "choices"), "partial": ("context_options", "c
 
 MMLU_LETTERS = ("A", "B", "C", "D")
 MMLU_CONTINUATIONS = tuple(" " + letter for letter in MMLU_LETTERS)
+MMLU_CELLS = ("question", "A", "B", "C", "D", "answer letter")
 MMLU_FILE = re.compile(r"(?P<subject>.+)_(?P<split>[^_]+)\.csv(?:\.gz)?")
 HELLASWAG_TAG = re.compile(r"\[.*?\]")
 
@@ -41,6 +44,9 @@ class MCItem:
     contexts: tuple[str, ...]       # one per choice (the same string repeated unless partial scoring)
     continuations: tuple[str, ...]  # one per choice, the text whose log-prob is scored (delimiter included)
     gold: int                       # index of the right choice
+    # The answers as the harness's doc_to_choice gives them, no delimiter: acc_norm divides by their length in
+    # characters. Empty: the continuations themselves.
+    choices: tuple[str, ...] = ()
 
     @property
     def n_choices(self) -> int:
@@ -65,13 +71,26 @@ class Task:
     items: list[MCItem]
     skipped: dict[str, int]  # reason -> count of rows that could not be used
 
+    def summary(self) -> str:
+        return (f"{self.name}: {len(self.items):,} items"
+                + (f", skipped {sum(self.skipped.values()):,} ({reasons(Counter(self.skipped))})" if self.skipped
+                   else ""))
 
-def detect_task_format(row: dict, key: str) -> str:
+
+class BadRow(Exception):
+    """A row that breaks its format; the message names the field and what was expected."""
+
+    def __init__(self, field: str, problem: str):
+        super().__init__(f"{field}: {problem}")
+
+
+def detect_task_format(row: dict, where: str) -> str:
+    """The format whose columns the first row has; `where` names the row in the error."""
     fmt = next((fmt for fmt, columns in TASK_COLUMNS.items() if all(c in row for c in columns)), None)
     if fmt is None:
         expected = "; ".join(f"{fmt}: {', '.join(columns)}" for fmt, columns in TASK_COLUMNS.items())
-        raise UserError(f"params: {key}: cannot tell the task format from the columns {', '.join(row) or '(none)'} "
-                        f"(expected {expected})")
+        raise UserError(f"{where}: cannot tell the task format from the columns {', '.join(row) or '(none)'} "
+                        f"(expected {expected}; or set format)")
     return fmt
 
 
@@ -83,76 +102,98 @@ def load_task(spec: TaskSpec, key: str) -> Task:
     if path is not None and not path.exists():
         raise UserError(f"{where}: no such file or directory")
     if path is not None and spec.format in ("auto", "mmlu") and _is_mmlu_csv(path):
-        fmt, rows = "mmlu", _csv_rows(_mmlu_files(path, spec.split, where), where)
+        fmt, rows = "mmlu", _csv_rows(_mmlu_files(path, spec.split, where))
     else:
-        rows = read_rows(spec.data, spec.split, key)
+        rows = _rows(spec.data, spec.split, key, where)
         first = next(rows, None)
         if first is None:
             raise UserError(f"{where}: no rows")
-        fmt = detect_task_format(first, key) if spec.format == "auto" else spec.format
+        fmt = detect_task_format(first.values, first.where) if spec.format == "auto" else spec.format
         rows = itertools.chain([first], rows)
     convert = (partial(_mmlu_item, shots=_shot_picker(spec, key, where)) if fmt == "mmlu"
                else partial(CONVERTERS[fmt], delimiter=spec.delimiter))
-    items, skipped, read = convert_rows(rows, convert, spec.limit, where)
-    console.print(f"{key} {spec.name}: {len(items):,} items"
-                  + (f", skipped {read - len(items):,} ({reasons(skipped)})" if skipped else ""), highlight=False)
+    items, skipped, _ = convert_rows(rows, partial(_located, convert), spec.limit, where)
     return Task(spec.name, fmt, items, dict(skipped))
+
+
+def _rows(data: str, split: str, key: str, where: str) -> Iterator[Row]:
+    if data.startswith("hf:"):
+        return (Row(f"{data} (split {split}) row {i}", row) for i, row in enumerate(read_rows(data, split, key), 1))
+    path = Path(data)
+    if not is_row_file(path):
+        raise UserError(f"{where}: unsupported file type (expected .jsonl, .json, .parquet, optionally .gz; an "
+                        "MMLU .csv[.gz] or folder; or hf:<dataset>[:<config>])")
+    return read_row_file(path)
+
+
+def _located(convert: Callable[[dict], object], row: Row):
+    """A row that breaks its format stops the task, named by file and line: a benchmark scored on a silently
+    smaller set is not the benchmark its published numbers are for. Only `Skip` (a row the benchmark itself
+    leaves unlabelled) is counted and passed over."""
+    try:
+        return convert(row.values)
+    except BadRow as e:
+        raise UserError(f"{row.where}: {e}") from None
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _field(row: dict, name: str) -> object:
     if row.get(name) is None:
-        raise Skip(f"missing field {name!r}")
+        raise BadRow(name, "missing")
     return row[name]
 
 
-def _string(row: dict, name: str) -> str:
-    value = _field(row, name)
+def _checked(value: object, name: str) -> str:
     if not isinstance(value, str):
-        raise Skip(f"{name} not a string")
+        raise BadRow(name, f"expected a string, got {_shown(value)}")
+    if SURROGATE.search(value):  # JSON can spell one ("\ud800"); no tokenizer can encode it
+        raise BadRow(name, "not valid Unicode (a lone surrogate)")
     return value
 
 
-def _text(row: dict, name: str, empty: str = "empty context") -> str:
+def _string(row: dict, name: str) -> str:
+    return _checked(_field(row, name), name)
+
+
+def _text(row: dict, name: str) -> str:
     value = _string(row, name)
     if not value.strip():
-        raise Skip(empty)
+        raise BadRow(name, "empty")
     return value
 
 
 def _choices(row: dict, name: str) -> list[str]:
     value = _field(row, name)
-    if not isinstance(value, list):
-        raise Skip(f"{name} not a list")
-    if not value:
-        raise Skip("empty choice list")
-    if len(value) < 2:
-        raise Skip("fewer than 2 choices")
-    if not all(isinstance(choice, str) for choice in value):
-        raise Skip("choice not a string")
+    if not isinstance(value, list) or len(value) < 2:
+        raise BadRow(name, f"expected a list of at least 2 strings, got {_shown(value)}")
+    for i, choice in enumerate(value):
+        if not _checked(choice, f"{name}[{i}]").strip():
+            raise BadRow(f"{name}[{i}]", "empty")
     return value
 
 
-def _gold(value: object, n_choices: int) -> int:
-    if type(value) is not int:  # bool is an int too, and never a valid label
-        raise Skip("gold not an int")
-    if not 0 <= value < n_choices:
-        raise Skip("gold out of range")
+def _gold(value: object, n_choices: int, name: str) -> int:
+    if type(value) is not int or not 0 <= value < n_choices:  # bool is an int too, and never a valid label
+        raise BadRow(name, f"expected an int in 0..{n_choices - 1}, got {_shown(value)}")
     return value
 
 
 def _query(row: dict, delimiter: str) -> MCItem:
     context, choices = _text(row, "query"), _choices(row, "choices")
     return MCItem((context,) * len(choices), tuple(delimiter + c for c in choices),
-                  _gold(_field(row, "gold"), len(choices)))
+                  _gold(_field(row, "gold"), len(choices), "gold"), tuple(choices))
 
 
 def _partial(row: dict, delimiter: str) -> MCItem:
-    """WinoGrande-style partial scoring: the options differ in the context, and only the shared rest is scored."""
-    contexts, continuation = _choices(row, "context_options"), _text(row, "continuation", "empty continuation")
-    if not all(c.strip() for c in contexts):
-        raise Skip("empty context")
+    """WinoGrande-style partial scoring: the options differ in the context, and only the shared rest is scored.
+    The harness's choices are the options, so acc_norm divides by their length (it reports only acc)."""
+    contexts, continuation = _choices(row, "context_options"), _text(row, "continuation")
     return MCItem(tuple(contexts), (delimiter + continuation,) * len(contexts),
-                  _gold(_field(row, "gold"), len(contexts)))
+                  _gold(_field(row, "gold"), len(contexts), "gold"), tuple(contexts))
 
 
 def _hellaswag_text(text: str) -> str:
@@ -164,17 +205,21 @@ def _hellaswag(row: dict, delimiter: str) -> MCItem:
     label = row.get("label")
     if label is None or label == "":  # the public test split has its labels blanked
         raise Skip("no gold label")
-    endings = _choices(row, "endings")
+    endings = [_hellaswag_text(e) for e in _choices(row, "endings")]
+    for i, ending in enumerate(endings):
+        if not ending.strip():
+            raise BadRow(f"endings[{i}]", "empty after the harness's cleanup")
     context = _hellaswag_text(_string(row, "activity_label") + ": " + _string(row, "ctx_a") + " "
                               + _string(row, "ctx_b").capitalize())
     if isinstance(label, str):
         label = int(label) if label.strip().isdecimal() else label
-    return MCItem((context,) * len(endings), tuple(delimiter + _hellaswag_text(e) for e in endings),
-                  _gold(label, len(endings)))
+    return MCItem((context,) * len(endings), tuple(delimiter + e for e in endings), _gold(label, len(endings), "label"),
+                  tuple(endings))
 
 
 def _lambada(row: dict, delimiter: str) -> MCItem:
-    return MCItem((_text(row, "context"),), (delimiter + _text(row, "continuation", "empty continuation"),), 0)
+    continuation = _text(row, "continuation")
+    return MCItem((_text(row, "context"),), (delimiter + continuation,), 0, (continuation,))
 
 
 CONVERTERS: dict[str, Callable[[dict, str], MCItem]] = {
@@ -197,33 +242,30 @@ def _mmlu_files(path: Path, split: str, where: str) -> list[Path]:
     return files
 
 
-def _csv_rows(files: list[Path], where: str) -> Iterator[dict]:
+def _csv_rows(files: list[Path]) -> Iterator[Row]:
     """MMLU's CSVs have no header (question, four choices, answer letter) and the subject only in the file name;
     their rows are given the shape of the Hugging Face rows, with the letter as the answer."""
     for file in files:
         subject = MMLU_FILE.fullmatch(file.name)["subject"]
-        opener = gzip.open if file.suffix == ".gz" else open
-        try:
-            with opener(file, "rt", encoding="utf-8", newline="") as f:
-                for cells in csv.reader(f):
-                    if cells:
-                        yield {"subject": subject, "question": cells[0], "choices": cells[1:-1], "answer": cells[-1]}
-        except (OSError, csv.Error, UnicodeDecodeError) as e:
-            raise UserError(f"{where}: {file}: {e}") from None
+        for where, cells in read_csv_file(file):
+            if len(cells) != len(MMLU_CELLS):
+                raise UserError(f"{where}: expected {len(MMLU_CELLS)} cells ({', '.join(MMLU_CELLS)}), "
+                                f"got {len(cells)}")
+            yield Row(where, {"subject": subject, "question": cells[0], "choices": cells[1:-1], "answer": cells[-1]})
 
 
 def _mmlu_question(row: dict) -> tuple[str, str, int]:
     """(subject, question block, gold) from a CSV row (answer letter) or a Hugging Face row (answer index)."""
     subject, question, choices = _string(row, "subject"), _text(row, "question"), _choices(row, "choices")
     if len(choices) != len(MMLU_LETTERS):
-        raise Skip("not 4 choices")
+        raise BadRow("choices", f"expected {len(MMLU_LETTERS)} (A to D), got {len(choices)}")
     answer = _field(row, "answer")
     if isinstance(answer, str):
         if answer not in MMLU_LETTERS:
-            raise Skip("answer letter not in ABCD")
+            raise BadRow("answer", f"expected a letter A to D, got {_shown(answer)}")
         answer = MMLU_LETTERS.index(answer)
     block = question.strip() + "".join(f"\n{letter}. {c}" for letter, c in zip(MMLU_LETTERS, choices)) + "\nAnswer:"
-    return subject, block, _gold(answer, len(choices))
+    return subject, block, _gold(answer, len(choices), "answer")
 
 
 def _mmlu_item(row: dict, shots: Callable[[str, tuple[str, int]], list[tuple[str, int]]]) -> MCItem:
@@ -231,11 +273,11 @@ def _mmlu_item(row: dict, shots: Callable[[str, tuple[str, int]], list[tuple[str
     prompt = (f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n"
               + "".join(f"{shot} {MMLU_LETTERS[answer]}\n\n" for shot, answer in shots(subject, (block, gold)))
               + block)
-    return MCItem((prompt,) * len(MMLU_CONTINUATIONS), MMLU_CONTINUATIONS, gold)
+    return MCItem((prompt,) * len(MMLU_CONTINUATIONS), MMLU_CONTINUATIONS, gold, MMLU_LETTERS)
 
 
 def _shot_picker(spec: TaskSpec, key: str, where: str) -> Callable[[str, tuple[str, int]], list[tuple[str, int]]]:
-    """(subject, question) -> its k-shot examples, the first `spec.shots` usable dev questions of the subject.
+    """(subject, question) -> its k-shot examples, the first `spec.shots` dev questions of the subject.
 
     As in lm-evaluation-harness, a dev question equal to the one scored is dropped rather than replaced (one val
     question of college_physics repeats a dev one and so gets k-1 examples), and when the dev split itself is scored
@@ -249,17 +291,17 @@ def _shot_picker(spec: TaskSpec, key: str, where: str) -> Callable[[str, tuple[s
     def pick(subject: str, question: tuple[str, int]) -> list[tuple[str, int]]:
         candidates = dev(subject)
         if len(candidates) < draw:
-            raise UserError(f"{where}: shots={spec.shots} needs {draw} usable dev questions of subject {subject!r}, "
+            raise UserError(f"{where}: shots={spec.shots} needs {draw} dev questions of subject {subject!r}, "
                             f"found {len(candidates)}")
         return [q for q in candidates[:draw] if q != question][:spec.shots]
     return pick
 
 
 def _dev_questions(spec: TaskSpec, key: str, where: str) -> Callable[[str], list[tuple[str, int]]]:
-    """subject -> its usable dev questions in file order, each subject read once."""
+    """subject -> its dev questions in file order, each subject read once."""
     by_subject: dict[str, list[tuple[str, int]]] = {}
     if spec.data.startswith("hf:"):
-        for subject, block, gold in _usable(read_rows(spec.data, "dev", key)):
+        for subject, block, gold in _questions(_rows(spec.data, "dev", key, where)):
             by_subject.setdefault(subject, []).append((block, gold))
         return lambda subject: by_subject.get(subject, [])
     path = Path(spec.data)
@@ -274,14 +316,10 @@ def _dev_questions(spec: TaskSpec, key: str, where: str) -> Callable[[str], list
                          if f.is_file()), None)
             if file is None:
                 raise UserError(f"{where}: shots={spec.shots} needs {dev_dir / subject}_dev.csv[.gz]")
-            by_subject[subject] = [(block, gold) for _, block, gold in _usable(_csv_rows([file], where))]
+            by_subject[subject] = [(block, gold) for _, block, gold in _questions(_csv_rows([file]))]
         return by_subject[subject]
     return questions
 
 
-def _usable(rows: Iterator[dict]) -> Iterator[tuple[str, str, int]]:
-    for row in rows:
-        try:
-            yield _mmlu_question(row)
-        except Skip:
-            pass
+def _questions(rows: Iterator[Row]) -> Iterator[tuple[str, str, int]]:
+    return (_located(_mmlu_question, row) for row in rows)
