@@ -11,18 +11,28 @@ a kill between those renames leaves no `NAME`; `recover(NAME)` finishes the repl
 construction) or, if the kill came before it existed, puts `.old-*` back. A file is replaced with one atomic
 rename after an fsync. Stages call `recover` on their outputs when they start, which also removes the temp
 folders a killed run left.
+
+A write the system refuses (disk full, quota, read-only filesystem, permission) is a `StageError` naming the
+target and the system's reason, raised after the temp files are removed and with the previous version in place:
+one line and exit 1 from the CLI, not a traceback from wherever the disk filled up.
 """
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
+import re
 import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from safetensors import SafetensorError
+
+from kiln.model.errors import StageError
 
 
 def fsync_path(path: Path) -> None:
@@ -67,11 +77,45 @@ def _sibling(final: Path, kind: str) -> Path:
     return final.with_name(f"{final.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
+# What the system says when it will not store what a run writes. Other OS errors (a missing file) are not the
+# disk's doing and keep their own report.
+REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO,
+           errno.EMFILE, errno.ENFILE}
+
+
+def _reason(error: BaseException) -> str | None:
+    """The system's reason for a refused write ("No space left on device [ENOSPC]"), or None if `error` is not
+    one. safetensors writes from Rust and reports the OS error only in its message ("... (os error 28)")."""
+    code = None
+    if isinstance(error, OSError):
+        code = error.errno
+    elif isinstance(error, SafetensorError) and (found := re.search(r"os error (\d+)", str(error))):
+        code = int(found.group(1))
+    return f"{os.strerror(code)} [{errno.errorcode[code]}]" if code in REFUSED else None
+
+
+@contextmanager
+def writing(target: Path) -> Iterator[None]:
+    """Turn a write the system refuses inside the block into a StageError naming `target`."""
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        reason = _reason(e)
+        if reason is None:
+            raise
+        raise StageError(f"{target}: cannot write it: {reason}; the previous version, if any, is unchanged") from e
+
+
 def recover(final: Path) -> None:
     """Finish or undo a replace of `final` that a kill interrupted, and delete its temp leftovers."""
     final = Path(final)
     if not final.parent.is_dir():
         return
+    with writing(final):
+        _recover(final)
+
+
+def _recover(final: Path) -> None:
     news, olds = _leftovers(final, "new"), _leftovers(final, "old")
     if not final.exists() and news:
         news.pop().rename(final)
@@ -83,15 +127,22 @@ def recover(final: Path) -> None:
 
 
 def replace_dir(complete: Path, final: Path) -> None:
-    """Move the complete, synced `complete` into `final`'s place, keeping the old `final` until it is there."""
+    """Move the complete, synced `complete` into `final`'s place, keeping the old `final` until it is there; if
+    a rename fails, the old `final` is put back and the new version removed."""
     new = _sibling(final, "new")
     complete.rename(new)
-    fsync_path(final.parent)
     old = None
-    if final.exists():
-        old = _sibling(final, "old")
-        final.rename(old)
-    new.rename(final)
+    try:
+        fsync_path(final.parent)
+        if final.exists():
+            old = _sibling(final, "old")
+            final.rename(old)
+        new.rename(final)
+    except BaseException:
+        if old is not None and not final.exists():
+            old.rename(final)
+        _remove(new)
+        raise
     fsync_path(final.parent)
     if old is not None:
         _remove(old)
@@ -101,32 +152,34 @@ def replace_dir(complete: Path, final: Path) -> None:
 def atomic_dir(final: Path) -> Iterator[Path]:
     """Yield an empty temp folder beside `final`; on success it replaces `final`, on error it is removed."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    recover(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=final.parent))
-    try:
-        yield tmp
-        publish_modes(tmp)
-        fsync_tree(tmp)
-        replace_dir(tmp, final)
-    except BaseException:
-        _remove(tmp)
-        raise
+    with writing(final):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        recover(final)
+        tmp = Path(tempfile.mkdtemp(prefix=f"{final.name}.tmp-", dir=final.parent))
+        try:
+            yield tmp
+            publish_modes(tmp)
+            fsync_tree(tmp)
+            replace_dir(tmp, final)
+        except BaseException:
+            _remove(tmp)
+            raise
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `path` whole or not at all: a synced temp file beside it, renamed over it in one step."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
         fsync_path(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

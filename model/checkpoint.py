@@ -3,25 +3,38 @@
 safetensors cannot run code when loaded (unlike pickle) and refuses tensors that share storage, so a tied
 LM head is stored once, under the token embedding's name, and re-tied by building the model from its config.
 Both files are written into a temp folder beside the target and renamed into place together, so a reader
-never finds new weights with an old config, or half a file. Loading checks every tensor name and shape
-against the config before touching the model, and reports the file at fault.
+never finds new weights with an old config, or half a file. Weights holding NaN or infinity are never written
+(a StageError: the run that made them diverged) nor loaded. Loading checks every field of config.json by type,
+and every tensor's name, shape, dtype and finiteness, before touching the model, and reports the file at fault.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.model.atomic import atomic_dir
+from kiln.model.errors import StageError
 from kiln.model.gpt import GPT, ModelConfig
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 # Wrappers that prefix parameter names: torch.compile's OptimizedModule and DDP.
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+def first_non_finite(tensors: dict[str, torch.Tensor]) -> str | None:
+    """The name of the first floating tensor holding a NaN or an infinity, or None: one fused reduction per
+    tensor and a single device sync for the lot."""
+    floats = [(name, t) for name, t in tensors.items() if t.is_floating_point() and t.numel()]
+    if not floats:
+        return None
+    ok = torch.stack([t.isfinite().all().to(floats[0][1].device) for _, t in floats]).cpu()
+    return None if ok.all() else floats[int((~ok).nonzero()[0])][0]
 
 
 def _stored_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -67,7 +80,10 @@ def save_model(model_or_state_dict: torch.nn.Module | dict, config: ModelConfig,
     tensors = _stored(sd, config)
     _check_names_and_shapes({k: tuple(v.shape) for k, v in tensors.items()}, expected, "state dict")
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
-    meta = json.dumps({"model": config.to_dict(), **extra}, indent=2) + "\n"  # fails early if not JSON-able
+    if (bad := first_non_finite(tensors)) is not None:
+        raise StageError(f"{out_dir}: not saved: {bad} holds NaN or infinite values (the run diverged)")
+    # Strict JSON, checked before anything is written: fails early if `extra` is not JSON-able or not finite.
+    meta = json.dumps({"model": config.to_dict(), **extra}, indent=2, allow_nan=False) + "\n"
 
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
@@ -88,8 +104,12 @@ def read_json_object(path: Path) -> dict:
     return data
 
 
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 def load_config(model_dir: Path) -> tuple[ModelConfig, dict]:
-    """(config, meta) from model_dir/config.json, where meta is everything beside "model"."""
+    """(config, meta) from model_dir/config.json, where meta is everything beside "model"; the keys of meta that
+    kiln reads are checked by type (each may be null: a model converted from elsewhere has no tokenizer hash)."""
     path = Path(model_dir) / CONFIG
     data = read_json_object(path)
     if not isinstance(data.get("model"), dict):
@@ -98,6 +118,13 @@ def load_config(model_dir: Path) -> tuple[ModelConfig, dict]:
         config = ModelConfig.from_dict(data.pop("model"))
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: model.{e}") from None
+    sha, chat, init = data.get("tokenizer_sha256"), data.get("chat_format"), data.get("init")
+    if sha is not None and not (isinstance(sha, str) and SHA256.fullmatch(sha)):
+        raise ValueError(f"{path}: tokenizer_sha256: expected 64 lowercase hex digits or null, got {sha!r}")
+    if chat is not None and not isinstance(chat, str):
+        raise ValueError(f"{path}: chat_format: expected a string or null, got {chat!r}")
+    if init is not None and not (isinstance(init, dict) and isinstance(init.get("model"), str)):
+        raise ValueError(f"{path}: init: expected an object with a 'model' string or null, got {init!r}")
     return config, data
 
 
@@ -113,6 +140,10 @@ def load_model(model_dir: Path, device: str | torch.device = "cpu") -> tuple[GPT
     except Exception as e:  # safetensors raises its own error type, OSError, or RuntimeError for bad files
         raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
     _check_names_and_shapes({k: tuple(v.shape) for k, v in tensors.items()}, _stored_shapes(config), str(path))
+    if not_float := [k for k, v in tensors.items() if not v.is_floating_point()]:
+        raise ValueError(f"{path}: {not_float[0]}: expected floating-point weights, got {tensors[not_float[0]].dtype}")
+    if (bad := first_non_finite(tensors)) is not None:
+        raise ValueError(f"{path}: {bad}: holds NaN or infinite values")
     model = GPT(config).to(device)
     if config.tie_embeddings:
         tensors["lm_head.weight"] = tensors["tok_emb.weight"]  # same Parameter in the model; fills both

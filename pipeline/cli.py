@@ -39,6 +39,8 @@ SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=
 CorpusOpt = Annotated[Path, typer.Option(help="Corpus folder with train.parquet and val.parquet.")]
 TokenizerOpt = Annotated[Path, typer.Option(help="The tokenizer.json to use.")]
 OutOpt = Annotated[Path, typer.Option(help="Output folder (replaced whole, only when the stage succeeds).")]
+ResumeOpt = Annotated[Path | None, typer.Option(help="A checkpoint (a step_NNNNNNNN folder, of any run) to go on from "
+                                                     "with these params while this run has none of its own.")]
 
 
 def SamplingOpt(help: str, kind: type = float):
@@ -167,7 +169,7 @@ def pretrain_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                   checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] =
                   layout.checkpoints("pretrain"),
                   size: Annotated[Path, typer.Option(help="With model.size=auto: the choice `kiln scaling size` wrote.")]
-                  = layout.SIZE):
+                  = layout.SIZE, resume_from: ResumeOpt = None):
     """Pretrain the base model on the shards, resuming from the newest checkpoint (stage `pretrain`).
 
     Reads the `model` and `train` sections; `--set` takes `model.*` and `train.*` keys (bare keys mean train).
@@ -184,7 +186,7 @@ def pretrain_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     if train.nproc_per_node > 1 and not distributed.launched():
         raise typer.Exit(distributed.relaunch(train.nproc_per_node, sys.argv[1:]))
     try:
-        metrics = pretrain(model, train, shards, tokenizer, out, checkpoints, size)
+        metrics = pretrain(model, train, shards, tokenizer, out, checkpoints, size, resume_from)
     finally:
         distributed.leave()
     if world.main:
@@ -197,7 +199,8 @@ def sft_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 base: Annotated[Path, typer.Option(help="The model to start from.")] = layout.BASE_MODEL,
                 tokenizer: TokenizerOpt = layout.TOKENIZER, corpus: CorpusOpt = layout.CORPUS,
                 out: OutOpt = layout.SFT_MODEL,
-                checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = layout.checkpoints("sft")):
+                checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = layout.checkpoints("sft"),
+                resume_from: ResumeOpt = None):
     """Supervised fine-tuning on chat examples: the built-in task or a dataset (stage `sft`).
 
     Reads the `sft` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
@@ -209,7 +212,7 @@ def sft_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.train.params import TrainParams
 
     sft_params, train = load_sections((SFTParams, TrainParams), params, set_)
-    _print_metrics("sft", sft(sft_params, train, base, tokenizer, corpus, out, checkpoints))
+    _print_metrics("sft", sft(sft_params, train, base, tokenizer, corpus, out, checkpoints, resume_from=resume_from))
 
 
 @app.command("dpo")
@@ -219,7 +222,8 @@ def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 layout.SFT_MODEL,
                 tokenizer: TokenizerOpt = layout.TOKENIZER, corpus: CorpusOpt = layout.CORPUS,
                 out: OutOpt = layout.DPO_MODEL,
-                checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = layout.checkpoints("dpo")):
+                checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = layout.checkpoints("dpo"),
+                resume_from: ResumeOpt = None):
     """Direct preference optimisation from the SFT model on preference pairs (stage `dpo`).
 
     Reads the `dpo` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
@@ -231,7 +235,8 @@ def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.train.params import TrainParams
 
     dpo_params, train = load_sections((DPOParams, TrainParams), params, set_)
-    _print_metrics("dpo", dpo(dpo_params, train, sft_model, tokenizer, corpus, out, checkpoints))
+    _print_metrics("dpo", dpo(dpo_params, train, sft_model, tokenizer, corpus, out, checkpoints,
+                              resume_from=resume_from))
 
 
 @app.command("evaluate")

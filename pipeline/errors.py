@@ -1,18 +1,6 @@
-"""The two kinds of failure a kiln command reports, and their exit codes.
+"""The failures a kiln command reports in one line, with exit 2 (`UserError`, bad input) or 1 (`StageError`, a
+failure while working). Defined in `kiln.model.errors`, below the model layer's writer that raises them."""
 
-A `UserError` is bad input (params, files, arguments): exit 2 with one line naming what was wrong.
-A `StageError` is a failure while doing the work (a diverged run, a disk that filled up): exit 1.
-Anything else is a bug and keeps its traceback.
-"""
+from kiln.model.errors import KilnError, StageError, UserError
 
-
-class KilnError(Exception):
-    exit_code = 1
-
-
-class UserError(KilnError):
-    exit_code = 2
-
-
-class StageError(KilnError):
-    exit_code = 1
+__all__ = ["KilnError", "StageError", "UserError"]

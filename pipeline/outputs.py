@@ -7,13 +7,14 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover
-from kiln.pipeline.errors import UserError
+from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover, writing
+from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.layout import METRICS
 
 __all__ = ["atomic_dir", "atomic_write_bytes", "recover", "write_json", "write_metrics", "sha256_file",
@@ -22,7 +23,27 @@ LOCK_SUFFIX = ".lock"
 
 
 def write_json(path: Path, obj) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+    """Strict JSON (RFC 8259 has no NaN or Infinity, and most readers refuse them): a non-finite number is a
+    StageError naming the key, and nothing is written."""
+    try:
+        text = json.dumps(obj, indent=2, allow_nan=False)
+    except ValueError:
+        key = _non_finite_key(obj)
+        if key is None:  # not a number's fault (a circular reference): a bug, with its traceback
+            raise
+        raise StageError(f"{path}: not written: {key} is not a finite number") from None
+    atomic_write_bytes(path, (text + "\n").encode())
+
+
+def _non_finite_key(obj, where: str = "") -> str | None:
+    """The dotted key of the first NaN or infinity in `obj` (lists by index), or None."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return where or "the value"
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for key, value in items:
+        if (found := _non_finite_key(value, f"{where}.{key}" if where else str(key))) is not None:
+            return found
+    return None
 
 
 # How a run went rather than what it produced: they differ between two runs that give bit-identical outputs, so
@@ -66,8 +87,9 @@ def exclusive(folder: Path) -> Iterator[None]:
     with -9 never blocks the next one, and the file left behind holds nothing. It sits beside the folder, not in
     it, so the folder holds checkpoints only."""
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(lock_path(folder), "a+", encoding="utf-8")
+    with writing(lock_path(folder)):
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path(folder), "a+", encoding="utf-8")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

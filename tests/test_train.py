@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from kiln.model import GPT, ModelConfig
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import StageError, UserError
-from kiln.pipeline.train.checkpoints import Checkpoints
+from kiln.pipeline.train.checkpoints import NAME, Checkpoints
 from kiln.pipeline.train.curves import metric_files, read_metric
 from kiln.pipeline.train.lm import lm_loss
 from kiln.pipeline.train.loop import Run, build_optimizer, lr_at, train
@@ -22,6 +22,11 @@ from kiln.pipeline.train.pretrain import pretrain
 MODEL = {"n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "max_seq_len": 16}
 TRAIN = {"batch_size": 4, "batch_tokens": 128, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "eval_every": 4,
          "eval_tokens": 256, "checkpoint_every": 4, "log_every": 2, "device": "cpu"}
+
+
+def checkpoints(root):
+    """Every checkpoint under a checkpoint folder (one folder per run inside), oldest first."""
+    return sorted((p for p in root.glob("*/step_*") if NAME.fullmatch(p.name)), key=lambda p: p.name)
 
 
 def run(tiny, root, **train):
@@ -37,7 +42,7 @@ def test_resumed_run_equals_straight_run(tiny, tmp_path):
     # Stop after 4 steps with the schedule of an 8-step run: a 4-step run has another schedule, so resume
     # is exercised by the checkpoint at step 4 of the same 8-step run, left alone by deleting the later one.
     run(tiny, tmp_path / "b", max_steps=8)
-    ckpts = sorted((tmp_path / "b" / "ckpt").iterdir())
+    ckpts = checkpoints(tmp_path / "b" / "ckpt")
     assert [p.name for p in ckpts] == ["step_00000004", "step_00000008"]
     for f in ckpts[-1].iterdir():
         f.unlink()
@@ -140,9 +145,9 @@ def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path):
     run.micro_batch_tokens = 64
     with contextlib.chdir(tmp_path), pytest.raises(StageError, match=r"loss is nan at step 4.*step_00000002"):
         train(model, run)
-    kept = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    kept = [p.name for p in checkpoints(tmp_path / "ckpt")]
     assert kept == ["step_00000002"]
-    state = run.checkpoints.load(tmp_path / "ckpt" / kept[0], tiny_model(), build_optimizer(
+    state = run.checkpoints.load(run.checkpoints.folder / kept[0], tiny_model(), build_optimizer(
         model, run.params, torch.device("cpu")), torch.amp.GradScaler("cpu", enabled=False))
     assert state["step"] == 2 and math.isfinite(state["train_loss"])
 
@@ -182,12 +187,13 @@ def test_killed_mid_checkpoint_resumes_from_the_previous_one(tiny, tmp_path):
     args = cli_project(tiny, tmp_path, max_steps=8, checkpoint_every=2)
     killed = kiln(tmp_path, *args, prelude=KILL_IN_SECOND_SAVE)
     assert killed.returncode == -signal.SIGKILL
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if ".tmp-" not in p.name) == ["step_00000002"]
+    assert [p.name for p in checkpoints(tmp_path / "ckpt")] == ["step_00000002"]
     assert not (tmp_path / "base").exists()
     resumed = kiln(tmp_path, *args)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming from" in resumed.output and "step 2)" in resumed.output
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step_00000006", "step_00000008"]
+    assert [p.name for p in checkpoints(tmp_path / "ckpt")] == ["step_00000006", "step_00000008"]
+    assert not list((tmp_path / "ckpt").glob("*/*.tmp-*"))  # the killed save's leftovers are gone
     straight, _ = run(tiny, tmp_path / "straight", max_steps=8, checkpoint_every=2)
     assert json.loads((tmp_path / "metrics/pretrain.json").read_text())["pretrain"]["val_loss"] == straight["val_loss"]
 
@@ -196,7 +202,7 @@ def test_corrupt_checkpoint_is_a_clear_error(tiny, tmp_path):
     args = cli_project(tiny, tmp_path, max_steps=4, checkpoint_every=2)
     assert kiln(tmp_path, *args).returncode == 0
     before = (tmp_path / "base" / "model.safetensors").read_bytes()
-    newest = tmp_path / "ckpt" / "step_00000004"
+    newest = checkpoints(tmp_path / "ckpt")[-1]
     (newest / "optimizer.safetensors").write_bytes(b"\0" * 100)
     failed = kiln(tmp_path, *args)
     assert failed.returncode == 2

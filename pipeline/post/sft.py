@@ -54,7 +54,8 @@ def rows_of(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, wha
 
 
 def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_path: Path, corpus_dir: Path,
-        out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR) -> dict:
+        out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR,
+        resume_from: Path | None = None) -> dict:
     recover(out_dir)  # what a killed write of the model left
     s = start(params, train_params, base_dir, tokenizer_path, corpus_dir)
     model, loop, chat, data, seq_len = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len
@@ -76,7 +77,8 @@ def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_
     run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=masked_loss,
               batches=ExampleBatches((x, y), params.batch_size, accumulation_steps(loop, micro), params.seed,
                                      per_token=True),
-              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints),
+              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints,
+                                                         resume_from=resume_from, command="kiln sft"),
               curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name="sft")
     console.print(f"sft: {len(x):,} train and {len(val_x):,} held-out examples "
                   f"({(y != -100).float().sum(1).mean():.1f} answer tokens each on average), {loop.max_steps} steps "

@@ -1,4 +1,4 @@
-"""Resume state for long runs: `step_NNNNNNNN/` folders, written atomically, the newest K kept.
+"""Resume state for long runs: `RUN/step_NNNNNNNN/` folders, written atomically, the newest K of a run kept.
 
 A folder holds `model.safetensors`, `optimizer.safetensors` (every tensor of the optimizer and GradScaler
 state, plus the torch RNG states) and `state.json` (step, data-loader state, python/numpy RNG, the run's
@@ -9,14 +9,18 @@ saves its own shards into `dcp/` (safetensors files whose metadata records each 
 pickle), and a run with any number of processes, FSDP or not, reads back the pieces it needs. Rank 0 writes
 the rest (`rng.safetensors`, `state.json`) and renames the folder into place once every rank is done.
 
-The fingerprint is everything that shapes the trajectory (model config, tokenizer, the optimisation params).
-Only a checkpoint with the same fingerprint is resumed; others belong to a different run and are removed
-when this run writes its first checkpoint, so a folder never mixes two runs.
+The fingerprint is everything that shapes the trajectory (model config, tokenizer, the optimisation params),
+and RUN is its hash: a run resumes only from its own folder, and prunes only its own checkpoints. Changing a
+param (lowering the lr after a divergence, a `dvc exp run -S`) starts afresh in a folder beside the others,
+which are never touched; `--resume-from STEP_FOLDER` goes on from any checkpoint (another run's, one written
+before this layout) with the params of this run, whose own checkpoints then go into a folder of their own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import random
 import re
 import shutil
@@ -29,8 +33,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from kiln.model.atomic import fsync_tree, replace_dir
-from kiln.pipeline.errors import UserError
+from kiln.model.atomic import fsync_tree, replace_dir, writing
+from kiln.model.checkpoint import first_non_finite
+from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.outputs import atomic_dir, exclusive, recover, write_json
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.distributed import SINGLE, World
@@ -43,32 +48,120 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 
 
+def _steps(folder: Path) -> list[Path]:
+    """The checkpoints directly in `folder`, oldest first."""
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if p.is_dir() and NAME.fullmatch(p.name))
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, float) or _is_int(v)) and math.isfinite(v)
+
+
+# state.json's fields as the loop and the RNGs need them: (check, what is expected). Fields beside them (extra)
+# are the loop's own and checked the same way when it reads them.
+STATE_FIELDS = {
+    "step": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "fingerprint": (lambda v: isinstance(v, dict), "an object"),
+    "param_groups": (lambda v: isinstance(v, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                           and all(map(_is_int, g["params"])) for g in v),
+                     "a list of objects with integer 'params'"),
+    "scaler": (lambda v: v is None or isinstance(v, dict), "an object or null"),
+    "loader": (lambda v: isinstance(v, dict), "an object"),
+    "rng_python": (lambda v: isinstance(v, list) and len(v) == 3 and _is_int(v[0]) and isinstance(v[1], list)
+                   and all(map(_is_int, v[1])) and (v[2] is None or _is_number(v[2])),
+                   "[version, [integers], gauss or null]"),
+    "rng_numpy": (lambda v: isinstance(v, list) and len(v) == 5 and isinstance(v[0], str)
+                  and isinstance(v[1], list) and all(map(_is_int, v[1])) and _is_int(v[2]) and _is_int(v[3])
+                  and _is_number(v[4]), "[name, [integers], pos, has_gauss, gauss]"),
+    "train_seconds": (lambda v: _is_number(v) and v >= 0, "a finite number >= 0"),
+    "train_loss": (_is_number, "a finite number"),
+}
+OPTIONAL = {"train_seconds", "train_loss"}
+
+
+def read_state(folder: Path) -> dict:
+    """`folder`/state.json, every field checked by type; UserError naming the file and field otherwise."""
+    path = Path(folder) / "state.json"
+    try:
+        state = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_refuse_constant)
+    except FileNotFoundError:
+        raise UserError(f"{path}: not found (expected a checkpoint folder holding state.json)") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise UserError(f"{path}: corrupt checkpoint (not JSON: {' '.join(str(e).split())[:120]}); move "
+                        f"{path.parent} away to go on") from None
+    if not isinstance(state, dict):
+        raise UserError(f"{path}: corrupt checkpoint (expected a JSON object, got {type(state).__name__})")
+    for key, (ok, expected) in STATE_FIELDS.items():
+        if key not in state and key in OPTIONAL:
+            continue
+        if key not in state or not ok(state[key]):
+            got = repr(state.get(key, "nothing"))
+            raise UserError(f"{path}: {key}: expected {expected}, got {got[:60]}")
+    return state
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def run_name(fingerprint: dict) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:12]
+
+
 class Checkpoints:
-    def __init__(self, root: Path, fingerprint: dict, keep: int, world: World = SINGLE):
-        self.root, self.fingerprint, self.keep, self.world = Path(root), fingerprint, keep, world
+    """The checkpoints of one run under `root`. `resume_from`: a checkpoint (of any run) to start from when this
+    run has none of its own yet. `command`: the CLI command that trains it, named in the advice when it stops."""
+
+    def __init__(self, root: Path, fingerprint: dict, keep: int, world: World = SINGLE,
+                 resume_from: Path | None = None, command: str | None = None):
+        self.root, self.keep, self.world, self.command = Path(root), keep, world, command
+        self.resume_from = None if resume_from is None else Path(resume_from)
+        if self.resume_from is not None:
+            origin = read_state(self.resume_from)
+            # A run continued from another's checkpoint is not the run these params start from scratch.
+            fingerprint = {**fingerprint, "resumed_from": {"run": run_name(origin["fingerprint"]),
+                                                           "step": origin["step"]}}
+        self.fingerprint = fingerprint
+        self.folder = self.root / run_name(fingerprint)
 
     def _all(self) -> list[Path]:
-        if not self.root.is_dir():
-            return []
-        return sorted(p for p in self.root.iterdir() if p.is_dir() and NAME.fullmatch(p.name))
-
-    def _state(self, path: Path) -> dict:
-        try:
-            return json.loads((path / "state.json").read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise UserError(f"{path / 'state.json'}: corrupt checkpoint ({e}); delete {path} to go on") from None
+        return _steps(self.folder)
 
     def latest(self) -> Path | None:
-        """The newest checkpoint of this run, or None to start from scratch."""
-        for path in reversed(self._all()):
-            if self._state(path).get("fingerprint") == self.fingerprint:
-                return path
-        return None
+        """The newest checkpoint of this run, else `resume_from`, else None to start from scratch."""
+        mine = self._all()
+        return mine[-1] if mine else self.resume_from
+
+    def others(self) -> list[Path]:
+        """The newest checkpoint of every other run under `root` (and any written directly in it), oldest first."""
+        if not self.root.is_dir():
+            return []
+        runs = [p for p in self.root.iterdir() if p.is_dir() and p != self.folder]
+        newest = [steps[-1] for steps in map(_steps, runs) if steps]
+        return sorted(newest + _steps(self.root)[-1:], key=lambda p: p.stat().st_mtime)
+
+    def advice(self) -> str:
+        """How to go on after this run stopped: the last good checkpoint, and that nothing will be deleted."""
+        kept = self.latest()
+        if kept is None:
+            return "No checkpoint was written; rerun with a lower learning rate (--set lr=...)."
+        again = f" or go on from it: {self.command} --set lr=<lower> --resume-from {kept}" if self.command else ""
+        return (f"Last good checkpoint: {kept}. Lower the learning rate (--set lr=...) to start afresh beside "
+                f"it{again}; no checkpoint is deleted.")
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler, loader_state: dict,
              extra: dict) -> Path:
         """Called by every rank of a run; `model` as the loop trains it (DDP- or FSDP-wrapped under torchrun)."""
-        final = step_dir(self.root, step)
+        final = step_dir(self.folder, step)
+        bad = self._non_finite(model)
+        if bad is not None:
+            raise StageError(f"{final}: not saved: {bad} holds NaN or infinite values. {self.advice()}")
         if distributed.is_sharded(model):
             return self._save_sharded(final, step, model, optimizer, scaler, loader_state, extra)
         if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: gather every rank's share on rank 0
@@ -95,28 +188,42 @@ class Checkpoints:
             self._remove_stale()
         distributed.barrier()
         tensors, param_groups = _sharded_state(model, optimizer)
-        dcp_save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp / SHARDED), save_distributed=True))
+        with writing(final):
+            dcp_save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp / SHARDED), save_distributed=True))
         distributed.barrier()
         if self.world.main:
-            save_file(_rng_tensors(), tmp / "rng.safetensors")
-            self._write_state(tmp, step, param_groups, scaler, loader_state, extra)
-            fsync_tree(tmp)
-            replace_dir(tmp, final)
+            with writing(final):
+                save_file(_rng_tensors(), tmp / "rng.safetensors")
+                self._write_state(tmp, step, param_groups, scaler, loader_state, extra)
+                fsync_tree(tmp)
+                replace_dir(tmp, final)
             self._rotate()
         distributed.barrier()
         return final
 
+    def _non_finite(self, model: torch.nn.Module) -> str | None:
+        """The first weight holding NaN or infinity, checked by every rank on what it holds (an FSDP rank its
+        shards, so the verdict is summed over ranks and every rank stops alike)."""
+        local = {name: t.to_local() if hasattr(t, "to_local") else t
+                 for name, t in distributed.unwrap(model).state_dict().items()}
+        bad = first_non_finite(local)
+        if distributed.is_sharded(model):
+            flag = torch.tensor([float(bad is not None)], device=next(iter(local.values())).device)
+            if distributed.total(flag).item() and bad is None:
+                bad = "a weight on another process"
+        return bad
+
     def _remove_stale(self) -> None:
         """Finish or undo the replace of a checkpoint that a kill interrupted, and drop its temp folders."""
-        for name in {p.name.split(".")[0] for p in self.root.glob("step_*.*-*")}:
-            recover(self.root / name)
+        for name in {p.name.split(".")[0] for p in self.folder.glob("step_*.*-*")}:
+            recover(self.folder / name)
 
     @contextmanager
     def lock(self) -> Iterator[None]:
         """This run's hold on the folder (rank 0 takes it): a second run on the same checkpoints refuses; what a
         killed save left is recovered first."""
         with exclusive(self.root):
-            if self.root.is_dir():
+            if self.folder.is_dir():
                 self._remove_stale()
             yield
 
@@ -135,22 +242,25 @@ class Checkpoints:
         })
 
     def _rotate(self) -> None:
-        mine = [p for p in self._all() if self._state(p).get("fingerprint") == self.fingerprint]
-        others = [p for p in self._all() if p not in mine]
-        for path in others + mine[:-self.keep]:
+        for path in self._all()[:-self.keep]:
             shutil.rmtree(path)
 
     def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> dict:
         """Restore everything saved at `path` into the live objects; return state.json."""
         from torch.distributed.checkpoint.api import CheckpointException
 
+        state = read_state(path)
+        if path.parent == self.folder and state["fingerprint"] != self.fingerprint:
+            raise UserError(f"{path / 'state.json'}: fingerprint: not the one its folder {self.folder} is named "
+                            "after; move the folder away to go on")
         try:
-            return self._load(path, model, optimizer, scaler)
-        except (OSError, SafetensorError, KeyError, ValueError, TypeError, CheckpointException) as e:
-            raise UserError(f"{path}: corrupt checkpoint ({type(e).__name__}: {e}); delete it to go on") from None
+            return self._load(path, state, model, optimizer, scaler)
+        except (OSError, SafetensorError, KeyError, ValueError, TypeError, RuntimeError, CheckpointException) as e:
+            reason = " ".join(f"{type(e).__name__}: {e}".split())  # one line, whatever the library wrote
+            raise UserError(f"{path}: corrupt checkpoint ({reason[:300]}); move it away to go on") from None
 
-    def _load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> dict:
-        state = self._state(path)
+    def _load(self, path: Path, state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              scaler) -> dict:
         if (path / SHARDED).is_dir():
             _load_sharded(path / SHARDED, model, optimizer)
             _set_rng(load_file(path / "rng.safetensors"), state)
@@ -166,18 +276,46 @@ class Checkpoints:
                             "resume it with train.parallel=ddp")
         weights = load_file(path / "model.safetensors")
         tensors = load_file(path / "optimizer.safetensors")
-        missing = set(_model_tensors(model)) ^ set(weights)
-        if missing:
-            raise UserError(f"{path / 'model.safetensors'}: tensors do not match the model ({sorted(missing)[:3]})")
+        want = {name: tuple(t.shape) for name, t in _model_tensors(model).items()}
+        got = {name: tuple(t.shape) for name, t in weights.items()}
+        if got != want:
+            wrong = sorted(set(got) ^ set(want)) or [n for n in want if got[n] != want[n]]
+            raise UserError(f"{path / 'model.safetensors'}: tensors do not match the model ({wrong[:3]})")
+        if (bad := first_non_finite(weights)) is not None:
+            raise UserError(f"{path / 'model.safetensors'}: {bad}: holds NaN or infinite values")
         # Tied weights are one Parameter stored under its first name, so loading it fills both uses.
         model.load_state_dict(weights, strict=False)
-        opt_state: dict[int, dict] = {}
-        for key, value in tensors.items():
-            if key.startswith("opt."):
-                _, pid, name = key.split(".", 2)
-                opt_state.setdefault(int(pid), {})[name] = value
-        optimizer.load_state_dict({"state": opt_state, "param_groups": state["param_groups"]})
+        groups, params = _param_groups(path, state["param_groups"], optimizer)
+        optimizer.load_state_dict({"state": _optimizer_state(path, tensors, params), "param_groups": groups})
         _set_rng(tensors, state)
+
+
+def _param_groups(path: Path, saved: list[dict], optimizer: torch.optim.Optimizer) -> tuple[list, dict]:
+    """The groups to load (the saved parameter numbering with this run's hyperparameters: after --resume-from
+    they may differ) and {saved number: the live parameter}."""
+    live = optimizer.param_groups
+    if [len(g.get("params", ())) for g in saved] != [len(g["params"]) for g in live]:
+        raise UserError(f"{path / 'state.json'}: param_groups: {len(saved)} groups of "
+                        f"{[len(g.get('params', ())) for g in saved]} parameters, this run's optimizer has "
+                        f"{[len(g['params']) for g in live]}")
+    groups = [{**old, **{k: v for k, v in new.items() if k != "params"}} for old, new in zip(saved, live)]
+    params = {number: param for old, new in zip(saved, live) for number, param in zip(old["params"], new["params"])}
+    return groups, params
+
+
+def _optimizer_state(path: Path, tensors: dict[str, torch.Tensor], params: dict) -> dict[int, dict]:
+    """{parameter number: {name: tensor}} from `opt.N.NAME` tensors, each moment shaped like its parameter."""
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if not key.startswith("opt."):
+            continue
+        _, number, name = key.split(".", 2)
+        param = params.get(int(number))
+        if param is None or (value.dim() and value.shape != param.shape):
+            raise UserError(f"{path / 'optimizer.safetensors'}: {key}: shape {tuple(value.shape)} fits no parameter "
+                            "of this model")
+        state.setdefault(int(number), {})[name] = value
+    return state
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:

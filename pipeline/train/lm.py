@@ -95,10 +95,11 @@ def total_steps(params: TrainParams) -> int:
 
 
 def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_dir: Path, curves_dir: Path,
-             name: str) -> tuple[GPT, dict]:
+             name: str, resume_from: Path | None = None, command: str | None = None) -> tuple[GPT, dict]:
     """Next-token training of a fresh model on `data` with the one loop; the pretrain stage and every run of the
     scaling sweep go through here, so they share the data order, the schedule and the evaluation. Under
-    torchrun every rank calls it; the model it returns is then wrapped (see `distributed.full_state_dict`)."""
+    torchrun every rank calls it; the model it returns is then wrapped (see `distributed.full_state_dict`).
+    `resume_from` and `command`: see `Checkpoints`."""
     seq_len = config.max_seq_len
     world = distributed.from_env()
     torch.manual_seed(params.seed)  # every rank builds the same initial weights
@@ -113,7 +114,7 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
                              world_size=world.size),
         evaluate=lambda m: evaluate_lm(m, data.val, data.bytes_per_token, params.batch_size, seq_len,
                                        params.eval_tokens, params.precision, world),
-        checkpoints=Checkpoints(checkpoint_dir, fingerprint, params.keep_checkpoints, world),
+        checkpoints=Checkpoints(checkpoint_dir, fingerprint, params.keep_checkpoints, world, resume_from, command),
         curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name=name, world=world,
     )
     processes = f" x {world.size} processes ({params.parallel})" if world.size > 1 else ""

@@ -190,13 +190,16 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
         run.batches.load_state_dict(state["loader"])
         step, seconds_before, loss = state["step"], state.get("train_seconds", 0.0), state.get("train_loss", loss)
         console.print(f"{run.name}: resuming from {latest} (step {step})", highlight=False)
+    elif world.main and (others := run.checkpoints.others()):
+        console.print(f"{run.name}: no checkpoint of these params in {run.checkpoints.root}, only of others (newest "
+                      f"{others[-1]}); starting afresh beside them, and they stay"
+                      + (" (--resume-from one of them goes on from it with these params)"
+                         if run.checkpoints.command else ""), highlight=False)
     forward = torch.compile(model) if params.compile else model
     take_step = Step(model, forward, optimizer, scaler, run.loss_fn, accum, params, device)
 
     def stop(loss: float) -> None:
-        kept = run.checkpoints.latest()
-        raise StageError(f"{run.name}: loss is {loss} at step {step + 1}; stopped. "
-                         f"Last good checkpoint: {kept or 'none'} (lower train.lr or use bf16/fp32)")
+        raise StageError(f"{run.name}: loss is {loss} at step {step + 1}; stopped. {run.checkpoints.advice()}")
 
     curves = Curves(run.curves_dir, step, write=world.main)
     peak, _ = peak_flops(device, params.precision)
@@ -225,7 +228,7 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
                 timer_tokens, timer_start = 0, time.perf_counter()
             progress.advance(1)
             if step % params.eval_every == 0 or step == run.total_steps:
-                last_eval = run.evaluate(model)
+                last_eval = evaluate(run, model, step)
                 curves.add(step, {k: round(v, 5) for k, v in last_eval.items()})
                 model.train()
             if step % params.checkpoint_every == 0 or step == run.total_steps:
@@ -233,7 +236,7 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
                                      {"train_seconds": seconds_before + time.perf_counter() - start,
                                       "train_loss": loss})
     if not last_eval:  # resumed from the final checkpoint: nothing trained, but the metrics still need it
-        last_eval = run.evaluate(model)
+        last_eval = evaluate(run, model, step)
     curves.end()
     seconds = seconds_before + time.perf_counter() - start
     tokens = step * tokens_per_step
@@ -244,6 +247,16 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
     if peak:
         result["mfu"] = round(run.flops_per_token * tps / (peak * world.size), 5)
     result["peak_memory_gb"] = round(peak_memory_bytes(device) / 1e9, 3)
+    return result
+
+
+def evaluate(run: Run, model: torch.nn.Module, step: int) -> dict:
+    """run.evaluate, refusing a non-finite result: a NaN validation loss means the model is broken, not a metric."""
+    result = run.evaluate(model)
+    bad = [k for k, v in result.items() if not math.isfinite(v)]
+    if bad:
+        raise StageError(f"{run.name}: {bad[0]} is {result[bad[0]]} at step {step}; stopped. "
+                         f"{run.checkpoints.advice()}")
     return result
 
 

@@ -34,7 +34,8 @@ PANELS = [Panel("loss", "cross-entropy (nats/token)", {"loss": "train", "val_los
 
 
 def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, tokenizer_path: Path,
-             out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, size_file: Path = layout.SIZE) -> dict:
+             out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, size_file: Path = layout.SIZE,
+             resume_from: Path | None = None) -> dict:
     if distributed.from_env().main:  # rank 0 alone writes, so it alone repairs what a killed write left
         recover(out_dir)
     data = LMData.load(shards_dir, tokenizer_path)
@@ -48,7 +49,7 @@ def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, t
                                                       "d_model", "tokens")}}
     else:
         config = model_params.config(data.train.vocab_size)
-    model, result = train_lm(config, params, data, checkpoint_dir, CURVES_DIR, "pretrain")
+    model, result = train_lm(config, params, data, checkpoint_dir, CURVES_DIR, "pretrain", resume_from, "kiln pretrain")
     weights = distributed.full_state_dict(model)
     if not distributed.from_env().main:
         return result
