@@ -17,7 +17,8 @@ RoPE, flash attention (training and prefill without a cache) and the fused LM he
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+import os
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -29,6 +30,9 @@ from kiln.kernels.backend import BACKENDS, use_triton
 
 ARCHS = ("llama", "gpt2")
 REDUCTIONS = ("mean", "sum", "none")
+# fp32 weights; training adds their gradients and AdamW's two moments (activations come on top, by batch).
+BYTES_PER_PARAM = {"for its weights": 4, "to train": 16}
+SIZE_FIELDS = ("n_layer", "d_model", "d_ff", "vocab_size", "max_seq_len")
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -78,6 +82,9 @@ class ModelConfig:
             # bool is an int in Python; a `true` where a size belongs is a typo, not a 1.
             if not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
                 raise ValueError(f"{f.name}: expected {f.type}, got {value!r}")
+        for name in ("rope_theta", "norm_eps", "dropout"):  # config.json may hold NaN or Infinity
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name}: must be a finite number, got {getattr(self, name)}")
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len", "rope_theta",
                      "norm_eps"):
             if not getattr(self, name) > 0:
@@ -99,6 +106,40 @@ class ModelConfig:
             raise ValueError("tie_embeddings: gpt2 always ties the LM head to the token embedding")
         return self
 
+    def num_params(self, embeddings: bool = True) -> int:
+        """What `GPT(self).num_params(embeddings)` counts, from the shape alone: nothing is built, so it is
+        instant for any size (the scaling sweep sizes models by it, the memory check below refuses by it)."""
+        d, inner, kv, f = self.d_model, self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.ffn_dim
+        gpt2 = self.arch == "gpt2"
+        norm = 2 * d if gpt2 else d  # LayerNorm has a bias, RMSNorm only a gain
+        attn = 2 * d * inner + 2 * d * kv + (inner + 2 * kv + d if gpt2 else 0)
+        mlp = 2 * d * f + (f + d if gpt2 else d * f)  # gpt2: up + down with biases; llama: gate, up, down
+        n = self.n_layer * (attn + mlp + 2 * norm) + norm
+        if not self.tie_embeddings:
+            n += self.padded_vocab_size * d  # the LM head
+        if embeddings:
+            n += self.padded_vocab_size * d + (self.max_seq_len * d if gpt2 else 0)
+        return n
+
+    def memory_bytes(self, need: str) -> int:
+        """Bytes the model needs `for its weights` or `to train` (see BYTES_PER_PARAM), with the rotary tables."""
+        rope = self.max_seq_len * self.head_dim * 4 if self.arch == "llama" else 0
+        return self.num_params() * BYTES_PER_PARAM[need] + rope
+
+    def check_fits(self, device: torch.device | str, need: str = "for its weights",
+                   names: tuple[str, ...] = SIZE_FIELDS) -> ModelConfig:
+        """Raise ValueError if the model cannot fit in `device`'s free memory, before anything is allocated: a
+        typo such as n_layer=1e9 would otherwise hang building a billion layers, or ask for petabytes. The
+        error names the field among `names` whose default would shrink the estimate most; return self."""
+        want, have = self.memory_bytes(need), memory_available(device)
+        if want <= have:
+            return self
+        defaults = ModelConfig(vocab_size=256)
+        name = min(names, key=lambda k: replace(self, **{k: getattr(defaults, k)}).memory_bytes(need))
+        where = "this machine" if torch.device(device).type in ("cpu", "meta") else str(device)
+        raise ValueError(f"{name}={getattr(self, name)}: the model needs ~{_human(want)} {need} "
+                         f"({BYTES_PER_PARAM[need]} bytes per parameter), {where} has {_human(have)} free")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -112,7 +153,33 @@ class ModelConfig:
             raise ValueError(f"unknown ModelConfig keys: {', '.join(unknown)}")
         if "vocab_size" not in d:
             raise ValueError("vocab_size: missing")
-        return cls(**d).check()
+        return cls(**d).check().check_fits("cpu")  # a saved model is loaded on the host first
+
+
+def memory_available(device: torch.device | str) -> int:
+    """Free bytes on `device`: CUDA's own count, else the host's available RAM (a meta tensor is a model that
+    will be materialised on the host). MemAvailable counts the page cache the kernel would give back; where
+    /proc/meminfo is missing (macOS), the physical RAM is the bound."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _human(n: int) -> str:
+    n = float(min(n, 10**300))  # a shape of 10**400 layers is still an error message, not an OverflowError
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if n < 1000:
+            return f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:.3g} EB"
 
 
 class KVCache:
@@ -315,7 +382,7 @@ class GPT(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.config = config.check()
+        self.config = config.check().check_fits(torch.get_default_device())
         c = config
         self.tok_emb = nn.Embedding(c.padded_vocab_size, c.d_model)
         self.pos_emb = nn.Embedding(c.max_seq_len, c.d_model) if c.arch == "gpt2" else None

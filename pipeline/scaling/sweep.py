@@ -75,7 +75,7 @@ def plan(scaling: ScalingParams, model: ModelParams, vocab_size: int, tokenizer_
     for budget in sorted(set(scaling.budgets)):
         for depth in sorted(set(scaling.depths)):
             try:
-                config = model.config(vocab_size, **scaling.shape(depth)).check()
+                config = model.config(vocab_size, **scaling.shape(depth)).check().check_fits("cpu", "to train")
             except ValueError as e:
                 raise UserError(f"params: scaling.depths: depth {depth} gives a bad model ({e})") from None
             n, n_non_embedding = count_params(config)
