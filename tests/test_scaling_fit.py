@@ -175,6 +175,7 @@ GOOD = [(n, d, 3.0 + i * 0.01) for i, (n, d) in enumerate(
     ("negative params", "params = -5"),
     ("nan loss", "loss = NaN"),
     ("too few points", "fewer than the 5 parameters"),
+    ("loss rises with N", "loss must fall with both N and D"),
     ("not json", "not valid JSON"),
     ("not a number", "'abc' is not a number"),
 ])
@@ -189,6 +190,10 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, case, expected):
         path = bad_csv(tmp_path, GOOD + [(1e6, 1e9, "nan")])
     elif case == "too few points":
         path = bad_csv(tmp_path, GOOD[:4])
+    elif case == "loss rises with N":  # no compute-optimal split exists; before, a complex N_opt and a traceback
+        rng = np.random.default_rng(0)
+        n, d = np.exp(rng.uniform(14, 20, 12)), np.exp(rng.uniform(20, 25, 12))
+        path = bad_csv(tmp_path, zip(n, d, 1 + 0.01 * n ** 0.2 + 0.01 * d ** 0.1))
     elif case == "not json":
         path = tmp_path / "runs.json"
         path.write_text("[{not json")
@@ -242,3 +247,13 @@ def test_grid_fit_says_both_approaches():
     assert iso["unused"] is None and iso["a"] is not None
     one = isoflop_fit(isoflop_runs(budgets=(1e18,), per_budget=5))
     assert one["a"] is None and "no IsoFLOP grid" in one["unused"] and "found 1 among 1 budgets" in one["unused"]
+
+
+@pytest.mark.parametrize("flops", [1e15, 1e21, 1e25])
+def test_compute_optimal_is_the_minimum_along_the_isoflop_line(flops):
+    # Independently of the closed form: the smallest L(N, C/6N) on a fine grid of log N, in float64 numpy.
+    n = np.exp(np.linspace(math.log(1e3), math.log(1e14), 200_001))
+    loss = TRUE["E"] + TRUE["A"] / n ** TRUE["alpha"] + TRUE["B"] / (flops / (6 * n)) ** TRUE["beta"]
+    n_opt, d_opt, loss_opt = compute_optimal(TRUE, flops)
+    assert n_opt == pytest.approx(n[np.argmin(loss)], rel=1e-3)
+    assert 6 * n_opt * d_opt == pytest.approx(flops) and loss_opt == pytest.approx(loss.min(), rel=1e-9)

@@ -32,7 +32,7 @@ import torch
 
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import atomic_write_bytes, write_json
-from kiln.pipeline.scaling.laws import PARAM_NAMES, compute_optimal, predict
+from kiln.pipeline.scaling.laws import PARAM_NAMES, compute_optimal, has_optimum, predict
 from kiln.pipeline.train.curves import pyplot, save_png
 
 HUBER_DELTA = 1e-3
@@ -272,6 +272,10 @@ def scaling_fit(runs_path: Path, out: Path, target_flops: float | None = None, p
     if iso["unused"]:
         result["isoflop_unused"] = iso["unused"]
     if target_flops is not None:
+        if not has_optimum(fitted):
+            raise UserError(f"{runs.source}: the fitted law has " + ", ".join(f"{k} = {fitted[k]:.4g}" for k in
+                            PARAM_NAMES) + "; loss must fall with both N and D (A, B, alpha, beta > 0) for a "
+                            "compute-optimal split: are these the final losses of comparable runs?")
         n_opt, d_opt, loss_opt = compute_optimal(fitted, target_flops)
         result |= {"target_flops": target_flops, "n_opt": n_opt, "d_opt": d_opt, "predicted_loss": float(loss_opt)}
         if iso["a"] is not None:
