@@ -4,28 +4,44 @@ Every document is NFC-normalised, dropped if empty or an exact duplicate of an e
 val when a hash of its text falls below `data.val_fraction`. The split depends on the text alone, so adding
 documents to the corpus never moves an existing one from train to val or back, and a duplicate can never sit
 on both sides.
+
+The work is parallel and streaming: `data.workers` processes each read and clean one unit of the source at a
+time (a file, a row group, a run of lines: sources.py) and hand back its documents with their hashes; this
+process takes the units in corpus order, so it alone decides what is a duplicate and where a cap stops, and
+appends rows to the parquet files a row group at a time. The output is the same for any number of workers.
+Memory holds a window of units in flight and one 16-byte hash per kept document (for exact deduplication,
+about 100 bytes a document in a Python set: 1.5 GB for 15M documents), never the corpus.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import multiprocessing
+import os
 import time
 import unicodedata
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kiln.pipeline import layout
-from kiln.pipeline.errors import UserError
+from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.outputs import atomic_dir, write_metrics
 from kiln.pipeline.progress import Progress
 from kiln.pipeline.text.corpus import SPLITS, SURROGATE
-from kiln.pipeline.text.sources import DataParams, DecodeStats, Document, read_documents
+from kiln.pipeline.text.sources import DataParams, DecodeStats, Document, Unit, plan_units
 
 SCHEMA = pa.schema([("text", pa.string()), ("source", pa.string())])
-ROWS_PER_WRITE = 1024
+ROWS_PER_WRITE = 1024  # rows per parquet row group
+KEY_BYTES = 16
 
 
 def split_of(data: bytes, val_fraction: float) -> str:
@@ -51,66 +67,149 @@ def valid_unicode(doc: Document, decode_errors: str, stats: DecodeStats) -> str:
 
 
 @dataclass
+class Cleaned:
+    """One unit's documents, cleaned, in order, with what the deciding process needs about each.
+
+    An error met partway keeps the documents before it: a cap reached among them ends the run as if the files
+    had been read one document at a time, and the error counts only when the run gets past them."""
+
+    table: pa.Table  # text, source
+    empty: list[bool] = field(default_factory=list)
+    key: list[bytes] = field(default_factory=list)  # dedupe hash of the UTF-8 text (empty: b"")
+    size: list[int] = field(default_factory=list)  # UTF-8 bytes
+    val: list[bool] = field(default_factory=list)
+    replaced: list[int] = field(default_factory=list)  # replacement characters put into this document
+    error: UserError | None = None
+
+
+def clean(unit: Unit, params: DataParams) -> Cleaned:
+    """A worker's job: read one unit, normalise and hash each document."""
+    stats, texts, sources, out = DecodeStats(), [], [], Cleaned(SCHEMA.empty_table())
+    replaced = 0
+    try:
+        for doc in unit.documents(params.text_field, params.decode_errors, stats):
+            text = unicodedata.normalize("NFC", valid_unicode(doc, params.decode_errors, stats))
+            data = text.encode("utf-8")
+            empty = not text.strip()
+            texts.append(text)
+            sources.append(doc.source)
+            out.empty.append(empty)
+            out.key.append(b"" if empty else hashlib.blake2b(data, digest_size=KEY_BYTES).digest())
+            out.size.append(len(data))
+            out.val.append(split_of(data, params.val_fraction) == "val")
+            out.replaced.append(stats.replaced - replaced)
+            replaced = stats.replaced
+    except UserError as e:
+        out.error = e
+    out.table = pa.table({"text": texts, "source": sources}, SCHEMA)
+    return out
+
+
+def ordered_map(fn: Callable, items: Iterable, workers: int) -> Iterator:
+    """`map(fn, items)` on `workers` processes, results in order, at most two per worker in flight: a fast
+    reader never runs ahead of the slow writer by more than that, so memory stays flat."""
+    items = iter(items)
+    head = list(itertools.islice(items, 2))
+    if workers == 1 or len(head) < 2:  # one unit cannot be shared: no processes to start
+        yield from map(fn, itertools.chain(head, items))
+        return
+    items = itertools.chain(head, items)
+    # forkserver, not fork: this process may already run pyarrow's threads, which a fork would copy mid-lock.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        pending: deque = deque()
+        try:
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        except BrokenProcessPool:
+            raise StageError("prepare: a worker process died (killed, or out of memory); lower data.workers "
+                             "or free memory and run again") from None
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+@dataclass
 class SplitWriter:
-    """Buffers rows and appends them to one parquet file."""
+    """Appends rows to one parquet file in row groups of exactly ROWS_PER_WRITE rows (the last one shorter)."""
 
     path: Path
     documents: int = 0
     bytes: int = 0
-    _rows: list[Document] = field(default_factory=list)
+    _pending: list[pa.Table] = field(default_factory=list)
+    _pending_rows: int = 0
     _writer: pq.ParquetWriter | None = None
 
-    def add(self, doc: Document, size: int) -> None:
-        self._rows.append(doc)
-        self.documents += 1
+    def add(self, rows: pa.Table, size: int) -> None:
+        self._pending.append(rows)
+        self._pending_rows += rows.num_rows
+        self.documents += rows.num_rows
         self.bytes += size
-        if len(self._rows) >= ROWS_PER_WRITE:
-            self.flush()
-
-    def flush(self) -> None:
-        if self._writer is None:
-            self._writer = pq.ParquetWriter(self.path, SCHEMA, compression="zstd")
-        if self._rows:
-            table = pa.table({"text": [d.text for d in self._rows], "source": [d.source for d in self._rows]}, SCHEMA)
-            self._writer.write_table(table)
-            self._rows.clear()
+        while self._pending_rows >= ROWS_PER_WRITE:
+            self._write(ROWS_PER_WRITE)
 
     def close(self) -> None:
-        self.flush()
+        if self._pending_rows or self._writer is None:
+            self._write(self._pending_rows)
         self._writer.close()
+
+    def _write(self, n: int) -> None:
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, SCHEMA, compression="zstd")
+        rows = pa.concat_tables(self._pending).combine_chunks() if self._pending \
+            else SCHEMA.empty_table()
+        if n:
+            self._writer.write_table(rows.slice(0, n))
+        rest = rows.slice(n)
+        self._pending, self._pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
 
 
 def prepare(params: DataParams, out_dir: Path = layout.CORPUS) -> dict:
     stats = DecodeStats()
     seen: set[bytes] = set()
-    duplicates = empty = kept_bytes = 0
+    duplicates = empty = kept = kept_bytes = 0
     start = time.perf_counter()
+    workers = params.workers or os.cpu_count() or 1
+    units = plan_units(params)
     with atomic_dir(out_dir) as tmp, Progress("prepare", unit="docs", total=params.max_docs) as progress:
         writers = {split: SplitWriter(tmp / f"{split}.parquet") for split in SPLITS}
-        kept = 0
-        for doc in read_documents(params, stats):
-            text = unicodedata.normalize("NFC", valid_unicode(doc, params.decode_errors, stats))
-            if not text.strip():
-                empty += 1
-                continue
-            data = text.encode("utf-8")
-            key = hashlib.blake2b(data, digest_size=16).digest()
-            if key in seen:
-                duplicates += 1
-                continue
-            size = len(data)
-            if params.max_bytes is not None and kept_bytes + size > params.max_bytes:
-                if not kept:
-                    raise UserError(f"params: data.max_bytes={params.max_bytes}: smaller than the first document "
-                                    f"({size} bytes)")
+        for unit in ordered_map(partial(clean, params=params), units, workers):
+            keep, done = [], False
+            for i, is_empty in enumerate(unit.empty):
+                stats.replaced += unit.replaced[i]
+                if is_empty:
+                    empty += 1
+                    continue
+                if unit.key[i] in seen:
+                    duplicates += 1
+                    continue
+                size = unit.size[i]
+                if params.max_bytes is not None and kept_bytes + size > params.max_bytes:
+                    if not kept:
+                        raise UserError(f"params: data.max_bytes={params.max_bytes}: smaller than the first "
+                                        f"document ({size} bytes)")
+                    done = True
+                    break
+                seen.add(unit.key[i])
+                keep.append(i)
+                kept += 1
+                kept_bytes += size
+                if params.max_docs is not None and kept >= params.max_docs:
+                    done = True
+                    break
+            for split in SPLITS:
+                rows = [i for i in keep if unit.val[i] == (split == "val")]
+                writers[split].add(unit.table.take(pa.array(rows, pa.int64())), sum(unit.size[i] for i in rows))
+            progress.advance(len(keep), bytes=sum(unit.size[i] for i in keep))
+            if done:
                 break
-            seen.add(key)
-            writers[split_of(data, params.val_fraction)].add(Document(doc.source, text), size)
-            kept += 1
-            kept_bytes += size
-            progress.advance(1, bytes=size)
-            if params.max_docs is not None and kept >= params.max_docs:
-                break
+            if unit.error is not None:
+                raise unit.error
         for writer in writers.values():
             writer.close()
         if kept == 0:

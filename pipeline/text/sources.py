@@ -1,7 +1,10 @@
 """Where raw documents come from: the built-in Shakespeare corpus, a Hugging Face dataset, or local files.
 
-Each reader yields `Document(source, text)` lazily, so a capped run (`data.max_docs`, `data.max_bytes`) reads
-no more than it keeps and a large corpus never has to fit in memory.
+A source is planned as a stream of work units that a worker process reads on its own, in corpus order: a
+Shakespeare play, a .txt file (one document), a run of whole lines of a .jsonl file (about `JSONL_UNIT_BYTES`),
+a parquet row group, or a batch of rows from an `hf:` stream (which only one process can read). Planning reads
+no text (a parquet footer, a seek to the next line end), so the stage can start work at once, and a unit is
+small enough that memory depends on the number of workers, never on the size of the corpus.
 
 The Shakespeare texts are cut into one document per scene (front matter and poems stay whole). Whole plays
 would give only 42 documents, so a 5 % validation split would be two plays and the split could not say
@@ -15,11 +18,12 @@ import configparser
 import glob
 import itertools
 import json
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 from kiln.pipeline.config import Section
 from kiln.pipeline.errors import UserError
@@ -37,6 +41,7 @@ class DataParams(Section):
     max_bytes: int | None = None
     # `strict` stops at the first byte that is not UTF-8; `replace` keeps going and counts the replacements.
     decode_errors: str = "strict"
+    workers: int = 0  # processes reading and cleaning documents, 0 = every core
 
     def check(self) -> None:
         if not self.source.strip():
@@ -48,6 +53,8 @@ class DataParams(Section):
                 raise self.bad(name, "a positive integer or null")
         if self.decode_errors not in ("strict", "replace"):
             raise self.bad("decode_errors", "'strict' or 'replace'")
+        if self.workers < 0:
+            raise self.bad("workers", "0 (every core) or a positive integer")
 
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -55,6 +62,10 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 HEADING = re.compile(r"^[ \t]*(?:act|scene)[ \t]+(?:[ivxlc]+|\d+)\b", re.IGNORECASE | re.MULTILINE)
 # Pieces shorter than this are headings with no scene yet; they open the next piece instead.
 MIN_PIECE_CHARS = 200
+# A unit of a .jsonl file: big enough that planning and pickling cost nothing beside the work, small enough that
+# a window of them in flight is a few hundred MB.
+JSONL_UNIT_BYTES = 32 << 20
+HF_UNIT_ROWS = 2048
 
 
 @dataclass(frozen=True)
@@ -68,21 +79,39 @@ class DecodeStats:
     replaced: int = 0  # U+FFFD characters put in place of bytes that were not UTF-8
 
 
-def read_documents(params: DataParams, stats: DecodeStats) -> Iterator[Document]:
+class Unit(Protocol):
+    """A piece of the corpus one worker reads: `documents` yields its documents in order."""
+
+    def documents(self, text_field: str, decode_errors: str, stats: DecodeStats) -> Iterator[Document]: ...
+
+
+def plan_units(params: DataParams) -> Iterator[Unit]:
+    """The source's units in corpus order; a bad source (no file, unknown scheme, no such column) is refused
+    before the first unit."""
     source = params.source
     if source == "shakespeare":
-        return shakespeare_documents()
+        return shakespeare_units()
     if source.startswith("hf:"):
-        return hf_documents(source[3:], params.split, params.text_field)
+        return hf_units(source[3:], params.split, params.text_field)
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", source) and not Path(source).exists():
         raise UserError(
             f"params: data.source={source!r}: unknown scheme (expected 'shakespeare', 'hf:<dataset>[:<config>]' "
             "or a local path or glob)"
         )
-    return local_documents(source, params.text_field, params.decode_errors, stats)
+    return local_units(source, params.text_field)
 
 
-def shakespeare_documents() -> Iterator[Document]:
+@dataclass(frozen=True)
+class Play:
+    path: str
+    title: str
+
+    def documents(self, text_field, decode_errors, stats):
+        for piece in split_scenes(Path(self.path).read_text(encoding="utf-8")):
+            yield Document(self.title, piece)
+
+
+def shakespeare_units() -> Iterator[Unit]:
     try:
         from importlib.resources import files
 
@@ -95,9 +124,7 @@ def shakespeare_documents() -> Iterator[Document]:
     meta.read_string((texts / "metadata.txt").read_text(encoding="utf-8"))
     for path in sorted(p for p in texts.iterdir() if p.name.endswith("_gut.txt")):
         key = path.name[: -len(".txt")]
-        title = meta.get(key, "title", fallback=key)
-        for piece in split_scenes(path.read_text(encoding="utf-8")):
-            yield Document(title, piece)
+        yield Play(str(path), meta.get(key, "title", fallback=key))
 
 
 def split_scenes(text: str) -> list[str]:
@@ -119,7 +146,17 @@ def split_scenes(text: str) -> list[str]:
     return pieces
 
 
-def hf_documents(spec: str, split: str, text_field: str) -> Iterator[Document]:
+@dataclass(frozen=True)
+class Rows:
+    """Documents already read (an `hf:` stream has one reader)."""
+
+    rows: tuple[Document, ...]
+
+    def documents(self, text_field, decode_errors, stats):
+        return iter(self.rows)
+
+
+def hf_units(spec: str, split: str, text_field: str) -> Iterator[Unit]:
     """`hf:<dataset>[:<config>]` through `datasets`, streamed; `<dataset>` may also be a local folder."""
     import datasets
 
@@ -134,28 +171,35 @@ def hf_documents(spec: str, split: str, text_field: str) -> Iterator[Document]:
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(f"params: data.source=hf:{spec} (split {split!r}): {message}") from None
     if first is None:
-        return
+        return iter(())
     if text_field not in first:
         raise UserError(
             f"params: data.text_field={text_field!r}: not a column of hf:{spec} (columns: {', '.join(first)})"
         )
     label = f"hf:{spec}"
-    for row in itertools.chain([first], rows):
-        yield Document(label, _text(row[text_field], label, text_field))
+    documents = (Document(label, _text(row[text_field], label, text_field)) for row in itertools.chain([first], rows))
+
+    def units():
+        while rows := tuple(itertools.islice(documents, HF_UNIT_ROWS)):
+            yield Rows(rows)
+
+    return units()
 
 
-def local_documents(pattern: str, text_field: str, decode_errors: str, stats: DecodeStats) -> Iterator[Document]:
+def local_units(pattern: str, text_field: str) -> Iterator[Unit]:
     paths = _expand(pattern)
     for path in paths:
         if path.suffix not in LOCAL_SUFFIXES:
             raise UserError(f"{path}: unsupported file type (expected {', '.join(LOCAL_SUFFIXES)})")
-    for path in paths:
-        if path.suffix == ".txt":
-            yield Document(str(path), _decode(path, path.read_bytes(), decode_errors, stats))
-        elif path.suffix == ".jsonl":
-            yield from _jsonl_documents(path, text_field, decode_errors, stats)
-        else:
-            yield from _parquet_documents(path, text_field)
+    return itertools.chain.from_iterable(_file_units(path, text_field) for path in paths)
+
+
+def _file_units(path: Path, text_field: str) -> Iterator[Unit]:
+    if path.suffix == ".txt":
+        return iter([TextFile(str(path))])
+    if path.suffix == ".jsonl":
+        return _jsonl_units(path)
+    return _parquet_units(path, text_field)
 
 
 def _expand(pattern: str) -> list[Path]:
@@ -171,48 +215,127 @@ def _expand(pattern: str) -> list[Path]:
     return sorted(paths)
 
 
-def _decode(path: Path, data: bytes, decode_errors: str, stats: DecodeStats) -> str:
+class NotUTF8(ValueError):
+    """Bytes that are not UTF-8, with the message that says where in them (the caller says which file)."""
+
+
+def _decode(data: bytes, decode_errors: str, stats: DecodeStats) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
         if decode_errors == "strict":
-            raise UserError(
-                f"{path}: not UTF-8 (byte {e.start}: {data[e.start:e.start + 1]!r}); "
-                "convert it, or set data.decode_errors=replace"
-            ) from None
+            raise NotUTF8(f"not UTF-8 (byte {e.start}: {data[e.start:e.start + 1]!r}); "
+                          "convert it, or set data.decode_errors=replace") from None
     text = data.decode("utf-8", errors="replace")
     # U+FFFD that were already in the file (as valid UTF-8) are not replacements.
     stats.replaced += text.count("\ufffd") - data.count("\ufffd".encode())
     return text
 
 
-def _jsonl_documents(path: Path, text_field: str, decode_errors: str, stats: DecodeStats) -> Iterator[Document]:
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+@dataclass(frozen=True)
+class TextFile:
+    path: str
+
+    def documents(self, text_field, decode_errors, stats):
+        try:
+            yield Document(self.path, _decode(Path(self.path).read_bytes(), decode_errors, stats))
+        except NotUTF8 as e:
+            raise UserError(f"{self.path}: {e}") from None
+
+
+@dataclass(frozen=True)
+class JsonlLines:
+    """The lines of a .jsonl file that start in bytes [start, end)."""
+
+    path: str
+    start: int
+    end: int
+
+    def documents(self, text_field, decode_errors, stats):
+        with open(self.path, "rb") as f:
+            f.seek(self.start)
+            data = f.read(self.end - self.start)
+        for i, raw in enumerate(data.split(b"\n")):
             if not raw.strip():
                 continue
-            line = _decode(Path(f"{path}:{lineno}"), raw, decode_errors, stats)
             try:
-                row = json.loads(line)
+                row = json.loads(_decode(raw, decode_errors, stats))
+            except NotUTF8 as e:
+                raise UserError(f"{self.path}:{self._line(i)}: {e}") from None
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                raise UserError(f"{self.path}:{self._line(i)}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict) or text_field not in row:
-                raise UserError(f"{path}:{lineno}: no field {text_field!r} (data.text_field)")
-            yield Document(str(path), _text(row[text_field], f"{path}:{lineno}", text_field))
+                raise UserError(f"{self.path}:{self._line(i)}: no field {text_field!r} (data.text_field)")
+            yield Document(self.path, _text(row[text_field], f"{self.path}:{self._line(i)}", text_field))
+
+    def _line(self, index: int) -> int:
+        """The file's line number of this unit's line `index`, counted only when an error needs it."""
+        with open(self.path, "rb") as f:
+            return sum(block.count(b"\n") for block in _blocks(f, self.start)) + index + 1
 
 
-def _parquet_documents(path: Path, text_field: str) -> Iterator[Document]:
+def _blocks(f, size: int, block: int = 1 << 20) -> Iterator[bytes]:
+    while size > 0 and (data := f.read(min(block, size))):
+        size -= len(data)
+        yield data
+
+
+def _jsonl_units(path: Path) -> Iterator[Unit]:
+    """Runs of about JSONL_UNIT_BYTES ending at a line end: a seek and the rest of one line each."""
+    with open(path, "rb") as f:
+        size, start = os.fstat(f.fileno()).st_size, 0
+        while start < size:
+            f.seek(start + JSONL_UNIT_BYTES)
+            f.readline()
+            end = min(f.tell(), size)
+            yield JsonlLines(str(path), start, end)
+            start = end
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    path: str
+    index: int
+
+    def documents(self, text_field, decode_errors, stats):
+        import pyarrow.parquet as pq
+
+        try:
+            column = pq.ParquetFile(self.path).read_row_group(self.index, columns=[text_field]).column(0)
+            values = column.to_pylist()
+        except Exception as e:  # pyarrow raises ArrowInvalid, ArrowIOError, OSError... for damaged pages
+            raise UserError(f"{self.path}: row group {self.index} is unreadable, the file is corrupt or "
+                            f"truncated ({_first_line(e)})") from None
+        for value in values:
+            yield Document(self.path, _text(value, self.path, text_field))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A file found unreadable while planning: the error is raised where its documents would have been, so a
+    capped run that stops before it never sees it, as when the files were read one by one."""
+
+    message: str
+
+    def documents(self, text_field, decode_errors, stats):
+        raise UserError(self.message)
+
+
+def _parquet_units(path: Path, text_field: str) -> Iterator[Unit]:
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # pyarrow.ArrowInvalid and OSError both mean "not a parquet file"
-        raise UserError(f"{path}: not a readable parquet file ({e})") from None
-    if text_field not in pf.schema_arrow.names:
-        raise UserError(f"{path}: no column {text_field!r} (data.text_field; columns: {', '.join(pf.schema_arrow.names)})")
-    for batch in pf.iter_batches(columns=[text_field], batch_size=1024):
-        for value in batch.column(0).to_pylist():
-            yield Document(str(path), _text(value, str(path), text_field))
+        return iter([Refusal(f"{path}: not a readable parquet file ({_first_line(e)})")])
+    names = pf.schema_arrow.names
+    if text_field not in names:
+        return iter([Refusal(f"{path}: no column {text_field!r} (data.text_field; columns: {', '.join(names)})")])
+    return iter([RowGroup(str(path), i) for i in range(pf.num_row_groups)])
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _text(value, where: str, text_field: str) -> str:

@@ -23,6 +23,7 @@ import hashlib
 import importlib.util
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -51,6 +52,8 @@ class TokenizerParams(Section):
     # `gpt4`, `gpt2`, or a regex of your own for the pre-tokenization split.
     pattern: str = "gpt4"
     min_frequency: int = 2
+    # The trainer's sample: whole train documents in corpus order up to this many characters (the last one cut).
+    max_chars: int = 2_000_000_000
 
     def check(self) -> None:
         from kiln.pipeline.text.tokens import SPECIAL_TOKENS, resolve_pattern
@@ -64,6 +67,8 @@ class TokenizerParams(Section):
             raise self.bad("vocab_size", "at most 2**32 - 1")
         if self.min_frequency < 1:
             raise self.bad("min_frequency", "a positive integer")
+        if self.max_chars < 1:
+            raise self.bad("max_chars", "a positive integer")
         try:
             resolve_pattern(self.pattern)
         except ValueError as e:
@@ -98,35 +103,32 @@ def train_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path = l
         if not path.is_file():
             raise UserError(f"{path}: corpus split not found (run `kiln data prepare` first)")
     start = time.perf_counter()
+    trained = {}  # what was asked of the trainer and what it saw (nothing for GPT-2's)
     if params.source == "gpt2":
         tok = gpt2_tokenizer(*read_gpt2_files(*gpt2_folder(params)))
         console.print(f"tokenizer.source=gpt2: GPT-2's tokens + {len(SPECIAL_TOKENS) - 1} chat tokens = "
-                      f"{tok.get_vocab_size():,}; tokenizer.vocab_size, pattern and min_frequency are ignored",
-                      highlight=False, soft_wrap=True)
+                      f"{tok.get_vocab_size():,}; tokenizer.vocab_size, pattern, min_frequency and max_chars are "
+                      "ignored", highlight=False, soft_wrap=True)
     else:
-        tok = trained_tokenizer(params, train_path)
-    seconds = time.perf_counter() - start
+        tok, chars = trained_tokenizer(params, train_path)
+        trained = {"requested_vocab_size": params.vocab_size, "train_chars": chars,
+                   "train_seconds": round(time.perf_counter() - start, 3)}
     tok.encode_special_tokens = True  # measure documents as the shard stage will encode them
     val_bytes = val_tokens = 0
     for texts in iter_texts(val_path):
         val_bytes += sum(len(t.encode("utf-8")) for t in texts)
         val_tokens += sum(len(e) for e in tok.encode_batch_fast(texts))
     tok.encode_special_tokens = False
-    metrics = {
-        "vocab_size": tok.get_vocab_size(),
-        "requested_vocab_size": params.vocab_size,
-        "bytes_per_token_val": round(val_bytes / max(val_tokens, 1), 4),
-        "train_seconds": round(seconds, 3),
-    }
-    if params.source == "gpt2":  # nothing was requested or trained
-        del metrics["requested_vocab_size"], metrics["train_seconds"]
+    metrics = {"vocab_size": tok.get_vocab_size(), "bytes_per_token_val": round(val_bytes / max(val_tokens, 1), 4),
+               **trained}
     with atomic_dir(out_dir) as tmp:
         tok.save(str(tmp / TOKENIZER_FILE))
         write_metrics("tokenizer", metrics)
     return metrics
 
 
-def trained_tokenizer(params: TokenizerParams, train_path: Path) -> Tokenizer:
+def trained_tokenizer(params: TokenizerParams, train_path: Path) -> tuple[Tokenizer, int]:
+    """The BPE learnt from the train split's sample, and the sample's size in characters."""
     tok = new_tokenizer(params.pattern)
     trainer = trainers.BpeTrainer(
         vocab_size=params.vocab_size,
@@ -135,8 +137,32 @@ def trained_tokenizer(params: TokenizerParams, train_path: Path) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=console.is_terminal,  # the trainer's own bar; it has no hook for ours
     )
-    tok.train_from_iterator(iter_texts(train_path), trainer, length=pq.ParquetFile(train_path).metadata.num_rows)
-    return tok
+    sample = Sample(train_path, params.max_chars)
+    tok.train_from_iterator(sample, trainer, length=pq.ParquetFile(train_path).metadata.num_rows)
+    return tok, sample.chars
+
+
+@dataclass
+class Sample:
+    """The trainer's input, streamed a batch at a time: the train split's documents in order until `max_chars`
+    characters, the document that crosses the budget cut to fit. Deterministic, and the trainer's memory (its
+    word counts) stops growing with the corpus."""
+
+    path: Path
+    max_chars: int
+    chars: int = 0
+
+    def __iter__(self) -> Iterator[list[str]]:
+        for texts in iter_texts(self.path):
+            batch = []
+            for text in texts:
+                text = text[: self.max_chars - self.chars]
+                batch.append(text)
+                self.chars += len(text)
+                if self.chars == self.max_chars:
+                    yield batch
+                    return
+            yield batch
 
 
 def gpt2_folder(params: TokenizerParams) -> tuple[Path, str]:
