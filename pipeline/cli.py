@@ -7,6 +7,7 @@ exits 0 on success, 1 when the work fails, 2 on bad input, with one line saying 
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -15,7 +16,7 @@ import typer
 from rich.markup import escape
 
 from kiln.pipeline import layout
-from kiln.pipeline.errors import KilnError
+from kiln.pipeline.errors import KilnError, UserError
 from kiln.pipeline.progress import console
 
 app = typer.Typer(help="kiln: an LLM training pipeline, one command per DVC stage.", no_args_is_help=True, add_completion=False,
@@ -51,11 +52,15 @@ def SamplingOpt(help: str, kind: type = float):
 
 
 def reports_errors(fn):
-    """Turn a KilnError into its one-line message and exit code instead of a traceback."""
+    """Turn a KilnError into its one-line message and exit code instead of a traceback; refuse a non-finite
+    number in any float option (click parses `inf` and `nan`) before the command sees it."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
+            for name, value in kwargs.items():
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise UserError(f"--{name.replace('_', '-')}={value}: expected a finite number")
             return fn(*args, **kwargs)
         except KilnError as e:
             # escape: a message quotes input, and "[/x]" in it would be read as rich markup

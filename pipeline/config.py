@@ -3,6 +3,8 @@
 Each section is a plain dataclass beside the stage that reads it (`DataParams` in text/sources.py,
 `TrainParams` in train/params.py, ...), with the defaults params.yaml holds. Every stage reads only its own section, so that DVC's `params:` lists in dvc.yaml stay honest. A bad key or
 value stops the command before any work with a `UserError` that names the dotted key (`data.val_fraction`).
+Types and finiteness are checked here for every section alike, before the section's own `check()` sees a value:
+its range checks are comparisons, and every comparison with NaN is false, so a NaN would pass them all.
 `--set key=value` overrides are parsed as YAML scalars, so `--set data.max_docs=null` and
 `--set tokenizer.vocab_size=2048` mean what they say.
 """
@@ -10,6 +12,7 @@ value stops the command before any work with a `UserError` that names the dotted
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -42,6 +45,8 @@ def read_params_file(path: Path) -> dict:
         raise UserError(f"{path}: params file not found")
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r})") from None
     except yaml.YAMLError as e:
         raise UserError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):
@@ -113,9 +118,9 @@ def coerce(key: str, value, tp):
         raise UserError(f"params: {key}=null: expected {_describe(tp)}")
     for option in options:
         if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            return _finite(key, value)
         if option is float and isinstance(value, str) and _FLOAT.fullmatch(value):  # PyYAML reads 1e12 as text
-            return float(value)
+            return _finite(key, value)
         if option is int and isinstance(value, int) and not isinstance(value, bool):
             return value
         if option in (str, bool, dict) and isinstance(value, option):
@@ -124,6 +129,17 @@ def coerce(key: str, value, tp):
             (item,) = typing.get_args(option)
             return [coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
     raise UserError(f"params: {key}={value!r}: expected {_describe(tp)}")
+
+
+def _finite(key: str, value) -> float:
+    """`value` as a float, refusing .nan, .inf, and numbers too large for a float (1e999, 10**400)."""
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise UserError(f"params: {key}={value!r}: expected a finite number")
+    return number
 
 
 def _describe(tp) -> str:

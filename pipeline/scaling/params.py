@@ -15,6 +15,11 @@ from kiln.pipeline.errors import UserError
 from kiln.pipeline.train.params import TrainParams
 
 
+# Beyond any training run there has been (~1e25 FLOPs); a bound keeps C^a and C/(6N) far from overflow.
+MAX_FLOPS = 1e30
+MAX_BOOTSTRAP = 10_000  # each resample is a full fit (~0.3 s)
+
+
 @dataclass
 class ScalingParams(Section):
     """The IsoFLOP sweep (budgets x depths), the fit's bootstrap, and the budget `model.size: auto` sizes for.
@@ -54,8 +59,9 @@ class ScalingParams(Section):
                                              "beta2", "grad_clip")
 
     def check(self) -> None:
-        if len(set(self.budgets)) < 2 or not all(c > 0 for c in self.budgets):
-            raise self.bad("budgets", "at least 2 different positive FLOP budgets (the fit needs 2 IsoFLOP profiles)")
+        if len(set(self.budgets)) < 2 or not all(0 < c <= MAX_FLOPS for c in self.budgets):
+            raise self.bad("budgets", f"at least 2 different FLOP budgets in (0, {MAX_FLOPS:g}] (the fit needs 2 "
+                                      "IsoFLOP profiles)")
         if len(set(self.depths)) < 3 or not all(d > 0 for d in self.depths):
             raise self.bad("depths", "at least 3 different positive depths (a parabola needs 3 points per budget)")
         if self.head_dim < 2 or self.head_dim % 2:
@@ -65,12 +71,12 @@ class ScalingParams(Section):
         for name in ("batch_tokens", "eval_tokens"):
             if getattr(self, name) < 1:
                 raise self.bad(name, "a positive integer")
-        if self.bootstrap < 0:
-            raise self.bad("bootstrap", "0 (no intervals) or a positive integer")
+        if not 0 <= self.bootstrap <= MAX_BOOTSTRAP:
+            raise self.bad("bootstrap", f"0 (no intervals) to {MAX_BOOTSTRAP} resamples")
         if not 0 <= self.warmup_fraction < 1:
             raise self.bad("warmup_fraction", "a number in [0, 1)")
-        if not self.target_flops > 0:
-            raise self.bad("target_flops", "a positive number of FLOPs")
+        if not 0 < self.target_flops <= MAX_FLOPS:
+            raise self.bad("target_flops", f"a number of FLOPs in (0, {MAX_FLOPS:g}]")
         if self.approach not in ("isoflop", "parametric"):
             raise self.bad("approach", "'isoflop' or 'parametric'")
         self.train_params()

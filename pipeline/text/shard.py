@@ -28,6 +28,9 @@ from kiln.pipeline.text.shard_format import MANIFEST, VERSION, ShardHeader, shar
 from kiln.pipeline.text.tokens import EOT, batch_encoder, load_tokenizer
 
 
+MAX_THREADS = 1024
+
+
 @dataclass
 class ShardParams(Section):
     SECTION: ClassVar[str] = "shard"
@@ -41,8 +44,8 @@ class ShardParams(Section):
             raise self.bad("shard_tokens", "at least 1024")
         if self.backend not in ("tiktoken", "hf"):
             raise self.bad("backend", "'tiktoken' or 'hf'")
-        if self.threads < 0:
-            raise self.bad("threads", "0 (every core) or a positive integer")
+        if not 0 <= self.threads <= MAX_THREADS:
+            raise self.bad("threads", f"0 (every core) or a number of threads up to {MAX_THREADS}")
 
 
 

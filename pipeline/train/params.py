@@ -14,6 +14,10 @@ if TYPE_CHECKING:
     from kiln.model import ModelConfig
 
 
+MAX_PROCESSES = 1024
+SHAPE_FIELDS = ("n_layer", "d_model", "d_ff", "max_seq_len")  # the model section's keys that set its size
+
+
 @dataclass
 class ModelParams(Section):
     """The model's shape; `vocab_size` comes from the tokenizer, not from here."""
@@ -41,11 +45,13 @@ class ModelParams(Section):
         return ModelConfig(vocab_size=vocab_size, **(values | shape))
 
     def check(self) -> None:
-        """The model package owns the shape rules; they are reported here under their params key."""
+        """The model package owns the shape rules; they are reported here under their params key. A shape that
+        cannot train in this machine's memory, even with the smallest vocabulary, is refused now rather than
+        when building it hangs or asks for petabytes."""
         if self.size not in ("fixed", "auto"):
             raise self.bad("size", "'fixed' or 'auto'")
         try:
-            self.config(256).check()
+            self.config(256).check().check_fits("cpu", "to train", names=SHAPE_FIELDS)
         except ValueError as e:
             raise UserError(f"params: model.{e}") from None
 
@@ -100,11 +106,15 @@ class TrainParams(Section):
                      "keep_checkpoints", "log_every", "nproc_per_node"):
             if getattr(self, name) < 1:
                 raise self.bad(name, "a positive integer")
+        if self.nproc_per_node > MAX_PROCESSES:  # torchrun would start every one of them
+            raise self.bad("nproc_per_node", f"at most {MAX_PROCESSES} processes on one node")
         for name in ("max_steps", "tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise self.bad(name, "a positive integer or null")
-        if not 0 < self.lr or not 0 <= self.min_lr <= self.lr:
-            raise self.bad("min_lr", "0 <= train.min_lr <= train.lr, with train.lr > 0")
+        if not self.lr > 0:
+            raise self.bad("lr", "a positive number")
+        if not 0 <= self.min_lr <= self.lr:
+            raise self.bad("min_lr", f"a number in [0, lr={self.lr:g}]")
         for name in ("warmup_steps", "weight_decay", "grad_clip"):
             if getattr(self, name) < 0:
                 raise self.bad(name, "a number >= 0")
