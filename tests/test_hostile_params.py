@@ -27,6 +27,7 @@ from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.text.shard import ShardParams
 from kiln.pipeline.text.sources import DataParams
 from kiln.pipeline.text.tokenizer import TokenizerParams
+from kiln.pipeline.text.tokens import load_tokenizer
 from kiln.pipeline.train.params import ModelParams, TrainParams
 
 from conftest import fails_in_one_line, tree_bytes, write_params
@@ -288,3 +289,17 @@ def test_model_folder_size_that_cannot_fit(model_folder, key, value):
     assert time.monotonic() - start < 4
     assert tree_bytes(model_folder) == before
     assert not (model_folder.parent / "hf").exists()
+
+
+def test_pretrain_refuses_the_tokenizers_vocabulary_when_it_cannot_fit(tiny, tmp_path, monkeypatch):
+    """The model section is checked at load time with the smallest vocabulary; the tokenizer's, known only when
+    training starts, is checked there, against a machine made just too small for it."""
+    vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
+    smallest, real = (ModelParams().config(v).memory_bytes("to train") for v in (256, vocab))
+    assert smallest < real
+    monkeypatch.setattr("kiln.model.gpt.memory_available", lambda device: smallest)
+    monkeypatch.chdir(tmp_path)
+    write_params(tmp_path / "params.yaml", {})
+    fails_in_one_line(["pretrain", "--shards", str(tiny.shards), "--tokenizer", str(tiny.tokenizer), "--set",
+                       "train.device=cpu"], 2, f"model.vocab_size={vocab}", "to train")
+    assert not (tmp_path / "data").exists()

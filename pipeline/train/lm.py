@@ -104,6 +104,12 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
     world = distributed.from_env()
     torch.manual_seed(params.seed)  # every rank builds the same initial weights
     device = prepare_device(params, world)
+    # The model section was checked with the smallest vocabulary: the tokenizer's, or size auto's shape, may not
+    # fit. A sharded run needs less per device, but each rank builds and moves the whole model there first.
+    try:
+        config.check_fits(device, "to train" if world.size == 1 else "for its weights")
+    except ValueError as e:
+        raise UserError(f"model.{e}") from None
     model = GPT(config).to(device).set_kernels(params.kernels)
     steps = total_steps(params)
     fingerprint = {"model": config.to_dict(), "tokenizer_sha256": data.tokenizer_sha256,
