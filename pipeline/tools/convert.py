@@ -127,9 +127,13 @@ def read_hf_weights(src_dir: Path, config: ModelConfig) -> dict[str, torch.Tenso
             raise UserError(f"{where}: lm_head.weight differs from {EMBEDDING[config.arch]}, but config.json ties "
                             f"them (tie_word_embeddings)")
     if config.n_layer > len(tensors):  # before hf_shapes, which builds every layer a hostile config.json asks for
-        raise UserError(f"{where}: tensors do not match config.json ({config.n_layer:,} layers, but only "
+        field = "n_layer" if config.arch == "gpt2" else "num_hidden_layers"
+        raise UserError(f"{where}: tensors do not match config.json ({field}={config.n_layer:,} layers, but only "
                         f"{len(tensors):,} tensors)")
-    want = hf_shapes(config)
+    try:
+        want = hf_shapes(config)
+    except (ValueError, RuntimeError) as e:  # sizes GPT refuses, or that overflow torch's even on the meta device
+        raise UserError(f"{src_dir / CONFIG}: not a size kiln's model can take ({_first_line(e)})") from None
     missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     if missing or unexpected:
         raise UserError(f"{where}: tensors do not match config.json (missing {missing[:3]}, unexpected "
@@ -151,10 +155,14 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
             return load_file(path)
         tensors = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # safetensors and torch.load raise their own types for bad files
-        raise UserError(f"{path}: not a readable weights file ({_first_line(e)})") from None
-    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
-                                                for k, v in tensors.items()):
+        # torch.load's refusal opens with advice to load without weights_only; the reason follows this marker.
+        reason = _first_line(e, after="WeightsUnpickler error:")
+        raise UserError(f"{path}: not a readable weights file ({reason})") from None
+    if not isinstance(tensors, dict):
         raise UserError(f"{path}: expected a dict of tensor name -> tensor, got {type(tensors).__name__}")
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise UserError(f"{path}: {reprlib.repr(name)}: expected a tensor, got {type(t).__name__}")
     return tensors
 
 
@@ -197,9 +205,11 @@ def _chat_template(src_dir: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _first_line(e: Exception) -> str:
-    """The first line of an exception's message: library errors (torch.load's above all) span many lines."""
-    return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+def _first_line(e: Exception, after: str = "") -> str:
+    """The first line of an exception's message (past `after`, if there): library errors (torch.load's above
+    all) span many lines."""
+    text = str(e).split(after)[-1] if after else str(e)
+    return next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
 
 
 def _params(tensors: dict[str, torch.Tensor]) -> int:
