@@ -83,7 +83,8 @@ def pair_metrics(params: DPOParams, rows: PairRows, pc: torch.Tensor, pr: torch.
 
 
 def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_path: Path, corpus_dir: Path,
-        out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR) -> dict:
+        out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR,
+        resume_from: Path | None = None) -> dict:
     recover(out_dir)  # what a killed write of the model left
     s = start(params, train_params, sft_dir, tokenizer_path, corpus_dir)
     model, loop, chat, data, seq_len = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len
@@ -119,7 +120,8 @@ def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_p
     micro = 2 * params.batch_size * seq_len
     run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=loss_fn,
               batches=ExampleBatches(tensors, params.batch_size, accumulation_steps(loop, micro), params.seed),
-              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints),
+              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints,
+                                                         resume_from=resume_from, command="kiln dpo"),
               curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name="dpo")
     console.print(f"dpo: {len(train_rows):,} train and {len(val_rows):,} held-out pairs, {params.loss} loss, "
                   f"beta {params.beta}, {loop.max_steps} steps x {params.batch_examples} pairs, from {sft_dir}",
