@@ -7,10 +7,16 @@ import gzip
 import json
 import re
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.post.chat_data import Pair, detect_format, load_conversations, load_pairs, read_rows
+from kiln.pipeline.post.chat_format import ROLES, ChatFormat
+from kiln.pipeline.text.tokens import load_tokenizer
 
 
 def raw_rows(path):
@@ -230,9 +236,6 @@ def test_bad_files_and_formats(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(UserError, match="no rows"):
         load_conversations(str(tmp_path / "empty.jsonl"), "auto")
-    (tmp_path / "broken.jsonl").write_text('{"prompt": "p", "response": "r"}\nnot json\n')
-    with pytest.raises(UserError, match=r"^params: sft\.data='.*broken.jsonl': "):
-        load_conversations(str(tmp_path / "broken.jsonl"), "auto")
     spec = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "p", "response": "r"}])
     with pytest.raises(UserError, match="unknown format 'sharegpt'"):
         load_conversations(spec, "sharegpt")
@@ -256,3 +259,135 @@ def test_max_rows_caps_the_result(shared_data):
         [user(r["prompt"]), assistant(r["response"])] for r in raw]
     assert len(load_pairs(str(shared_data / "preference/hh-rlhf/harmless-base/test.jsonl.gz"), "hh",
                           max_rows=3)) == 3
+
+
+def parquet_bytes(rows):
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(rows), sink)
+    return sink.getvalue().to_pybytes()
+
+
+# Rows both readers take: prompt_response for SFT, pairs for DPO.
+GOOD = [{"prompt": f"Q{i}", "response": f"A{i}", "chosen": "good", "rejected": "bad"} for i in range(20)]
+GOOD_LINES = "".join(json.dumps(row) + "\n" for row in GOOD)
+
+
+@pytest.mark.parametrize(("name", "content", "where"), [
+    # One broken line among good ones refuses the file, naming the line: a damaged file, not a broken row.
+    ("broken.jsonl", GOOD_LINES + '{"prompt": "p", "response": \n' + GOOD_LINES, "broken.jsonl:21: not JSON"),
+    ("cut.jsonl", GOOD_LINES + '{"prompt": "p", "resp', "cut.jsonl:21: not JSON"),
+    ("list.jsonl", GOOD_LINES + '["p", "r"]\n', "list.jsonl:21: expected a JSON object"),
+    ("latin1.jsonl", GOOD_LINES.encode() + '{"prompt": "caf\xe9"}\n'.encode("latin-1"), "latin1.jsonl:21: not UTF-8"),
+    ("array.json", json.dumps(GOOD, indent=1)[:-3] + ",\n}]", "array.json: not JSON"),
+    ("cut.jsonl.gz", gzip.compress(GOOD_LINES.encode())[:-30], "cut.jsonl.gz: cannot read it"),
+    ("cut.parquet", parquet_bytes(GOOD)[:-100], "cut.parquet: not a readable Parquet file"),
+])
+def test_damaged_files_are_refused_naming_the_file_and_line(tmp_path, name, content, where):
+    path = tmp_path / name
+    path.write_bytes(content.encode() if isinstance(content, str) else content)
+    for load in (load_conversations, load_pairs):
+        with pytest.raises(UserError) as e:
+            load(str(path), "auto")
+        assert str(e.value).startswith(f"{path}") and where in str(e.value) and "\n" not in str(e.value)
+    if name == "array.json":  # the line and column of the syntax error, counted in the file
+        assert re.search(rf"line {len(json.dumps(GOOD, indent=1).splitlines())}\b.*column 1\b", str(e.value))
+
+
+def test_fields_of_the_wrong_type_are_skipped_and_counted(tmp_path, capsys):
+    """Every field checked by type; a wrong one is a broken row, counted as the other broken rows are."""
+    spec = write_jsonl(tmp_path / "sft.jsonl", [
+        {"messages": [user("Q"), assistant("A")]},
+        {"messages": "Q? A."},
+        {"messages": [user("Q"), ["assistant", "A"]]},
+        {"messages": [user("Q"), {"role": "assistant", "content": 42}]},
+        {"messages": [user("Q"), {"role": ["assistant"], "content": "A"}]},
+        {"messages": [user("Q"), {"role": {"assistant": 1}, "content": "A"}]},
+        {"messages": [user("Q"), assistant("bad \ud800 surrogate")]},
+        {"messages": {"role": "assistant", "content": "A"}},
+    ])
+    assert load_conversations(spec, "auto") == [[user("Q"), assistant("A")]]
+    assert "8 rows read, 1 used, 7 skipped (bad messages: 7)" in summary(capsys)
+    spec = write_jsonl(tmp_path / "alpaca.jsonl", [
+        {"instruction": "I", "input": "", "output": "O"},
+        {"instruction": ["I"], "output": "O"},
+        {"instruction": "I", "input": {"x": 1}, "output": "O"},
+        {"instruction": "I", "output": 3.5},
+        {"instruction": "I\udfff", "output": "O"},
+    ])
+    assert load_conversations(spec, "auto") == [[user("I"), assistant("O")]]
+    assert "5 rows read, 1 used, 4 skipped (bad messages: 4)" in summary(capsys)
+    spec = write_jsonl(tmp_path / "pairs.jsonl", [
+        {"prompt": "Q", "chosen": "good", "rejected": "bad"},
+        {"prompt": "Q", "chosen": 1, "rejected": "bad"},
+        {"prompt": 7, "chosen": "good", "rejected": "bad"},
+        {"prompt": {"role": "user", "content": "Q"}, "chosen": "good", "rejected": "bad"},
+        {"prompt": "Q", "chosen": ["good"], "rejected": "bad"},
+        {"prompt": "Q", "chosen": "good", "rejected": [{"role": "assistant", "content": None}]},
+        {"prompt": "Q", "chosen": "good \ud83d", "rejected": "bad"},
+    ])
+    assert load_pairs(spec, "auto") == [Pair([user("Q")], [assistant("good")], [assistant("bad")])]
+    assert "7 rows read, 1 used, 6 skipped (bad messages: 6)" in summary(capsys)
+    spec = write_jsonl(tmp_path / "hh.jsonl", [
+        {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: c"},
+        {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": ["\n\nHuman: a\n\nAssistant: c"]},
+        {"chosen": "\n\nHuman: a\ud800\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: c"},
+    ])
+    assert load_pairs(spec, "hh") == [Pair([user("a")], [assistant("b")], [assistant("c")])]
+    assert "3 rows read, 1 used, 2 skipped (bad messages: 2)" in summary(capsys)
+
+
+# Rows with the columns of each format (and others), every field a string, a message list or any other JSON
+# value: lone surrogates included, as a file can spell them ("\\ud800"), so that the readers meet a wrong type or
+# an unencodable string in every field of rows that are otherwise well formed.
+COLUMNS = ["messages", "instruction", "input", "output", "context", "response", "prompt", "question", "response_j",
+           "response_k", "chosen", "rejected"]
+FORMATS = [("messages",), ("instruction", "output"), ("instruction", "response"), ("prompt", "response"),
+           ("question", "response_j", "response_k"), ("chosen", "rejected"), ("prompt", "chosen", "rejected")]
+TEXT = st.text(max_size=6) | st.sampled_from(["\ud800", "x\udfff", "\n\nHuman: a\n\nAssistant: b", "Human: a"])
+OTHER = st.none() | st.booleans() | st.integers() | st.floats()
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(ROLES) | TEXT | OTHER, "content": TEXT | OTHER})
+ANY = st.recursive(TEXT | OTHER | MESSAGE, lambda inner: st.lists(inner, max_size=2)
+                   | st.dictionaries(st.sampled_from(COLUMNS) | st.text(max_size=3), inner, max_size=2), max_leaves=4)
+FIELD = TEXT | st.lists(MESSAGE, max_size=3) | ANY
+ROW = st.one_of(*(st.fixed_dictionaries(dict.fromkeys(columns, FIELD),
+                                         optional=dict.fromkeys([c for c in COLUMNS if c not in columns], FIELD))
+                  for columns in FORMATS), ANY)
+ROWS = st.lists(ROW, max_size=4)
+
+
+def loads_or_refuses(path, chat):
+    """Either rows every later step can use (they render in the chat format), or a one-line UserError."""
+    for load in (load_conversations, load_pairs):
+        try:
+            rows = load(str(path), "auto")
+        except UserError as e:
+            assert "\n" not in str(e)
+            continue
+        for row in rows:
+            for messages in [row] if isinstance(row, list) else [row.prompt + row.chosen, row.prompt + row.rejected]:
+                assert all(m["role"] in ROLES and isinstance(m["content"], str) for m in messages)
+                assert chat.render(messages).ids
+
+
+@pytest.fixture(scope="module")
+def chat(tiny):
+    return ChatFormat(load_tokenizer(tiny.tokenizer, ordinary=True))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+@given(rows=ROWS)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_json_rows_load_or_are_refused(tmp_path, chat, suffix, rows):
+    path = tmp_path / f"data{suffix}"
+    path.write_text(json.dumps(rows) if suffix == ".json" else "".join(json.dumps(r) + "\n" for r in rows))
+    loads_or_refuses(path, chat)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".jsonl.gz", ".parquet"])
+@given(data=st.binary(max_size=200) | st.sampled_from([b'{"prompt": "p", "response": "r"}\n[{}]\n', b"[{}, 1]",
+                                                          b'\xef\xbb\xbf{"prompt": "p", "response": "r"}']))
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_any_bytes_load_or_are_refused(tmp_path, chat, suffix, data):
+    path = tmp_path / f"data{suffix}"
+    path.write_bytes(data)
+    loads_or_refuses(path, chat)

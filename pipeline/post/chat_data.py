@@ -3,7 +3,9 @@
 Public instruction and preference sets each come in their own shape (Alpaca, Dolly, Anthropic HH transcripts,
 stack-exchange pairs, chat-message lists), so there is one small adapter per real-world format and everything
 downstream sees only `{"role", "content"}` messages. Real sets also hold a few broken rows (an empty answer, a
-missing column); those are counted by reason and skipped, and only a set with no usable row at all is an error.
+missing column, a field of the wrong type); those are counted by reason and skipped, and only a set with no
+usable row at all is an error. A file that cannot be read as rows at all (a line that is not JSON, a truncated
+gzip or Parquet file) is refused, naming the file and the line: that is a damaged file, not a broken row.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.evals.task_files import is_row_file, read_row_file
 from kiln.pipeline.post.chat_format import ROLES
 from kiln.pipeline.progress import console
+from kiln.pipeline.text.corpus import SURROGATE
 
 SFT_FORMATS = ("messages", "alpaca", "dolly", "prompt_response")
 PREFERENCE_FORMATS = ("pairs", "hh", "stack_exchange")
-BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 # The columns that identify each format, tried in this order; "hh" and "pairs" are told apart by the first row.
 SFT_COLUMNS = {"messages": ("messages",), "alpaca": ("instruction", "output"), "dolly": ("instruction", "response"),
@@ -45,30 +48,26 @@ class Skip(Exception):
 
 
 def read_rows(spec: str, split: str, key: str) -> Iterator[dict]:
-    """`hf:<dataset>[:<config>]` or a local .json/.jsonl/.parquet file (optionally .gz), streamed so that
-    nothing is copied into the Hugging Face cache."""
-    import datasets
-
+    """`hf:<dataset>[:<config>]`, streamed so that nothing is copied into the Hugging Face cache, or a local
+    .json/.jsonl/.parquet file (optionally .gz), read with the types it was written with."""
     where = f"params: {key}={spec!r}"
-    if spec.startswith("hf:"):
-        name, _, config = spec[3:].partition(":")
-        if not name:
-            raise UserError(f"{where}: expected hf:<dataset>[:<config>]")
-        args, kwargs, where = (name, config or None), {"split": split}, f"{where} (split {split!r})"
-    else:
+    if not spec.startswith("hf:"):
         path = Path(spec)
-        builder = BUILDERS.get(Path(path.name.removesuffix(".gz")).suffix)
-        if builder is None:
+        if not is_row_file(path):
             raise UserError(f"{where}: unsupported file type (expected .json, .jsonl, .parquet, optionally .gz, "
                             "or hf:<dataset>[:<config>])")
         if not path.is_file():
             raise UserError(f"{where}: no such file")
-        args, kwargs = (builder,), {"data_files": str(path), "split": "train"}
+        return (row.values for row in read_row_file(path))
+    import datasets
+
+    name, _, config = spec[3:].partition(":")
+    if not name:
+        raise UserError(f"{where}: expected hf:<dataset>[:<config>]")
+    where = f"{where} (split {split!r})"
     try:
-        return _guarded(iter(datasets.load_dataset(*args, **kwargs, streaming=True)), where)
-    except StopIteration:  # what datasets' json builder raises on an empty file
-        return iter(())
-    except Exception as e:  # datasets raises many types for "no such dataset / config / split / bad file"
+        return _guarded(iter(datasets.load_dataset(name, config or None, split=split, streaming=True)), where)
+    except Exception as e:  # datasets raises many types for "no such dataset / config / split"
         raise UserError(f"{where}: {_first_line(e)}") from None
 
 
@@ -106,16 +105,16 @@ def _first_line(e: Exception) -> str:
     return next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
 
 
-def detect_format(row: dict, kind: str, key: str) -> str:
-    """The format whose columns `row` has; `kind` is "sft" or "preference"."""
+def detect_format(row: dict, kind: str, where: str) -> str:
+    """The format whose columns `row` (the first) has; `kind` is "sft" or "preference"."""
     table = SFT_COLUMNS if kind == "sft" else PREFERENCE_COLUMNS
     fmt = next((fmt for fmt, columns in table.items() if all(c in row for c in columns)), None)
     if fmt == "hh" and ("prompt" in row or not _is_transcript(row["chosen"])):
         return "pairs"
     if fmt is None:
         expected = "; ".join(f"{fmt}: {', '.join(columns)}" for fmt, columns in table.items())
-        raise UserError(f"params: {key}: cannot tell the format from the columns {', '.join(row) or '(none)'} "
-                        f"(expected {expected})")
+        raise UserError(f"{where}: cannot tell the format from the first row's columns "
+                        f"{', '.join(row) or '(none)'} (expected {expected})")
     return fmt
 
 
@@ -142,7 +141,7 @@ def _load(spec: str, fmt: str, split: str, max_rows: int | None, key: str, kind:
     first = next(rows, None)
     if first is None:
         raise UserError(f"{where}: no rows")
-    convert = converters[detect_format(first, kind, key) if fmt == "auto" else fmt]
+    convert = converters[detect_format(first, kind, where) if fmt == "auto" else fmt]
     used, skipped, read = convert_rows(itertools.chain([first], rows), convert, max_rows, where)
     console.print(f"{key}: {read:,} rows read, {len(used):,} used, {read - len(used):,} skipped"
                   + (f" ({reasons(skipped)})" if skipped else ""), highlight=False)
@@ -155,9 +154,14 @@ def _field(row: dict, name: str) -> object:
     return row[name]
 
 
+def _is_text(value: object) -> bool:
+    """A string a tokenizer can encode: JSON can spell a lone surrogate ("\\ud800"), which none can."""
+    return isinstance(value, str) and not SURROGATE.search(value)
+
+
 def _text(row: dict, name: str) -> str:
     value = _field(row, name)
-    if not isinstance(value, str):
+    if not _is_text(value):
         raise Skip("bad messages")
     return value
 
@@ -165,21 +169,23 @@ def _text(row: dict, name: str) -> str:
 def _joined(row: dict, name: str, extra: str) -> str:
     """Alpaca's `input` and Dolly's `context` are optional and follow the instruction after a blank line."""
     more = row.get(extra) or ""
-    if not isinstance(more, str):
+    if not _is_text(more):
         raise Skip("bad messages")
     return _text(row, name) + ("\n\n" + more if more.strip() else "")
 
 
 def _messages(value: object) -> list[dict]:
     if not isinstance(value, list) or not all(
-            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in value):
+            isinstance(m, dict) and m.get("role") in ROLES and _is_text(m.get("content")) for m in value):
         raise Skip("bad messages")
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
 def _as_messages(value: object, role: str) -> list[dict]:
     """A bare string is one message from `role`; anything else must already be a message list."""
-    return [{"role": role, "content": value}] if isinstance(value, str) else _messages(value)
+    if isinstance(value, str):
+        return _messages([{"role": role, "content": value}])
+    return _messages(value)
 
 
 def _has_answer(messages: list[dict]) -> bool:
@@ -223,7 +229,7 @@ def _split_shared(chosen: list[dict], rejected: list[dict]) -> Pair:
 
 def _transcript(value: object) -> list[dict]:
     """An HH transcript, "\\n\\nHuman: ...\\n\\nAssistant: ...", as messages."""
-    if not isinstance(value, str):
+    if not _is_text(value):
         raise Skip("bad messages")
     head, *turns = HH_TURN.split(value)
     if head.strip() or not turns:
