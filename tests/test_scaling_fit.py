@@ -257,3 +257,17 @@ def test_compute_optimal_is_the_minimum_along_the_isoflop_line(flops):
     n_opt, d_opt, loss_opt = compute_optimal(TRUE, flops)
     assert n_opt == pytest.approx(n[np.argmin(loss)], rel=1e-3)
     assert 6 * n_opt * d_opt == pytest.approx(flops) and loss_opt == pytest.approx(loss.min(), rel=1e-9)
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("alpha", -0.3, "no compute-optimal size"), ("B", 0.0, "no compute-optimal size"),
+    ("E", "1.69", "E is '1.69', expected a finite number"), ("A", None, "A is None"),
+    ("beta", True, "beta is True"), ("k_n", float("nan"), "k_n is nan")])
+def test_size_refuses_a_fit_json_it_cannot_size_from(tmp_path, key, value, expected):
+    # A hand-edited or foreign fit.json: one error naming the file and the key, not a complex N_opt.
+    fit = {**TRUE, "a": 0.5, "k_n": 0.1, key: value}
+    path = tmp_path / "fit.json"
+    with pytest.raises(UserError, match=expected) as refused:
+        choose_size(fit, path, build_section(ScalingParams, {"approach": "parametric"}),
+                    build_section(ModelParams, {"size": "auto"}), vocab_size=1024)
+    assert str(path) in str(refused.value) and "\n" not in str(refused.value)

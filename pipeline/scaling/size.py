@@ -19,20 +19,30 @@ from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
 from kiln.pipeline.scaling.choice import count_params, describe, read_json
-from kiln.pipeline.scaling.laws import PARAM_NAMES, compute_optimal, predict
+from kiln.pipeline.scaling.laws import PARAM_NAMES, compute_optimal, has_optimum, predict
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.train.params import ModelParams
 
 MAX_DEPTH = 256
 
 
+def is_finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def choose_size(fit: dict, fit_path: Path, scaling: ScalingParams, model: ModelParams, vocab_size: int) -> dict:
     missing = [k for k in (*PARAM_NAMES, "a", "k_n") if k not in fit]
     if missing:
         raise UserError(f"{fit_path}: lacks {', '.join(missing)} (expected the output of `kiln scaling fit`)")
+    for key in (*PARAM_NAMES, "a", "k_n"):
+        value = fit[key]
+        if not (value is None and key in ("a", "k_n")) and not is_finite_number(value):
+            raise UserError(f"{fit_path}: {key} is {value!r}, expected a finite number")
+    if not has_optimum(fit):
+        raise UserError(f"{fit_path}: the fitted law has no compute-optimal size (loss must fall with N and D)")
     if scaling.approach == "isoflop" and fit["a"] is None:
-        raise UserError(f"{fit_path}: no IsoFLOP exponents (fewer than 2 budgets of the sweep form a valley); "
-                        "widen scaling.depths, or set scaling.approach=parametric")
+        why = fit.get("isoflop_unused") or "fewer than 2 budgets of the sweep form a valley"
+        raise UserError(f"{fit_path}: no IsoFLOP exponents ({why}); set scaling.approach=parametric")
     c = scaling.target_flops
     n_param, d_param, _ = compute_optimal(fit, c)
     n_iso = fit["k_n"] * c ** fit["a"] if fit["a"] is not None else None
