@@ -159,6 +159,12 @@ def test_a_config_json_that_is_not_a_config(sources, tmp_path, data, names):
     refused(sources, tmp_path, "llama", write("config.json", data), *names)
 
 
+@pytest.mark.xfail(strict=True, reason="model/checkpoint.py's read_json_object (another owner's) lets json's "
+                   "RecursionError through; drop this mark when it reports it as a UserError")
+def test_a_config_json_nested_too_deep(sources, tmp_path):
+    refused(sources, tmp_path, "llama", write("config.json", b"[" * 100_000 + b"]" * 100_000), "config.json")
+
+
 # --- the index and the weights -------------------------------------------------------------------------------
 
 def set_index(weight_map=None, whole=None):
@@ -269,6 +275,17 @@ def test_a_pytorch_bin_of_random_bytes(sources, tmp_path):
 ])
 def test_a_tokenizer_file_that_is_not_one(sources, tmp_path, name, data, names):
     refused(sources, tmp_path, "llama", write(name, data), *names)
+
+
+@pytest.mark.parametrize("direction", ["from-hf", "to-hf"])
+def test_an_output_folder_that_is_or_holds_the_source(sources, tmp_path, direction):
+    """Writing OUT replaces it whole: were the source inside, converting would delete it."""
+    src = tmp_path / "parent" / "src"
+    shutil.copytree(sources / ("llama" if direction == "from-hf" else "ok/llama"), src)
+    before = tree_bytes(tmp_path)
+    for out in (src, src.parent):
+        fails_in_one_line(["convert", direction, str(src), str(out)], 2, str(out), "source")
+    assert tree_bytes(tmp_path) == before
 
 
 # --- the readers, property-tested ----------------------------------------------------------------------------

@@ -65,6 +65,7 @@ CHATML_TEMPLATE = (
 def from_hf(src: str, out: Path) -> None:
     """Write the kiln model folder `out` from an HF folder or hub id `src`."""
     src_dir = source_dir(src)
+    _not_over(out, src_dir)
     config = read_hf_config(src_dir / CONFIG)
     tensors = read_hf_weights(src_dir, config)
     extra = {"converted_from": src}
@@ -205,6 +206,13 @@ def _chat_template(src_dir: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _not_over(out: Path, src: Path) -> None:
+    """Refuse an output folder that is the source or holds it: replacing it whole would delete the source."""
+    if Path(src).resolve().is_relative_to(Path(out).resolve()):
+        raise UserError(f"{out}: is or holds the source {src}, which writing it would replace; choose another "
+                        f"folder")
+
+
 def _first_line(e: Exception, after: str = "") -> str:
     """The first line of an exception's message (past `after`, if there): library errors (torch.load's above
     all) span many lines."""
@@ -238,6 +246,7 @@ def _tokenizer_note(out: Path, tokenizer: Path) -> str:
 
 def to_hf(model_dir: Path, out: Path, tokenizer_path: Path) -> None:
     """Write the transformers folder `out` from the kiln model folder `model_dir` and its tokenizer."""
+    _not_over(out, model_dir)
     text = TextModel(model_dir, tokenizer_path)  # checks that the tokenizer is the model's
     model, meta, tok, config = text.model, text.meta, text.tokenizer, text.model.config
     if tok.get_vocab_size() > config.vocab_size:
