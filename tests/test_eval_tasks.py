@@ -446,11 +446,11 @@ def test_unreadable_files_are_named(tmp_path):
         ("cut.jsonl.gz", cut[:len(cut) // 2], "cut.jsonl.gz: cannot read it (", "a truncated or corrupt gzip file"),
         ("notgz.jsonl.gz", good.encode(), "notgz.jsonl.gz: cannot read it (", "a truncated or corrupt gzip file"),
         ("latin.jsonl", (good + '{"query": "caf\xe9"}\n').encode("latin-1"), "latin.jsonl:2: not UTF-8", ""),
-        ("syntax.jsonl", (good + good[:-5] + "\n").encode(), "syntax.jsonl:2: not JSON (", "at column"),
+        ("syntax.jsonl", (good + good[:-5] + "\n").encode(), "syntax.jsonl:2: not JSON: ", "(column "),
         ("list.jsonl", (good + "[1, 2]\n").encode(), "list.jsonl:2: expected a JSON object (one row), got list", ""),
         ("deep.jsonl", ("[" * 100_000 + "\n").encode(), "deep.jsonl:1: JSON nested too deeply", ""),
         ("array.json", b'[{"query": "q", "choices": ["a", "b"], "gold": 0}, 5]', "array.json: row 2: expected a JSON object (one row), got int", ""),
-        ("bad.json", b'[{"query": "q"},\n oops]', "bad.json: not JSON (", "line 2 column 2"),
+        ("bad.json", b'[{"query": "q"},\n oops]', "bad.json: not JSON: ", "(line 2, column 2)"),
         ("text.parquet", good.encode(), "text.parquet: not a readable Parquet file (", ""),
         ("odd.txt", good.encode(), "unsupported file type", ""),
     ]

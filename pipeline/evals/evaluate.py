@@ -39,6 +39,7 @@ from kiln.pipeline.post.corpus_task import cloze_items, held_out_items
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
 from kiln.pipeline.progress import Progress, console
+from kiln.pipeline.text.corpus import SURROGATE
 from kiln.pipeline.text.loader import ShardSet
 from kiln.pipeline.train.lm import byte_lengths, evaluate_lm
 from kiln.pipeline.train.loop import prepare_device
@@ -80,6 +81,9 @@ class EvalParams(Section):
             raise self.bad("top_k", "a positive integer or null")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise self.bad("top_p", "a number in (0, 1] or null")
+        for i, prompt in enumerate(self.samples):
+            if SURROGATE.search(prompt):  # YAML can spell one ("\ud800"); no tokenizer can encode it
+                raise UserError(f"params: {self.SECTION}.samples[{i}]: not valid Unicode (a lone surrogate)")
         self.task_specs()
 
     def task_specs(self) -> list:
@@ -148,6 +152,15 @@ def load_tasks(params: EvalParams, chat: ChatFormat, corpus_dir: Path, seq_len: 
     return tasks
 
 
+def check_samples(params: EvalParams, lm: TextModel, seq_len: int) -> None:
+    """A prompt too long to continue is named before any work rather than after every model is scored."""
+    for i, prompt in enumerate(params.samples):
+        n = len(lm.tokenizer.encode(prompt).ids)
+        if 1 + n + params.max_new_tokens - 1 > seq_len:  # <|endoftext|> first; the last new token is never an input
+            raise UserError(f"params: eval.samples[{i}]: {n} tokens + eval.max_new_tokens={params.max_new_tokens} "
+                            f"do not fit the models' max_seq_len={seq_len}")
+
+
 def encode_tasks(tasks: list[Task], tokenizer, eot: int, seq_len: int) -> list[ChoiceTask]:
     """Each task's requests, and one line per task saying what will be scored: nothing is printed before every
     task is known to have something to score, so that bad input reads as one line."""
@@ -211,6 +224,7 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
     chat = ChatFormat(first.tokenizer)
     seq_len = first.model.config.max_seq_len
     tasks = load_tasks(params, chat, corpus_dir, seq_len)
+    check_samples(params, first, seq_len)
     scorers = encode_tasks(tasks, first.tokenizer, chat.eot, seq_len)
     post = load_posttrain(sft, dpo, chat, seq_len, corpus_dir) if params.posttrain else None
     sampling = Sampling(params.max_new_tokens, params.temperature, params.top_k, params.top_p, params.seed)

@@ -133,8 +133,8 @@ def _parse(text: str, where: str) -> object:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise UserError(f"{where}: not JSON ({e.msg} at line {e.lineno} column {e.colno})"
-                        if "\n" in text.strip() else f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+        at = f"line {e.lineno}, column {e.colno}" if "\n" in text.strip() else f"column {e.colno}"
+        raise UserError(f"{where}: not JSON: {e.msg} ({at})") from None
     except RecursionError:
         raise UserError(f"{where}: JSON nested too deeply") from None
     except ValueError as e:  # e.g. an integer of more digits than Python converts
