@@ -2,7 +2,7 @@
 
 For each model: val loss, perplexity and bits per byte on the first `eval.tokens` of the val shards (the same
 tokens for every model, so the numbers compare across models and runs); each task of `eval.tasks` scored as
-lm-evaluation-harness does (pipeline/scoring.py); the built-in post-training task's held-out accuracy and the
+lm-evaluation-harness does (evals/scoring.py); the built-in post-training task's held-out accuracy and the
 preference accuracy on the DPO held-out pairs; and greedy generations of a few fixed prompts written to
 `metrics/samples/<model>.md`. `items` in eval.json counts the items each task scored and `<task>/too_long` those
 left out because an answer alone does not fit the context window (the harness refuses them).
