@@ -187,8 +187,8 @@ def index_files(index: Path) -> list[Path]:
     suffix = Path(index.name.removesuffix(".index.json")).suffix  # .safetensors or .bin
     for tensor, name in weight_map.items():
         if not (isinstance(name, str) and name.endswith(suffix) and Path(name).name == name and "\0" not in name):
-            raise UserError(f"{index}: weight_map[{tensor!r}]: expected the name of a {suffix} file beside the "
-                            f"index, got {reprlib.repr(name)}")
+            raise UserError(f"{index}: weight_map[{reprlib.repr(tensor)}]: expected the name of a {suffix} file "
+                            f"beside the index, got {reprlib.repr(name)}")
     names = sorted(set(weight_map.values()))
     if absent := [name for name in names if not (index.parent / name).is_file()]:
         raise UserError(f"{index}: weight_map names {absent[0]}, which is not in {index.parent}")
