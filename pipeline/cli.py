@@ -88,12 +88,15 @@ def data_prepare(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], out: OutO
 @data_app.command("shard")
 @reports_errors
 def data_shard(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], corpus: CorpusOpt = layout.CORPUS,
-               tokenizer: TokenizerOpt = layout.TOKENIZER, out: OutOpt = layout.SHARDS):
-    """Tokenize both splits into binary shards and a manifest (stage `shard`)."""
+               tokenizer: TokenizerOpt = layout.TOKENIZER, out: OutOpt = layout.SHARDS,
+               checkpoints: Annotated[Path, typer.Option(help="The finished shards of a killed run, to resume.")] =
+               layout.checkpoints("shard")):
+    """Tokenize both splits into binary shards and a manifest (stage `shard`); a rerun after a kill keeps the
+    shards already finished."""
     from kiln.pipeline.config import load_section
     from kiln.pipeline.text.shard import ShardParams, shard
 
-    metrics = shard(load_section(ShardParams, params, set_), corpus, tokenizer, out)
+    metrics = shard(load_section(ShardParams, params, set_), corpus, tokenizer, out, checkpoints)
     _print_metrics("shard", metrics)
 
 

@@ -8,6 +8,7 @@ Fixtures are written on the fly into tmp_path; every test chdirs there because t
 from __future__ import annotations
 
 import configparser
+import hashlib
 import json
 import re
 import unicodedata
@@ -463,6 +464,71 @@ def test_failure_keeps_previous_output():
         assert sorted(p.name for p in out.parent.iterdir()) == ["corpus"]
         assert METRICS.read_bytes() == metrics_before
     check_output(out, metrics, texts)
+
+
+# --- parallel and streaming (data.workers, units of the source) ----------------------------------------------
+
+
+def is_val(text: str, fraction: float) -> bool:
+    """The documented split rule, written out here: blake2b-64 of the UTF-8 text, little-endian, over 2**64."""
+    h = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return h / 2**64 < fraction
+
+
+@pytest.fixture
+def many_units(monkeypatch):
+    """Every kind of unit several times over: txt files, a jsonl cut into ~300-byte runs of lines, a parquet
+    file of 7-row row groups; duplicates across units and blank documents between them. Returns the documents
+    in corpus order (files sorted, then lines or rows in order)."""
+    monkeypatch.setattr("kiln.pipeline.text.sources.JSONL_UNIT_BYTES", 300)
+    txt = numbered("text file", 5)
+    jsonl = [*numbered("json line", 30), "   ", txt[2], *numbered("json line", 3)]
+    rows = [*numbered("parquet row", 25), "", *numbered("json line", 5)]
+    write_txt_files(Path("corpus/a"), txt)
+    write_jsonl(Path("corpus/b.jsonl"), jsonl)
+    pq.write_table(pa.table({"text": rows}), "corpus/c.parquet", row_group_size=7)
+    assert pq.ParquetFile("corpus/c.parquet").num_row_groups == 5
+    return txt + jsonl + rows
+
+
+def test_output_is_the_same_for_any_number_of_workers(many_units):
+    kept = list(dict.fromkeys(t for t in many_units if t.strip()))  # first occurrences, in order
+    outputs = []
+    for workers in (1, 2, 3):
+        out = Path(f"out{workers}")
+        metrics = prepare(params(source="corpus", val_fraction=0.3, workers=workers), out)
+        train, val = read_output(out)
+        assert [r["text"] for r in train] == [t for t in kept if not is_val(t, 0.3)]
+        assert [r["text"] for r in val] == [t for t in kept if is_val(t, 0.3)]
+        assert metrics["duplicates_dropped"] == 9 and metrics["empty_dropped"] == 2
+        outputs.append(({p.name: p.read_bytes() for p in out.iterdir()}, {**metrics, "seconds": 0}))
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_rows_are_written_in_row_groups_of_1024():
+    write_jsonl(Path("in.jsonl"), numbered("doc", 2500))
+    prepare(params(source="in.jsonl", val_fraction=0.01), Path("out"))
+    meta = pq.ParquetFile("out/train.parquet").metadata
+    sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+    assert sizes[:-1] == [1024] * (len(sizes) - 1) and sum(sizes) == meta.num_rows > 2048
+
+
+def test_a_jsonl_error_in_a_later_unit_names_the_files_line(many_units):
+    lines = Path("corpus/b.jsonl").read_text(encoding="utf-8").splitlines()
+    lines[27] = '{"text": broken'
+    Path("corpus/b.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    expect_failure(params(source="corpus/b.jsonl", val_fraction=0.3), r"b\.jsonl:28: not valid JSON")
+
+
+def test_a_cap_stops_before_an_error_further_on(many_units):
+    """Units read ahead of the cap do not turn an error after it into a failure: as read one by one."""
+    lines = Path("corpus/b.jsonl").read_text(encoding="utf-8").splitlines()
+    lines[20] = "not json"
+    Path("corpus/b.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    metrics = prepare(params(source="corpus", val_fraction=0.3, max_docs=20), Path("out"))
+    assert metrics["train_documents"] + metrics["val_documents"] == 20
+    with pytest.raises(UserError, match=r"b\.jsonl:21"):
+        prepare(params(source="corpus", val_fraction=0.3, max_docs=30), Path("out"))
 
 
 # --- hf: sources (the `datasets` library, on a local folder) --------------------------------------------------

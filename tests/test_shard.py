@@ -1,5 +1,6 @@
 import hashlib
 import json
+import os
 import shutil
 import struct
 
@@ -17,7 +18,7 @@ from kiln.pipeline.text.shard import ShardParams, shard
 from kiln.pipeline.text.shard_format import HEADER_BYTES
 from kiln.pipeline.text.tokens import load_tokenizer
 
-from conftest import build
+from conftest import build, tree_bytes
 
 B, T = 4, 16
 
@@ -73,6 +74,90 @@ def test_hf_backend_writes_identical_shards(tiny, tmp_path, monkeypatch):
     timings = json.loads((tmp_path / "metrics/timings/shard.json").read_text())
     assert timings["mb_per_s"] > 0 and metrics["train_tokens"] + metrics["val_tokens"] > 0
     assert not {"seconds", "mb_per_s"} & set(metrics)  # timings stay out of what `dvc metrics diff` compares
+
+
+class Killed(BaseException):
+    """A kill: nothing in kiln catches it, as nothing runs after SIGKILL."""
+
+
+def shard_run(tiny, root, monkeypatch, kill_before: tuple[str, int] | None = None, **params) -> list[str]:
+    """Run the shard stage in `root` (output `root/shards`), killed as it is about to write shard `kill_before`
+    (split, index); returns the names of the shard files this run wrote."""
+    import kiln.pipeline.text.shard as stage
+    from kiln.pipeline.outputs import atomic_write_bytes as real
+
+    written = []
+
+    def write(path, data):
+        if kill_before is not None and path.name == f"{kill_before[0]}_{kill_before[1]:06d}.bin":
+            raise Killed
+        if path.suffix == ".bin":
+            written.append(path.name)
+        real(path, data)
+
+    monkeypatch.chdir(root)
+    monkeypatch.setattr(stage, "atomic_write_bytes", write)
+    shard(build_section(ShardParams, {"shard_tokens": 2048, **params}), tiny.corpus, tiny.tokenizer, root / "shards")
+    return written
+
+
+def files(folder) -> dict[str, tuple[int, bytes]]:
+    return {p.name: (p.stat().st_ino, p.read_bytes()) for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("kill_before", [("train", 3), ("val", 1)])
+def test_a_killed_run_resumes_after_its_last_finished_shard(tiny, tmp_path, monkeypatch, kill_before):
+    with pytest.raises(Killed):
+        shard_run(tiny, tmp_path, monkeypatch, kill_before)
+    assert not (tmp_path / "shards").exists()
+    work = tmp_path / "data/checkpoints/shard"
+    progress = json.loads((work / "progress.json").read_text())["shards"]
+    finished = [e["file"] for split in ("train", "val") for e in progress[split]]
+    n_train = len(json.loads((tiny.shards / "manifest.json").read_text())["splits"]["train"]["shards"])
+    assert len(finished) == (3 if kill_before[0] == "train" else n_train + 1)
+    # Shards end inside documents: the resume point is a document and an offset into its tokens.
+    assert any(e["next_offset"] > 0 for split in ("train", "val") for e in progress[split])
+    kept = {name: os.stat(work / name).st_ino for name in finished}
+    written = shard_run(tiny, tmp_path, monkeypatch)
+    assert not set(written) & set(finished), "a finished shard was encoded again"
+    assert written, "the rerun wrote the shards after the kill"
+    assert files(tmp_path / "shards") == {name: (os.stat(tmp_path / "shards" / name).st_ino, data)
+                                          for name, (_, data) in files(tiny.shards).items()}
+    assert {name: os.stat(tmp_path / "shards" / name).st_ino for name in finished} == kept  # the same files
+    assert not work.exists() and not (tmp_path / "data/checkpoints/shard.lock").exists()
+
+
+def test_a_damaged_finished_shard_is_encoded_again(tiny, tmp_path, monkeypatch):
+    with pytest.raises(Killed):
+        shard_run(tiny, tmp_path, monkeypatch, ("train", 3))
+    work = tmp_path / "data/checkpoints/shard"
+    data = bytearray((work / "train_000001.bin").read_bytes())
+    data[HEADER_BYTES + 5] ^= 0xFF
+    (work / "train_000001.bin").write_bytes(bytes(data))
+    (work / "train_000003.bin.tmp-killed").write_bytes(b"half a shard")  # what a kill mid-write leaves
+    written = shard_run(tiny, tmp_path, monkeypatch)
+    assert written[:3] == ["train_000001.bin", "train_000002.bin", "train_000003.bin"]
+    assert tree_bytes(tmp_path / "shards") == tree_bytes(tiny.shards)
+
+
+def test_a_rerun_on_other_inputs_starts_afresh(tiny, tmp_path, monkeypatch):
+    with pytest.raises(Killed):
+        shard_run(tiny, tmp_path, monkeypatch, ("train", 3))
+    written = shard_run(tiny, tmp_path, monkeypatch, shard_tokens=4096)  # another shard size: other shards
+    assert written[0] == "train_000000.bin"
+    manifest = json.loads((tmp_path / "shards/manifest.json").read_text())
+    stream = np.concatenate([raw_tokens(tmp_path / "shards" / e["file"]) for e in manifest["splits"]["train"]["shards"]])
+    np.testing.assert_array_equal(stream, expected_stream(tiny, "train"))
+    assert all(e["tokens"] == 4096 for e in manifest["splits"]["train"]["shards"][:-1])
+
+
+def test_a_folder_that_is_not_the_resume_state_is_left_alone(tiny, tmp_path, monkeypatch):
+    work = tmp_path / "data/checkpoints/shard"
+    work.mkdir(parents=True)
+    (work / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="progress.json"):
+        shard_run(tiny, tmp_path, monkeypatch)
+    assert (work / "notes.txt").read_text() == "mine"
 
 
 def test_read_across_shard_boundaries(tiny):

@@ -1,11 +1,15 @@
 import json
 import random
+import shutil
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
 from kiln.pipeline.cli import app
+from kiln.pipeline.config import build_section
+from kiln.pipeline.text.tokenizer import TokenizerParams, train_tokenizer
 from kiln.pipeline.text.tokens import SPECIAL_TOKENS, load_tokenizer, tiktoken_encoding
 
 from conftest import build, make_documents
@@ -99,6 +103,31 @@ def test_training_is_deterministic(tiny, tmp_path):
         (src / f"{i:04d}.txt").write_text(text, encoding="utf-8")
     again = build(tmp_path, {"source": str(src), "val_fraction": 0.2}, {"vocab_size": 300}, {"shard_tokens": 2048})
     assert again.tokenizer.read_bytes() == tiny.tokenizer.read_bytes()
+
+
+def test_default_sample_is_the_whole_train_split(shakespeare):
+    metrics = json.loads((shakespeare.root / "metrics/tokenizer.json").read_text())["tokenizer"]
+    texts = pq.read_table(shakespeare.corpus / "train.parquet")["text"].to_pylist()
+    assert metrics["train_chars"] == sum(map(len, texts)) < TokenizerParams().max_chars
+
+
+def test_max_chars_trains_on_the_documents_in_order_up_to_the_budget(tiny, tmp_path, monkeypatch):
+    """tokenizer.max_chars = 100 documents and 7 characters: the same tokenizer as one trained on a corpus whose
+    train split is exactly those documents, the 101st cut to its first 7 characters."""
+    texts = pq.read_table(tiny.corpus / "train.parquet")["text"].to_pylist()
+    budget = sum(map(len, texts[:100])) + 7
+    sample = tmp_path / "sample"
+    sample.mkdir()
+    pq.write_table(pa.table({"text": texts[:100] + [texts[100][:7]]}), sample / "train.parquet")
+    shutil.copy(tiny.corpus / "val.parquet", sample / "val.parquet")
+    monkeypatch.chdir(tmp_path)
+    capped = train_tokenizer(build_section(TokenizerParams, {"vocab_size": 300, "max_chars": budget}), tiny.corpus,
+                             tmp_path / "capped")
+    whole = train_tokenizer(build_section(TokenizerParams, {"vocab_size": 300}), sample, tmp_path / "whole")
+    assert capped["train_chars"] == whole["train_chars"] == budget
+    made = (tmp_path / "capped/tokenizer.json").read_bytes()
+    assert made == (tmp_path / "whole/tokenizer.json").read_bytes()
+    assert made != tiny.tokenizer.read_bytes()  # the cap changed what the trainer saw
 
 
 def test_gpt2_pattern_and_vocab_size(tmp_path):

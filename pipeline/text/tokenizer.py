@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-import pyarrow.parquet as pq
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kiln.pipeline import layout
@@ -37,7 +36,7 @@ from kiln.pipeline.errors import UserError
 from kiln.pipeline.layout import TOKENIZER_FILE
 from kiln.pipeline.outputs import atomic_dir, write_metrics
 from kiln.pipeline.progress import console
-from kiln.pipeline.text.corpus import iter_texts
+from kiln.pipeline.text.corpus import iter_texts, open_split
 from kiln.pipeline.text.tokens import SPECIAL_TOKENS, resolve_pattern
 
 
@@ -138,7 +137,7 @@ def trained_tokenizer(params: TokenizerParams, train_path: Path) -> tuple[Tokeni
         show_progress=console.is_terminal,  # the trainer's own bar; it has no hook for ours
     )
     sample = Sample(train_path, params.max_chars)
-    tok.train_from_iterator(sample, trainer, length=pq.ParquetFile(train_path).metadata.num_rows)
+    tok.train_from_iterator(sample, trainer, length=open_split(train_path).metadata.num_rows)
     return tok, sample.chars
 
 
