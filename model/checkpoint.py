@@ -11,6 +11,7 @@ and every tensor's name, shape, dtype and finiteness, before touching the model,
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -114,6 +115,9 @@ def load_config(model_dir: Path) -> tuple[ModelConfig, dict]:
     data = read_json_object(path)
     if not isinstance(data.get("model"), dict):
         raise ValueError(f"{path}: expected an object with a 'model' object")
+    for key, value in data["model"].items():  # Python's json reads NaN, Infinity and 1e999
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{path}: model.{key}: expected a finite number, got {value}")
     try:
         config = ModelConfig.from_dict(data.pop("model"))
     except (ValueError, TypeError) as e:

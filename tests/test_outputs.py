@@ -3,7 +3,11 @@ new one, never neither or half; stale temp folders go at the next start; two run
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,12 +17,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
+from typer.testing import CliRunner
 
-from kiln.model import atomic
+from kiln.model import GPT, ModelConfig, atomic, checkpoint, save_model
 from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover
-from kiln.pipeline.errors import UserError
-from kiln.pipeline.outputs import exclusive
+from kiln.pipeline.cli import app
+from kiln.pipeline.errors import StageError, UserError
+from kiln.pipeline.outputs import exclusive, write_json
+from kiln.pipeline.train import checkpoints
+from kiln.pipeline.train.checkpoints import Checkpoints
+from tests.conftest import tree_bytes
+
+TINY_MODEL = {"n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "max_seq_len": 16}
+TINY_TRAIN = {"batch_size": 4, "batch_tokens": 128, "warmup_steps": 1, "eval_tokens": 128, "max_steps": 2,
+              "checkpoint_every": 2, "eval_every": 2, "log_every": 1, "device": "cpu"}
 
 
 def write_version(final: Path, text: str) -> None:
@@ -165,3 +179,153 @@ def test_a_second_run_on_a_checkpoint_folder_refuses_naming_the_first(tmp_path):
         except UserError:
             assert time.monotonic() < deadline, "a killed run kept its lock"
             time.sleep(0.1)
+
+
+# --- a disk that refuses the write (issue 18, class 13) ------------------------------------------------------------
+
+def enospc(*args, **kwargs):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def tiny_gpt(d_model: int = 32) -> tuple[GPT, ModelConfig]:
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_head=2, d_model=d_model, max_seq_len=16)
+    return GPT(config), config
+
+
+def failing_rename(which: int):
+    """Path.rename that refuses its `which`-th call (1: temp -> new, 2: old aside, 3: new -> final)."""
+    real, calls = Path.rename, []
+
+    def rename(self, target):
+        calls.append(self)
+        if len(calls) == which:
+            enospc()
+        return real(self, target)
+    return rename
+
+
+SAVE_FAILURES = {
+    "write": lambda mp: mp.setattr(checkpoint, "save_file", enospc),
+    "write in safetensors": lambda mp: mp.setattr(checkpoint, "save_file", lambda *a, **k: (_ for _ in ()).throw(
+        SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"))),
+    "fsync": lambda mp: mp.setattr(atomic, "fsync_path", enospc),
+    **{f"rename {i}": (lambda i: lambda mp: mp.setattr(Path, "rename", failing_rename(i)))(i) for i in (1, 2, 3)},
+}
+
+
+@pytest.mark.parametrize("where", sorted(SAVE_FAILURES))
+def test_a_full_disk_during_a_model_save_keeps_the_old_model(tmp_path, monkeypatch, where):
+    model, config = tiny_gpt()
+    out = tmp_path / "base"
+    save_model(model, config, out)
+    before = tree_bytes(tmp_path)
+    torch.nn.init.ones_(model.tok_emb.weight)
+    SAVE_FAILURES[where](monkeypatch)
+    with pytest.raises(StageError, match=rf"^{out}: cannot write it: No space left on device \[ENOSPC\]"):
+        save_model(model, config, out)
+    monkeypatch.undo()
+    assert tree_bytes(tmp_path) == before and listing(tmp_path) == ["base"]  # the old model, no temp left
+
+
+@pytest.mark.parametrize("where", ["write", "fsync", "rename 1", "rename 2"])  # a new folder: 2 renames
+def test_a_full_disk_during_a_checkpoint_keeps_the_previous_ones(tmp_path, monkeypatch, where):
+    model, _ = tiny_gpt()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)).backward()
+    optimizer.step()
+    ckpts = Checkpoints(tmp_path / "ckpt", {"run": 1}, keep=2)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    ckpts.save(2, model, optimizer, scaler, {"i": 2}, {})
+    before = tree_bytes(tmp_path)
+    failures = {**SAVE_FAILURES, "write": lambda mp: mp.setattr(checkpoints, "save_file", enospc)}
+    failures[where](monkeypatch)
+    final = ckpts.folder / "step_00000004"
+    with pytest.raises(StageError, match=rf"^{final}: cannot write it: No space left on device \[ENOSPC\]"):
+        ckpts.save(4, model, optimizer, scaler, {"i": 4}, {})
+    monkeypatch.undo()
+    assert tree_bytes(tmp_path) == before and listing(ckpts.folder) == ["step_00000002"]
+
+
+def test_a_full_disk_ends_kiln_commands_in_one_error_line(tiny, tmp_path, monkeypatch):
+    """Through the CLI: sharding and training stop with exit 1 and the error as their one last line; what the
+    previous run wrote stays byte for byte."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(json.dumps({"model": TINY_MODEL, "train": TINY_TRAIN,
+                                                      "shard": {"shard_tokens": 2048}}))
+    train = ["train", "--shards", str(tiny.shards), "--tokenizer", str(tiny.tokenizer), "--out", "base",
+             "--checkpoints", "ckpt"]
+    assert CliRunner().invoke(app, train).exit_code == 0
+    before = tree_bytes(tmp_path / "base")
+    monkeypatch.setattr(checkpoint, "save_file", enospc)  # the rerun resumes at the end and saves the model again
+    last = last_line_of_failure(train)
+    assert last.startswith("error: base: cannot write it: No space left on device [ENOSPC]")
+    assert tree_bytes(tmp_path / "base") == before
+
+    shard = ["data", "shard", "--corpus", str(tiny.corpus), "--tokenizer", str(tiny.tokenizer), "--out", "shards"]
+    assert CliRunner().invoke(app, shard).exit_code == 0
+    before = tree_bytes(tmp_path / "shards")
+    monkeypatch.setattr(os, "fsync", enospc)  # whatever file the stage writes first
+    assert re.fullmatch(r"error: \S+: cannot write it: No space left on device \[ENOSPC\].*", last_line_of_failure(shard))
+    monkeypatch.undo()
+    assert tree_bytes(tmp_path / "shards") == before
+
+
+def last_line_of_failure(args: list[str]) -> str:
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    return result.output.strip().splitlines()[-1]
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A real filesystem of `size` (tmpfs) at `path`, or a skip where this user may not mount one."""
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_really_full_disk_keeps_the_old_model_and_leaves_no_temp(tmp_path):
+    with small_disk(tmp_path / "disk", "96k") as disk:
+        small, small_config = tiny_gpt()
+        save_model(small, small_config, disk / "base")  # ~30 kB
+        before = tree_bytes(disk)
+        big, big_config = tiny_gpt(d_model=64)  # ~100 kB: does not fit beside it
+        with pytest.raises(StageError, match=rf"^{disk / 'base'}: cannot write it: No space left on device"):
+            save_model(big, big_config, disk / "base")
+        assert tree_bytes(disk) == before and listing(disk) == ["base"]
+        with pytest.raises(StageError, match=rf"^{disk / 'm.json'}: cannot write it: No space left on device"):
+            write_json(disk / "m.json", {"x": "y" * 200_000})
+        assert listing(disk) == ["base"]
+
+
+# --- strict JSON ----------------------------------------------------------------------------------------------------
+
+def test_json_with_a_nan_is_not_written(tmp_path):
+    write_json(tmp_path / "m.json", {"a": 1})
+    for value in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(StageError, match=rf"^{tmp_path / 'm.json'}: not written: loss\.curve\.1 is not a finite"):
+            write_json(tmp_path / "m.json", {"a": 2, "loss": {"curve": [1.0, value]}})
+    assert json.loads((tmp_path / "m.json").read_text()) == {"a": 1} and listing(tmp_path) == ["m.json"]
+    write_json(tmp_path / "m.json", {"a": [1.5, None, "NaN"]})  # the string is fine
+    assert json.loads((tmp_path / "m.json").read_text(), parse_constant=lambda c: pytest.fail(c))["a"][2] == "NaN"
+
+
+# --- non-finite weights are never written (issue 18, class 11) -----------------------------------------------------
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_model_with_non_finite_weights_is_not_saved(tmp_path, bad):
+    model, config = tiny_gpt()
+    save_model(model, config, tmp_path / "base")
+    before = tree_bytes(tmp_path)
+    with torch.no_grad():
+        model.blocks[0].mlp.down_proj.weight[1, 2] = bad
+    with pytest.raises(StageError, match=r"base: not saved: blocks\.0\.mlp\.down_proj\.weight holds NaN or infinite"):
+        save_model(model, config, tmp_path / "base")
+    assert tree_bytes(tmp_path) == before

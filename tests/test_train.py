@@ -1,6 +1,7 @@
 import contextlib
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -8,16 +9,20 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
 from kiln.model import GPT, ModelConfig
+from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.train.checkpoints import NAME, Checkpoints
 from kiln.pipeline.train.curves import metric_files, read_metric
+from kiln.pipeline.train import lm
 from kiln.pipeline.train.lm import lm_loss
 from kiln.pipeline.train.loop import Run, build_optimizer, lr_at, train
 from kiln.pipeline.train.params import ModelParams, TrainParams
 from kiln.pipeline.train.pretrain import pretrain
+from tests.conftest import tree_bytes
 
 MODEL = {"n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "max_seq_len": 16}
 TRAIN = {"batch_size": 4, "batch_tokens": 128, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "eval_every": 4,
@@ -147,7 +152,7 @@ def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path):
         train(model, run)
     kept = [p.name for p in checkpoints(tmp_path / "ckpt")]
     assert kept == ["step_00000002"]
-    state = run.checkpoints.load(run.checkpoints.folder / kept[0], tiny_model(), build_optimizer(
+    state = run.checkpoints.load(run.checkpoints.read(run.checkpoints.folder / kept[0]), tiny_model(), build_optimizer(
         model, run.params, torch.device("cpu")), torch.amp.GradScaler("cpu", enabled=False))
     assert state["step"] == 2 and math.isfinite(state["train_loss"])
 
@@ -264,3 +269,65 @@ def test_a_second_run_on_the_same_checkpoints_refuses(tiny, tmp_path):
         proc.kill()
         proc.wait()
     assert not (tmp_path / "base").exists()
+
+
+def test_the_nan_stops_advice_followed_literally_deletes_nothing(tiny, tmp_path, monkeypatch):
+    """Issue 18, class 9: the stop names the last good checkpoint and two ways on. Going on from it with a lower
+    lr (the command it names) and starting afresh with a lower lr both work, and neither deletes a checkpoint of
+    the run that stopped (keep_checkpoints=1 prunes each run's own only)."""
+    monkeypatch.chdir(tmp_path)
+    args = cli_project(tiny, tmp_path, max_steps=6, checkpoint_every=2, keep_checkpoints=1)
+    calls = []
+
+    def diverging(model, batch):  # two micro-batches a step: NaN from step 3 on
+        calls.append(1)
+        return lm_loss(model, batch) * (float("nan") if len(calls) > 4 else 1.0)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(lm, "lm_loss", diverging)
+        stopped = CliRunner().invoke(app, args)
+    assert stopped.exit_code == 1 and "Traceback" not in stopped.output
+    message = " ".join(stopped.output.split())  # rich wraps long lines on the terminal
+    kept = re.search(r"Last good checkpoint: (\S+)\.", message).group(1)
+    assert "loss is nan at step 3" in message and kept.endswith("step_00000002")
+    command = re.search(r"go on from it: kiln pretrain (.+?); no checkpoint is deleted", message).group(1)
+    assert not (tmp_path / "base").exists()
+    stopped_run = tree_bytes(tmp_path / "ckpt")
+
+    go_on = CliRunner().invoke(app, [*args, *command.replace("<lower>", "0.005").split()])
+    assert go_on.exit_code == 0, go_on.output
+    assert f"resuming from {kept} (step 2)" in " ".join(go_on.output.split())
+    assert json.loads((tmp_path / "metrics/pretrain.json").read_text())["pretrain"]["steps"] == 6
+
+    afresh = CliRunner().invoke(app, [*args, "--set", "lr=0.002"])
+    assert afresh.exit_code == 0, afresh.output
+    assert "starting afresh beside them" in " ".join(afresh.output.split())
+    after = tree_bytes(tmp_path / "ckpt")
+    assert {k: after.get(k) for k in stopped_run} == stopped_run  # the stopped run's checkpoints, byte for byte
+    assert [p.name for p in checkpoints(tmp_path / "ckpt")] == ["step_00000002", "step_00000006", "step_00000006"]
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path):
+    model = tiny_model()
+    optimizer = build_optimizer(model, build_section(TrainParams, TRAIN), torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    ckpts = Checkpoints(tmp_path / "ckpt", {"run": 1}, keep=2, command="kiln pretrain")
+    good = ckpts.save(2, model, optimizer, scaler, {"i": 2}, {})
+    before = tree_bytes(tmp_path)
+    with torch.no_grad():
+        model.blocks[0].attn_norm.weight[3] = float("inf")
+    with pytest.raises(StageError, match=r"step_00000004: not saved: blocks\.0\.attn_norm\.weight holds NaN or "
+                                         rf"infinite values\. Last good checkpoint: {good}\."):
+        ckpts.save(4, model, optimizer, scaler, {"i": 4}, {})
+    assert tree_bytes(tmp_path) == before
+
+
+def test_a_nan_validation_loss_stops_the_run(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    batch = (torch.randint(0, 64, (4, 16), generator=gen), torch.randint(0, 64, (4, 16), generator=gen))
+    run = loop_run(tmp_path, [batch], batch_size=4, batch_tokens=64, max_steps=4, eval_every=2, checkpoint_every=2)
+    run.evaluate = lambda m: {"val_loss": float("nan") if run.batches.i > 2 else 1.0}
+    with contextlib.chdir(tmp_path), pytest.raises(StageError, match=r"val_loss is nan at step 4; stopped\. Last "
+                                                                     r"good checkpoint: \S+step_00000002\."):
+        train(tiny_model(), run)
+    assert [p.name for p in checkpoints(tmp_path / "ckpt")] == ["step_00000002"]

@@ -26,6 +26,7 @@ import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -89,7 +90,7 @@ def read_state(folder: Path) -> dict:
     """`folder`/state.json, every field checked by type; UserError naming the file and field otherwise."""
     path = Path(folder) / "state.json"
     try:
-        state = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_refuse_constant)
+        state = json.loads(path.read_bytes().decode("utf-8"))  # NaN parses, and the field it is in is refused
     except FileNotFoundError:
         raise UserError(f"{path}: not found (expected a checkpoint folder holding state.json)") from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -104,10 +105,6 @@ def read_state(folder: Path) -> dict:
             got = repr(state.get(key, "nothing"))
             raise UserError(f"{path}: {key}: expected {expected}, got {got[:60]}")
     return state
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
 
 
 def run_name(fingerprint: dict) -> str:
@@ -129,6 +126,17 @@ class Checkpoints:
                                                            "step": origin["step"]}}
         self.fingerprint = fingerprint
         self.folder = self.root / run_name(fingerprint)
+        self._read_early: Checkpoint | None = None
+        self.newest()  # a broken checkpoint is refused now, before the run sets up and prints anything
+
+    def newest(self) -> Checkpoint | None:
+        """The checkpoint to resume from, read and checked; the early read is reused while it is the newest."""
+        path = self.latest()
+        if path is None:
+            return None
+        if self._read_early is None or self._read_early.path != path:
+            self._read_early = self.read(path)
+        return self._read_early
 
     def _all(self) -> list[Path]:
         return _steps(self.folder)
@@ -245,49 +253,73 @@ class Checkpoints:
         for path in self._all()[:-self.keep]:
             shutil.rmtree(path)
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> dict:
-        """Restore everything saved at `path` into the live objects; return state.json."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
+    def read(self, path: Path) -> Checkpoint:
+        """What `path` holds, every file checked: state.json by field, the tensors readable and finite (a sharded
+        checkpoint's are checked as they load). UserError naming the file otherwise."""
         state = read_state(path)
         if path.parent == self.folder and state["fingerprint"] != self.fingerprint:
             raise UserError(f"{path / 'state.json'}: fingerprint: not the one its folder {self.folder} is named "
                             "after; move the folder away to go on")
+        if (path / SHARDED).is_dir():
+            return Checkpoint(path, state)
+        weights, tensors = _read_tensors(path / "model.safetensors"), _read_tensors(path / "optimizer.safetensors")
+        if (bad := first_non_finite(weights)) is not None:
+            raise UserError(f"{path / 'model.safetensors'}: {bad}: holds NaN or infinite values")
+        return Checkpoint(path, state, weights, tensors)
+
+    def load(self, checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scaler) -> dict:
+        """Restore a checkpoint (from `read`) into the live objects; return its state.json."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        path, state = checkpoint.path, checkpoint.state
+        self._read_early = None  # its tensors are the model's and optimizer's now
         try:
-            return self._load(path, state, model, optimizer, scaler)
+            if checkpoint.weights is None:
+                _load_sharded(path / SHARDED, model, optimizer)
+                _set_rng(load_file(path / "rng.safetensors"), state)
+            else:
+                _load_full(checkpoint, distributed.unwrap(model), optimizer)
+            if state["scaler"] is not None:
+                scaler.load_state_dict(state["scaler"])
         except (OSError, SafetensorError, KeyError, ValueError, TypeError, RuntimeError, CheckpointException) as e:
             reason = " ".join(f"{type(e).__name__}: {e}".split())  # one line, whatever the library wrote
             raise UserError(f"{path}: corrupt checkpoint ({reason[:300]}); move it away to go on") from None
-
-    def _load(self, path: Path, state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              scaler) -> dict:
-        if (path / SHARDED).is_dir():
-            _load_sharded(path / SHARDED, model, optimizer)
-            _set_rng(load_file(path / "rng.safetensors"), state)
-        else:
-            self._load_full(path, distributed.unwrap(model), optimizer, state)
-        if state["scaler"] is not None:
-            scaler.load_state_dict(state["scaler"])
         return state
 
-    def _load_full(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        if distributed.is_sharded(model):
-            raise UserError(f"{path}: written by a single-process or DDP run, which an FSDP run cannot resume; "
-                            "resume it with train.parallel=ddp")
-        weights = load_file(path / "model.safetensors")
-        tensors = load_file(path / "optimizer.safetensors")
-        want = {name: tuple(t.shape) for name, t in _model_tensors(model).items()}
-        got = {name: tuple(t.shape) for name, t in weights.items()}
-        if got != want:
-            wrong = sorted(set(got) ^ set(want)) or [n for n in want if got[n] != want[n]]
-            raise UserError(f"{path / 'model.safetensors'}: tensors do not match the model ({wrong[:3]})")
-        if (bad := first_non_finite(weights)) is not None:
-            raise UserError(f"{path / 'model.safetensors'}: {bad}: holds NaN or infinite values")
-        # Tied weights are one Parameter stored under its first name, so loading it fills both uses.
-        model.load_state_dict(weights, strict=False)
-        groups, params = _param_groups(path, state["param_groups"], optimizer)
-        optimizer.load_state_dict({"state": _optimizer_state(path, tensors, params), "param_groups": groups})
-        _set_rng(tensors, state)
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read from disk: its folder, state.json and (unless sharded) its tensors."""
+
+    path: Path
+    state: dict
+    weights: dict[str, torch.Tensor] | None = None
+    tensors: dict[str, torch.Tensor] | None = None
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError, ValueError) as e:
+        raise UserError(f"{path}: corrupt checkpoint ({' '.join(str(e).split())[:200]}); move "
+                        f"{path.parent} away to go on") from None
+
+
+def _load_full(checkpoint: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    path, weights = checkpoint.path, checkpoint.weights
+    if distributed.is_sharded(model):
+        raise UserError(f"{path}: written by a single-process or DDP run, which an FSDP run cannot resume; "
+                        "resume it with train.parallel=ddp")
+    want = {name: tuple(t.shape) for name, t in _model_tensors(model).items()}
+    got = {name: tuple(t.shape) for name, t in weights.items()}
+    if got != want:
+        wrong = sorted(set(got) ^ set(want)) or [n for n in want if got[n] != want[n]]
+        raise UserError(f"{path / 'model.safetensors'}: tensors do not match the model ({wrong[:3]})")
+    # Tied weights are one Parameter stored under its first name, so loading it fills both uses.
+    model.load_state_dict(weights, strict=False)
+    groups, params = _param_groups(path, checkpoint.state["param_groups"], optimizer)
+    optimizer.load_state_dict({"state": _optimizer_state(path, checkpoint.tensors, params), "param_groups": groups})
+    _set_rng(checkpoint.tensors, checkpoint.state)
 
 
 def _param_groups(path: Path, saved: list[dict], optimizer: torch.optim.Optimizer) -> tuple[list, dict]:

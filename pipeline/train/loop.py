@@ -184,12 +184,12 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
     optimizer = build_optimizer(model, params, device, zero1=params.zero1 and world.size > 1)
     scaler = torch.amp.GradScaler(device.type, enabled=params.precision == "fp16")
     step, seconds_before, loss = 0, 0.0, float("nan")
-    latest = run.checkpoints.latest()
+    latest = run.checkpoints.newest()
     if latest is not None:
         state = run.checkpoints.load(latest, model, optimizer, scaler)
         run.batches.load_state_dict(state["loader"])
         step, seconds_before, loss = state["step"], state.get("train_seconds", 0.0), state.get("train_loss", loss)
-        console.print(f"{run.name}: resuming from {latest} (step {step})", highlight=False)
+        console.print(f"{run.name}: resuming from {latest.path} (step {step})", highlight=False)
     elif world.main and (others := run.checkpoints.others()):
         console.print(f"{run.name}: no checkpoint of these params in {run.checkpoints.root}, only of others (newest "
                       f"{others[-1]}); starting afresh beside them, and they stay"
