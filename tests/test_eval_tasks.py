@@ -505,3 +505,18 @@ def test_any_bytes_in_a_csv_gz_task_file_give_items_or_a_user_error(tmp_path, da
     path = tmp_path / "any_test.csv.gz"
     path.write_bytes(data[:cut])
     check_reads_or_refuses(path)
+
+
+def test_builtin_cloze_choices_are_the_lines_without_the_delimiter(shakespeare):
+    # acc_norm divides by len(choice) in characters with no delimiter (lm-evaluation-harness,
+    # lm_eval/api/task.py, ConfigurableTask.process_results): the built-in task must say what its choices are.
+    from kiln.pipeline.post.chat_format import ChatFormat
+    from kiln.pipeline.post.corpus_task import cloze_items
+    from kiln.pipeline.text.tokens import load_tokenizer
+
+    chat = ChatFormat(load_tokenizer(shakespeare.tokenizer, ordinary=True))
+    items = cloze_items(shakespeare.corpus, chat, 128, 8, seed=0)
+    assert len(items) == 8
+    for item in items:
+        assert item.continuations == tuple("\n" + c for c in item.choices)
+        assert not any(c.startswith("\n") for c in item.choices)

@@ -207,8 +207,9 @@ def corpus_titles(corpus_dir: Path) -> list[str]:
 
 def cloze_items(corpus_dir: Path, chat: ChatFormat, seq_len: int, n: int, seed: int) -> list[MCItem]:
     """The built-in eval task: `continue` questions of the val split as plain text, no chat markers: the
-    passage is the context and "\n" + each candidate line a continuation, so a base model is scored on what
-    pretraining taught it. The true line's position is drawn per item: with gold always first, a tie (two
+    passage is the context and "\n" + each candidate line a continuation (acc_norm divides by the line's own
+    characters, the delimiter not counted, as for any task), so a base model is scored on what pretraining
+    taught it. The true line's position is drawn per item: with gold always first, a tie (two
     equal lines) would count as a hit."""
     header = f"{QUESTIONS['continue']}\n\n"
     items = TaskBuilder(read_documents(corpus_dir, "val"), [], chat, seq_len).build(n, seed, kinds=("continue",))
@@ -217,5 +218,6 @@ def cloze_items(corpus_dir: Path, chat: ChatFormat, seq_len: int, n: int, seed: 
     for item in items:
         order = rng.permutation(len(item.choices))
         out.append(MCItem((item.prompt[0]["content"].removeprefix(header),) * len(order),
-                          tuple(f"\n{item.choices[i]}" for i in order), int(np.argmin(order))))
+                          tuple(f"\n{item.choices[i]}" for i in order), int(np.argmin(order)),
+                          tuple(item.choices[i] for i in order)))
     return out
