@@ -80,7 +80,7 @@ STATE_CASES = {
     "truncated": (b'{"step": 2, "fingerprint": {', "not JSON"),
 }
 FIELD_CASES = [("step", "2"), ("step", -1), ("step", True), ("step", None), ("fingerprint", []),
-               ("param_groups", {}), ("param_groups", [{"params": ["0"]}]), ("scaler", 3), ("loader", None),
+               ("param_groups", {}), ("param_groups", [{"params": [1.5]}]), ("scaler", 3), ("loader", None),
                ("rng_python", "seed"), ("rng_python", [3, [1, 2], "x"]), ("rng_numpy", [1, 2]),
                ("train_loss", float("nan")), ("train_seconds", -5.0), ("train_seconds", float("inf"))]
 

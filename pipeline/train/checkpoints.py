@@ -69,9 +69,11 @@ def _is_number(v) -> bool:
 STATE_FIELDS = {
     "step": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
     "fingerprint": (lambda v: isinstance(v, dict), "an object"),
+    # params: the optimizer's numbers, or the parameters' names in a sharded checkpoint
     "param_groups": (lambda v: isinstance(v, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
-                                                           and all(map(_is_int, g["params"])) for g in v),
-                     "a list of objects with integer 'params'"),
+                                                           and all(_is_int(p) or isinstance(p, str)
+                                                                   for p in g["params"]) for g in v),
+                     "a list of objects with 'params' numbers or names"),
     "scaler": (lambda v: v is None or isinstance(v, dict), "an object or null"),
     "loader": (lambda v: isinstance(v, dict), "an object"),
     "rng_python": (lambda v: isinstance(v, list) and len(v) == 3 and _is_int(v[0]) and isinstance(v[1], list)
