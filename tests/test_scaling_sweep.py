@@ -7,6 +7,7 @@ import contextlib
 import csv
 import json
 import math
+import shutil
 
 import pytest
 from typer.testing import CliRunner
@@ -69,8 +70,14 @@ def test_fingerprint_follows_what_is_trained_not_how():
 
 
 def test_sweep_skips_finished_runs_and_resumes_an_interrupted_one(tiny, tmp_path, monkeypatch):
+    # Another run's checkpoints under a run's folder (other params, another fingerprint) are not the sweep's.
+    stranger = tmp_path / "ckpt" / "C2e+07_L1" / "0123456789ab" / "step_00000003" / "state.json"
+    stranger.parent.mkdir(parents=True)
+    stranger.write_text("{}")
     metrics, rows = run_sweep(tiny, tmp_path)
     assert metrics["trained"] == 6 and len(rows) == 6 and list(rows[0]) == list(COLUMNS)
+    assert "C2e+07_L1" in {r["run"] for r in rows} and stranger.read_text() == "{}"
+    shutil.rmtree(tmp_path / "ckpt" / "C2e+07_L1")
     for row in rows:
         assert float(row["flops"]) == pytest.approx(6 * int(row["params"]) * int(row["tokens"]), rel=1e-5)
         assert float(row["flops"]) == pytest.approx(float(row["budget"]), rel=0.25)  # whole steps of 64 tokens

@@ -20,6 +20,7 @@ interrupted sweep keeps what finished, and the run in progress resumes from its 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import hashlib
@@ -37,7 +38,8 @@ from kiln.pipeline.outputs import atomic_write_bytes, lock_path, write_metrics
 from kiln.pipeline.progress import console
 from kiln.pipeline.scaling.choice import count_params
 from kiln.pipeline.scaling.params import ScalingParams
-from kiln.pipeline.train.lm import CADENCE, LMData, train_lm
+from kiln.pipeline.train.checkpoints import run_name
+from kiln.pipeline.train.lm import CADENCE, LMData, lm_fingerprint, train_lm
 from kiln.pipeline.train.params import ModelParams, TrainParams
 
 COLUMNS = ("run", "params", "non_embedding_params", "tokens", "flops", "loss", "bpb", "seconds", "budget", "depth",
@@ -137,8 +139,12 @@ def sweep(scaling: ScalingParams, model: ModelParams, shards_dir: Path, tokenize
             "train_loss": result["train_loss"], "fingerprint": run.fingerprint}
         write_rows(csv_path, [rows[r.name] for r in runs if r.name in rows
                               and rows[r.name]["fingerprint"] == r.fingerprint])
-        shutil.rmtree(checkpoint_dir / run.name, ignore_errors=True)  # a finished run needs no resume state
-        lock_path(checkpoint_dir / run.name).unlink(missing_ok=True)
+        # A finished run needs no resume state; other params' runs of this name keep theirs.
+        own = checkpoint_dir / run.name
+        shutil.rmtree(own / run_name(lm_fingerprint(run.config, run.train, data.tokenizer_sha256)), ignore_errors=True)
+        lock_path(own).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            own.rmdir()  # only when nothing else is left in it
         flops_done += run.flops
         elapsed = time.perf_counter() - start
         console.print(f"sweep: {run.name} N={run.params:,} D={run.tokens:,} val loss {result['val_loss']:.4f}; "

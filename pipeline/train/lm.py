@@ -94,6 +94,12 @@ def total_steps(params: TrainParams) -> int:
     return params.max_steps if params.max_steps is not None else max(1, params.tokens // params.batch_tokens)
 
 
+def lm_fingerprint(config: ModelConfig, params: TrainParams, tokenizer_sha256: str) -> dict:
+    """What makes two runs the same run: checkpoints of another fingerprint are another run's."""
+    return {"model": config.to_dict(), "tokenizer_sha256": tokenizer_sha256,
+            "train": {k: v for k, v in dataclasses.asdict(params).items() if k not in CADENCE}}
+
+
 def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_dir: Path, curves_dir: Path,
              name: str, resume_from: Path | None = None, command: str | None = None) -> tuple[GPT, dict]:
     """Next-token training of a fresh model on `data` with the one loop; the pretrain stage and every run of the
@@ -112,8 +118,7 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
         raise UserError(f"model.{e}") from None
     model = GPT(config).to(device).set_kernels(params.kernels)
     steps = total_steps(params)
-    fingerprint = {"model": config.to_dict(), "tokenizer_sha256": data.tokenizer_sha256,
-                   "train": {k: v for k, v in dataclasses.asdict(params).items() if k not in CADENCE}}
+    fingerprint = lm_fingerprint(config, params, data.tokenizer_sha256)
     run = Run(
         params=params, total_steps=steps, micro_batch_tokens=params.batch_size * seq_len, loss_fn=lm_loss,
         batches=TokenBatches(data.train, params.batch_size, seq_len, seed=params.seed, rank=world.rank,
