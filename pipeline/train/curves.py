@@ -65,7 +65,7 @@ def _drop_rows_after(path: Path, step: int) -> None:
     header = lines[0].rstrip("\n").split("\t")
     at = header.index("step")
     kept = [lines[0], *(line for line in lines[1:] if int(line.split("\t")[at]) <= step)]
-    path.write_text("".join(kept))
+    atomic_write_bytes(path, "".join(kept).encode())  # a kill mid-write must not lose the curve
 
 
 def pyplot():
