@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from kiln.model import GPT, ModelConfig, generate, load_model, save_model
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
+from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.post.chat_data import Pair
 from kiln.pipeline.post.chat_format import ChatFormat
@@ -23,7 +24,7 @@ from kiln.pipeline.post.corpus_task import task_items
 from kiln.pipeline.post.dpo import dpo, pair_metrics
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
-from kiln.pipeline.post.sft import sft
+from kiln.pipeline.post.sft import sft, text_rows
 from kiln.pipeline.text.tokens import load_tokenizer
 from kiln.pipeline.train.params import TrainParams
 
@@ -204,6 +205,22 @@ def test_builtin_task_holds_out_val_passages_only(shakespeare):
         if item.kind == "speaker":
             assert passage.startswith(item.answer + ".")
     assert task_items(shakespeare.corpus, chat, 128, 60, 30, seed=5)[1] == val  # deterministic
+
+
+def test_sft_text_rows_are_distinct_windows_of_the_train_split(shakespeare):
+    chat = ChatFormat(load_tokenizer(shakespeare.tokenizer, ordinary=True))
+    x, y = text_rows(shakespeare.corpus, chat, 64, 300, seed=3)
+    assert x.shape == y.shape == (300, 64) and (y != IGNORE).all() and torch.equal(x[:, 1:], y[:, :-1])
+    assert len({tuple(row) for row in x.tolist()}) == 300
+    train = "\n".join(pq.read_table(shakespeare.corpus / "train.parquet").column("text").to_pylist())
+    for row in x[:20].tolist():  # text between two <|endoftext|> is one train document's
+        for piece in chat.tokenizer.decode(row, skip_special_tokens=False).split("<|endoftext|>"):
+            assert piece.strip() in train
+    assert torch.equal(text_rows(shakespeare.corpus, chat, 64, 300, seed=3)[0], x)
+    with pytest.raises(UserError, match="sft.text_share"):
+        text_rows(shakespeare.corpus, chat, 64, 10**7, seed=3)
+    with pytest.raises(UserError, match="sft.text_share"):
+        build_section(SFTParams, {"text_share": 1.0})
 
 
 def test_commands_refuse_bad_input(tiny, tmp_path):

@@ -75,6 +75,14 @@ class PostTrainParams(Section):
 @dataclass
 class SFTParams(PostTrainParams):
     SECTION: ClassVar[str] = "sft"
+    # share of training rows that are windows of the corpus's train text (loss on every token): what keeps
+    # pretraining's bits per byte while the examples teach the task
+    text_share: float = 0.0
+
+    def check(self) -> None:
+        super().check()
+        if not 0 <= self.text_share < 1:
+            raise self.bad("text_share", "a number in [0, 1)")
 
 
 @dataclass
