@@ -101,7 +101,7 @@ def read_json_object(path: Path) -> dict:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ValueError(f"{path}: not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"{path}: cannot read ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")

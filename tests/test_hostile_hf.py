@@ -159,8 +159,6 @@ def test_a_config_json_that_is_not_a_config(sources, tmp_path, data, names):
     refused(sources, tmp_path, "llama", write("config.json", data), *names)
 
 
-@pytest.mark.xfail(strict=True, reason="model/checkpoint.py's read_json_object (another owner's) lets json's "
-                   "RecursionError through; drop this mark when it reports it as a UserError")
 def test_a_config_json_nested_too_deep(sources, tmp_path):
     refused(sources, tmp_path, "llama", write("config.json", b"[" * 100_000 + b"]" * 100_000), "config.json")
 

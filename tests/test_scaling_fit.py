@@ -10,12 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.scaling.fit import Runs, isoflop_fit, load_runs, natural, parametric_fit
+from kiln.pipeline.scaling.choice import read_json
 from kiln.pipeline.scaling.laws import compute_optimal, predict
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.scaling.size import choose_size
@@ -271,3 +274,16 @@ def test_size_refuses_a_fit_json_it_cannot_size_from(tmp_path, key, value, expec
         choose_size(fit, path, build_section(ScalingParams, {"approach": "parametric"}),
                     build_section(ModelParams, {"size": "auto"}), vocab_size=1024)
     assert str(path) in str(refused.value) and "\n" not in str(refused.value)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.one_of(st.binary(max_size=300), st.sampled_from([b"[" * 50_000 + b"]" * 50_000, b"9" * 5000,
+                                                            b'[{"params": 1e999}]', b"\xff\xfe{}"])),
+       st.sampled_from(["runs.json", "runs.csv", "fit.json"]))
+def test_scaling_readers_give_runs_or_one_line_on_any_bytes(tmp_path, data, name):
+    path = tmp_path / name
+    path.write_bytes(data)
+    try:
+        read_json(path, "scaling fit", "run it") if name == "fit.json" else load_runs(path)
+    except UserError as e:
+        assert "\n" not in str(e) and str(path) in str(e)

@@ -21,9 +21,11 @@ def read_json(path: Path, what: str, hint: str) -> dict:
     if not path.is_file():
         raise UserError(f"{path}: no {what} ({hint})")
     try:
-        value = json.loads(path.read_text())
+        value = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # not UTF-8, a 5,000-digit number, [[[[...
+        raise UserError(f"{path}: not usable JSON ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(value, dict):
         raise UserError(f"{path}: expected a JSON object")
     return value

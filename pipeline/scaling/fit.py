@@ -95,6 +95,8 @@ def _json_rows(path: Path, text: str) -> list[tuple[float, float, float, float, 
         records = json.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    except (ValueError, RecursionError) as e:  # a 5,000-digit number, [[[[...
+        raise UserError(f"{path}: not usable JSON ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
         raise UserError(f"{path}: expected a JSON list of objects with parameters, compute_budget, final_loss")
     rows = []
