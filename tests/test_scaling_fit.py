@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.scaling.fit import Runs, isoflop_fit, load_runs, natural, parametric_fit
 from kiln.pipeline.scaling.choice import read_json
+from kiln.pipeline.scaling.fit import Runs, isoflop_fit, load_runs, natural, parametric_fit
 from kiln.pipeline.scaling.laws import compute_optimal, predict
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.scaling.size import choose_size

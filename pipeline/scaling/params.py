@@ -14,7 +14,6 @@ from kiln.pipeline.config import Section, build_section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.train.params import TrainParams
 
-
 # Beyond any training run there has been (~1e25 FLOPs); a bound keeps C^a and C/(6N) far from overflow.
 MAX_FLOPS = 1e30
 MAX_BOOTSTRAP = 10_000  # each resample is a full fit (~0.3 s)
