@@ -425,6 +425,27 @@ def bench_shard(corpus: CorpusOpt = layout.CORPUS, tokenizer: TokenizerOpt = lay
     run(corpus, tokenizer, split, max_mb, out)
 
 
+@bench_app.command("data")
+@reports_errors
+def bench_data(params: ParamsOpt = layout.PARAMS,
+               scales: Annotated[str, typer.Option(help="Corpus sizes: copies of Shakespeare, comma-separated "
+                                                        "(x8, 40 MB, is past the size prepare starts workers at).")] =
+               "1,8",
+               max_mb: Annotated[float | None, typer.Option(help="Take at most this many MB of Shakespeare per "
+                                                              "copy (default: all of it).")] = None,
+               out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] = layout.BENCH / "data.json"):
+    """Throughput per core and peak memory of prepare, tokenizer and shard at two corpus sizes (the `data`,
+    `tokenizer` and `shard` params), each stage in its own process."""
+    from kiln.pipeline.errors import UserError
+    from kiln.pipeline.tools.bench_data import bench_data as run
+
+    try:
+        sizes = [int(s) for s in scales.split(",")]
+    except ValueError:
+        raise UserError(f"--scales {scales!r}: expected comma-separated integers, e.g. 1,8") from None
+    run(params, sizes, max_mb, out)
+
+
 @bench_app.command("train")
 @reports_errors
 def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],

@@ -479,8 +479,9 @@ def is_val(text: str, fraction: float) -> bool:
 def many_units(monkeypatch):
     """Every kind of unit several times over: txt files, a jsonl cut into ~300-byte runs of lines, a parquet
     file of 7-row row groups; duplicates across units and blank documents between them. Returns the documents
-    in corpus order (files sorted, then lines or rows in order)."""
+    in corpus order (files sorted, then lines or rows in order). Worker processes start however small it is."""
     monkeypatch.setattr("kiln.pipeline.text.sources.JSONL_UNIT_BYTES", 300)
+    monkeypatch.setattr("kiln.pipeline.text.prepare.PARALLEL_MIN_BYTES", 0)
     txt = numbered("text file", 5)
     jsonl = [*numbered("json line", 30), "   ", txt[2], *numbered("json line", 3)]
     rows = [*numbered("parquet row", 25), "", *numbered("json line", 5)]

@@ -146,9 +146,10 @@ def test_a_rerun_on_other_inputs_starts_afresh(tiny, tmp_path, monkeypatch):
     written = shard_run(tiny, tmp_path, monkeypatch, shard_tokens=4096)  # another shard size: other shards
     assert written[0] == "train_000000.bin"
     manifest = json.loads((tmp_path / "shards/manifest.json").read_text())
-    stream = np.concatenate([raw_tokens(tmp_path / "shards" / e["file"]) for e in manifest["splits"]["train"]["shards"]])
+    entries = manifest["splits"]["train"]["shards"]
+    stream = np.concatenate([raw_tokens(tmp_path / "shards" / e["file"]) for e in entries])
     np.testing.assert_array_equal(stream, expected_stream(tiny, "train"))
-    assert all(e["tokens"] == 4096 for e in manifest["splits"]["train"]["shards"][:-1])
+    assert all(e["tokens"] == 4096 for e in entries[:-1])
 
 
 def test_a_folder_that_is_not_the_resume_state_is_left_alone(tiny, tmp_path, monkeypatch):

@@ -20,9 +20,12 @@ SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def open_split(parquet: Path) -> pq.ParquetFile:
-    """A corpus split, refused in one line when it is truncated, corrupted or not a corpus."""
+    """A corpus split for reading a row group at a time, refused in one line when it is truncated, corrupted or
+    not a corpus."""
     with unreadable(parquet):
-        pf = pq.ParquetFile(parquet)
+        # pre_buffer (pyarrow's default) reads ahead every row group a reader asks for: the whole file, for
+        # iter_batches. Read one at a time instead, so memory does not grow with the corpus.
+        pf = pq.ParquetFile(parquet, pre_buffer=False)
     if "text" not in pf.schema_arrow.names:
         raise UserError(f"{parquet}: not a corpus split (no column 'text'); run `kiln data prepare` again")
     return pf

@@ -8,7 +8,9 @@ on both sides.
 The work is parallel and streaming: `data.workers` processes each read and clean one unit of the source at a
 time (a file, a row group, a run of lines: sources.py) and hand back its documents with their hashes; this
 process takes the units in corpus order, so it alone decides what is a duplicate and where a cap stops, and
-appends rows to the parquet files a row group at a time. The output is the same for any number of workers.
+appends rows to the parquet files a row group at a time. The output is the same for any number of workers;
+a source under PARALLEL_MIN_BYTES (Shakespeare is 5 MB) is read in this process, as starting workers would
+cost more than they save.
 Memory holds a window of units in flight and one 16-byte hash per kept document (for exact deduplication,
 about 100 bytes a document in a Python set: 1.5 GB for 15M documents), never the corpus.
 """
@@ -42,6 +44,9 @@ from kiln.pipeline.text.sources import DataParams, DecodeStats, Document, Unit, 
 SCHEMA = pa.schema([("text", pa.string()), ("source", pa.string())])
 ROWS_PER_WRITE = 1024  # rows per parquet row group
 KEY_BYTES = 16
+# Below this much input one process is faster: a worker process starts by importing kiln (torch with it), about
+# a second, and this process reads ~10 MB/s.
+PARALLEL_MIN_BYTES = 32 << 20
 
 
 def split_of(data: bytes, val_fraction: float) -> str:
@@ -105,15 +110,18 @@ def clean(unit: Unit, params: DataParams) -> Cleaned:
     return out
 
 
-def ordered_map(fn: Callable, items: Iterable, workers: int) -> Iterator:
-    """`map(fn, items)` on `workers` processes, results in order, at most two per worker in flight: a fast
-    reader never runs ahead of the slow writer by more than that, so memory stays flat."""
-    items = iter(items)
-    head = list(itertools.islice(items, 2))
-    if workers == 1 or len(head) < 2:  # one unit cannot be shared: no processes to start
-        yield from map(fn, itertools.chain(head, items))
+def ordered_map(fn: Callable, units: Iterable[Unit], workers: int) -> Iterator:
+    """`map(fn, units)` on `workers` processes, results in order, at most two per worker in flight: a fast
+    reader never runs ahead of the slow writer by more than that, so memory stays flat. A source smaller than
+    PARALLEL_MIN_BYTES is read here, in this process."""
+    units, head, size = iter(units), [], 0
+    while size < PARALLEL_MIN_BYTES and (unit := next(units, None)) is not None:
+        head.append(unit)
+        size += unit.size
+    items = itertools.chain(head, units)
+    if workers == 1 or size < PARALLEL_MIN_BYTES:
+        yield from map(fn, items)
         return
-    items = itertools.chain(head, items)
     # forkserver, not fork: this process may already run pyarrow's threads, which a fork would copy mid-lock.
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__])

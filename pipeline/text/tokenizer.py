@@ -114,7 +114,7 @@ def train_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path = l
                    "train_seconds": round(time.perf_counter() - start, 3)}
     tok.encode_special_tokens = True  # measure documents as the shard stage will encode them
     val_bytes = val_tokens = 0
-    for texts in iter_texts(val_path):
+    for texts in iter_texts(val_path, batch_size=64):  # an Encoding holds ~100 bytes a token: keep few at once
         val_bytes += sum(len(t.encode("utf-8")) for t in texts)
         val_tokens += sum(len(e) for e in tok.encode_batch_fast(texts))
     tok.encode_special_tokens = False

@@ -63,9 +63,11 @@ def _check_spec(path: Path, data: bytes) -> str:
         raise UserError(f"{path}: not a tokenizer.json (not UTF-8 at byte {e.start})") from None
     try:
         spec = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as e:
-        where = f"{e.msg} at line {e.lineno} column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deep"
-        raise UserError(f"{path}: not a tokenizer.json (not valid JSON: {where})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not a tokenizer.json (not valid JSON: {e.msg} at line {e.lineno} column "
+                        f"{e.colno})") from None
+    except RecursionError:
+        raise UserError(f"{path}: not a tokenizer.json (JSON nested too deep)") from None
     if not isinstance(spec, dict):
         raise UserError(f"{path}: not a tokenizer.json (a JSON {type(spec).__name__}, expected an object)")
 
