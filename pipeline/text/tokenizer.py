@@ -106,8 +106,8 @@ def train_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path = l
     if params.source == "gpt2":
         tok = gpt2_tokenizer(*read_gpt2_files(*gpt2_folder(params)))
         console.print(f"tokenizer.source=gpt2: GPT-2's tokens + {len(SPECIAL_TOKENS) - 1} chat tokens = "
-                      f"{tok.get_vocab_size():,}; tokenizer.vocab_size, pattern, min_frequency and max_chars are "
-                      "ignored", highlight=False, soft_wrap=True)
+                      f"{tok.get_vocab_size():,}; tokenizer.vocab_size, pattern and min_frequency are ignored "
+                      "(max_chars too)", highlight=False, soft_wrap=True)
     else:
         tok, chars = trained_tokenizer(params, train_path)
         trained = {"requested_vocab_size": params.vocab_size, "train_chars": chars,
