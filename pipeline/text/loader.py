@@ -122,6 +122,8 @@ class ShardSet:
         self.arrays = []
         for entry in entries:
             path = shard_dir / entry["file"]
+            if not path.is_file():
+                raise UserError(f"{manifest_path}: lists {entry['file']!r}, which is not a file in {shard_dir}")
             header = ShardHeader.read(path)
             if header.tokenizer_sha256 != self.tokenizer_sha256:
                 raise UserError(f"{path}: made with another tokenizer than {manifest_path} lists")
