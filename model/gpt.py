@@ -150,7 +150,7 @@ class ModelConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown ModelConfig keys: {', '.join(unknown)}")
+            raise ValueError(f"unknown ModelConfig keys: {', '.join(map(repr, unknown))}")
         if "vocab_size" not in d:
             raise ValueError("vocab_size: missing")
         return cls(**d).check().check_fits("cpu")  # a saved model is loaded on the host first

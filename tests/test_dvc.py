@@ -111,7 +111,7 @@ def test_repro_noop_and_experiment(project):
     report = json.loads((project / "metrics/eval.json").read_text())["eval"]
     for metric in ("val_bpb", "mine/acc", "posttrain/preference_accuracy"):
         assert list(report[metric]) == ["base", "sft", "dpo"]
-    assert report["items"] == {"mine": 6, "posttrain": 0, "posttrain_pairs": 3}
+    assert report["items"] == {"mine": 6, "mine/too_long": 0, "posttrain": 0, "posttrain_pairs": 3}
     assert (project / "metrics/samples/dpo.md").is_file()
 
     second = run(project, "dvc", "repro")
