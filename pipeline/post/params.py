@@ -77,7 +77,7 @@ class SFTParams(PostTrainParams):
     SECTION: ClassVar[str] = "sft"
     # share of training rows that are windows of the corpus's train text (loss on every token): what keeps
     # pretraining's bits per byte while the examples teach the task
-    text_share: float = 0.0
+    text_share: float = 0.1
 
     def check(self) -> None:
         super().check()
@@ -91,8 +91,8 @@ class DPOParams(PostTrainParams):
     max_steps: int = 100
     batch_size: int = 8
     batch_examples: int = 16
-    lr: float = 5e-4
-    min_lr: float = 5e-5
+    lr: float = 2e-4
+    min_lr: float = 2e-5
     beta: float = 0.1  # strength of the pull towards the reference (SFT) model: small beta, large moves
     label_smoothing: float = 0.0  # conservative DPO: the share of pairs assumed mislabelled (sigmoid loss only)
     loss: str = "sigmoid"  # sigmoid (DPO) | ipo
