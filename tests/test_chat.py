@@ -118,17 +118,18 @@ def test_example_batches_reshuffle_per_epoch_and_resume():
     x = torch.arange(10)[:, None].repeat(1, 3)
     y = torch.where(torch.arange(10)[:, None] % 2 == 0, torch.full((10, 3), 5), torch.full((10, 3), IGNORE))
     y[:, 0] = 7  # every row has at least one target; even rows have 3, odd rows 1
-    a = ExampleBatches((x, y), batch_size=2, accum=2, seed=3, per_token=True)
+    w = torch.where(torch.arange(10) < 4, 0.25, 1.0)  # rows 0-3 weigh a quarter (as corpus text in SFT may)
+    a = ExampleBatches((x, y, w), batch_size=2, accum=2, seed=3, per_token=True)
     seen = [next(a) for _ in range(10)]  # 20 rows: two epochs
     first = torch.cat([b[0][:, 0] for b in seen[:5]])
     second = torch.cat([b[0][:, 0] for b in seen[5:]])
     assert sorted(first.tolist()) == list(range(10)) and sorted(second.tolist()) == list(range(10))
     assert first.tolist() != second.tolist()
-    for step in range(5):  # both micro-batches of a step carry (targets in the step) / accum
+    for step in range(5):  # both micro-batches of a step carry (weighted targets in the step) / accum
         m1, m2 = seen[2 * step], seen[2 * step + 1]
-        targets = int((m1[1] != IGNORE).sum() + (m2[1] != IGNORE).sum())
-        assert m1[2].item() == m2[2].item() == targets / 2
-    b = ExampleBatches((x, y), batch_size=2, accum=2, seed=3, per_token=True)
+        targets = sum(float(((m[1] != IGNORE).sum(1) * m[2]).sum()) for m in (m1, m2))
+        assert m1[3].item() == m2[3].item() == targets / 2
+    b = ExampleBatches((x, y, w), batch_size=2, accum=2, seed=3, per_token=True)
     b.load_state_dict(ExampleBatches((x, y), 2, 2, 3).state_dict() | {"step": 6})
     assert all(torch.equal(u, v) for u, v in zip(next(b), seen[6]))
     with pytest.raises(Exception, match="seed"):

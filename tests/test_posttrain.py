@@ -134,7 +134,7 @@ def llama_twin(model: GPT):
 
 
 def trl_dpo(policy: GPT, reference: GPT, rows: PairRows, pad: int, beta: float, loss: str,
-            label_smoothing: float) -> tuple[float, dict[str, float]]:
+            label_smoothing: float, sft_weight: float) -> tuple[float, dict[str, float]]:
     """(loss, logged metrics) of TRL's own `DPOTrainer._compute_loss` (trl 1.16, trl/trainer/dpo_trainer.py)
     on transformers twins of the two models and the very token rows kiln scores, the trainer's state stubbed."""
     from trl.trainer.dpo_trainer import DPOTrainer
@@ -151,6 +151,8 @@ def trl_dpo(policy: GPT, reference: GPT, rows: PairRows, pad: int, beta: float, 
         losses, weights = ["sigmoid", "robust"], [2 * (1 - label_smoothing), -(1 - 2 * label_smoothing)]
     else:
         losses, weights = [loss], [1.0]
+    if sft_weight:  # RPO in TRL 1.x: the "sft" loss (chosen answers' NLL per token) beside the preference loss
+        losses, weights = [*losses, "sft"], [*weights, sft_weight]
     twin = llama_twin(policy)
     trainer = SimpleNamespace(
         model=twin, ref_model=llama_twin(reference), precompute_ref_logps=False, ld_alpha=None,
@@ -164,8 +166,9 @@ def trl_dpo(policy: GPT, reference: GPT, rows: PairRows, pad: int, beta: float, 
     return value.item(), {k: v[0] for k, v in trainer._metrics["eval"].items()}
 
 
-@pytest.mark.parametrize("loss,smoothing", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0)])
-def test_dpo_loss_and_metrics_are_trls(tiny, loss, smoothing):
+@pytest.mark.parametrize("loss,smoothing,sft_weight", [("sigmoid", 0.0, 0.0), ("sigmoid", 0.2, 0.0), ("ipo", 0.0, 0.0),
+                                                       ("sigmoid", 0.0, 0.7)])
+def test_dpo_loss_and_metrics_are_trls(tiny, loss, smoothing, sft_weight):
     chat = ChatFormat(load_tokenizer(tiny.tokenizer, ordinary=True))
     config = ModelConfig(vocab_size=load_tokenizer(tiny.tokenizer).get_vocab_size(), n_layer=2, n_head=2,
                          n_kv_head=2, d_model=64, max_seq_len=96)
@@ -174,9 +177,10 @@ def test_dpo_loss_and_metrics_are_trls(tiny, loss, smoothing):
     assert len(rows) == 12 and rows.tokens()[0].min() < 10 < 40 < rows.tokens()[0].max()
     rows.ref_chosen, rows.ref_rejected = logps(reference, rows, 5, "fp32")
     pc, pr = logps(policy, rows, 5, "fp32")
-    params = build_section(DPOParams, {"beta": 0.5, "loss": loss, "label_smoothing": smoothing})
+    params = build_section(DPOParams, {"beta": 0.5, "loss": loss, "label_smoothing": smoothing,
+                                       "sft_weight": sft_weight})
     ours, our_loss = pair_metrics(params, rows, pc, pr, "val")
-    want_loss, want = trl_dpo(policy, reference, rows, chat.pad, 0.5, loss, smoothing)
+    want_loss, want = trl_dpo(policy, reference, rows, chat.pad, 0.5, loss, smoothing, sft_weight)
     assert our_loss == pytest.approx(want_loss, rel=1e-4, abs=1e-6)
     names = ["rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
              "logps/rejected"]

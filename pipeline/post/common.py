@@ -109,15 +109,18 @@ class ExampleBatches:
 
     Micro-batch k holds positions [kB, (k+1)B) of the stream "permutation of epoch 0, then of epoch 1, ...",
     each permutation seeded by (seed, epoch): its state is k alone, so a resumed run sees the batches an
-    uninterrupted one would. With `per_token`, each micro-batch also carries (targets in its whole optimizer
-    step) / accum, so that summed losses divided by it average over the step's target tokens exactly, however
-    they fall across micro-batches.
+    uninterrupted one would. With `per_token`, tensors are (x, y, row weights) and each micro-batch also
+    carries (weighted targets in its whole optimizer step) / accum, so that weighted summed losses divided by it
+    are the step's weighted mean over target tokens exactly, however they fall across micro-batches.
     """
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], batch_size: int, accum: int, seed: int,
                  per_token: bool = False):
         self.tensors, self.batch_size, self.accum, self.seed = tensors, batch_size, accum, seed
         self.per_token, self.n = per_token, len(tensors[0])
+        if per_token:
+            x, y, weights = tensors
+            self.targets = (y != IGNORE).sum(dim=1).double() * weights.double()
         self.step = 0
 
     def __iter__(self):
@@ -139,8 +142,7 @@ class ExampleBatches:
         batch = [t[self._indices(k * B, B)] for t in self.tensors]
         if self.per_token:
             first = k // self.accum * self.accum * B
-            targets = (self.tensors[1][self._indices(first, self.accum * B)] != IGNORE).sum()
-            batch.append(targets.double() / self.accum)
+            batch.append(self.targets[self._indices(first, self.accum * B)].sum() / self.accum)
         return batch
 
     def state_dict(self) -> dict:

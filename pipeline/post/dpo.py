@@ -71,15 +71,26 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
     return losses, beta * chosen.detach(), beta * rejected.detach()
 
 
+def batch_loss(params: DPOParams, losses: torch.Tensor, policy_chosen: torch.Tensor,
+               chosen_tokens: torch.Tensor) -> torch.Tensor:
+    """The mean of the pairs' losses, plus with `dpo.sft_weight` the chosen answers' NLL per token over the
+    batch (TRL's loss_type "sft", RPO's term): it keeps DPO from lowering what it prefers."""
+    loss = losses.mean()
+    if params.sft_weight:
+        loss = loss + params.sft_weight * -policy_chosen.sum() / chosen_tokens.sum()
+    return loss
+
+
 def pair_metrics(params: DPOParams, rows: PairRows, pc: torch.Tensor, pr: torch.Tensor,
                  prefix: str) -> tuple[dict, float]:
-    """(TRL's reward and log-prob metrics under `prefix/`, mean DPO loss) for policy log-probs pc, pr."""
-    losses, chosen, rejected = dpo_loss(pc, pr, rows.ref_chosen, rows.ref_rejected, rows.tokens(), params.beta,
+    """(TRL's reward and log-prob metrics under `prefix/`, the loss) for policy log-probs pc, pr."""
+    tokens = rows.tokens()
+    losses, chosen, rejected = dpo_loss(pc, pr, rows.ref_chosen, rows.ref_rejected, tokens, params.beta,
                                         params.label_smoothing, params.loss)
     metrics = {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
                "rewards/margins": (chosen - rejected).mean(), "rewards/accuracies": (chosen > rejected).double().mean(),
                "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}
-    return {f"{prefix}/{k}": v.item() for k, v in metrics.items()}, losses.mean().item()
+    return {f"{prefix}/{k}": v.item() for k, v in metrics.items()}, batch_loss(params, losses, pc, tokens[0]).item()
 
 
 def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_path: Path, corpus_dir: Path,
@@ -110,12 +121,14 @@ def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_p
         xc, yc, xr, yr, ref_c, ref_r = batch
         pc, pr = answer_logps(m, torch.cat([xc, xr]), torch.cat([yc, yr])).split(len(xc))
         tokens = answer_tokens(yc), answer_tokens(yr)
-        return dpo_loss(pc, pr, ref_c, ref_r, tokens, params.beta, params.label_smoothing, params.loss)[0].mean()
+        losses = dpo_loss(pc, pr, ref_c, ref_r, tokens, params.beta, params.label_smoothing, params.loss)[0]
+        return batch_loss(params, losses, pc, tokens[0])
 
     before = evaluate(model)
     tensors = (*train_rows.chosen, *train_rows.rejected, train_rows.ref_chosen.float(), train_rows.ref_rejected.float())
     fingerprint = {"start": s.sha256, "data": rows_sha256(*tensors[:4]),
-                   "dpo": {"beta": params.beta, "label_smoothing": params.label_smoothing, "loss": params.loss},
+                   "dpo": {"beta": params.beta, "label_smoothing": params.label_smoothing, "loss": params.loss,
+                           "sft_weight": params.sft_weight},
                    "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
     micro = 2 * params.batch_size * seq_len
     run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=loss_fn,

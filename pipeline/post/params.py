@@ -27,7 +27,7 @@ class PostTrainParams(Section):
     max_examples: int | None = 2000
     val_examples: int = 300  # held out: builtin items from the corpus's val split; a dataset's rows by hash
     seed: int = 1337
-    max_steps: int = 300
+    max_steps: int = 500
     batch_size: int = 16  # examples (pairs for DPO) per micro-step
     batch_examples: int = 32  # examples (pairs for DPO) per optimizer step: gradient accumulation makes it up
     lr: float = 3e-3
@@ -77,12 +77,17 @@ class SFTParams(PostTrainParams):
     SECTION: ClassVar[str] = "sft"
     # share of training rows that are windows of the corpus's train text (loss on every token): what keeps
     # pretraining's bits per byte while the examples teach the task
-    text_share: float = 0.1
+    text_share: float = 0.2
+    # loss weight of each text token relative to an answer token: a text row has ~10x an answer's targets, and
+    # at weight 1 the text drowns the task (measured: docs/stages.md)
+    text_weight: float = 0.25
 
     def check(self) -> None:
         super().check()
         if not 0 <= self.text_share < 1:
             raise self.bad("text_share", "a number in [0, 1)")
+        if not self.text_weight > 0:
+            raise self.bad("text_weight", "a positive number")
 
 
 @dataclass
@@ -91,11 +96,14 @@ class DPOParams(PostTrainParams):
     max_steps: int = 100
     batch_size: int = 8
     batch_examples: int = 16
-    lr: float = 2e-4
-    min_lr: float = 2e-5
+    lr: float = 5e-4
+    min_lr: float = 5e-5
     beta: float = 0.1  # strength of the pull towards the reference (SFT) model: small beta, large moves
     label_smoothing: float = 0.0  # conservative DPO: the share of pairs assumed mislabelled (sigmoid loss only)
     loss: str = "sigmoid"  # sigmoid (DPO) | ipo
+    # weight of the chosen answers' NLL added to the loss (RPO, Pang et al. 2024; TRL: loss_type [.., "sft"]),
+    # which keeps DPO from lowering the likelihood of the answers it prefers
+    sft_weight: float = 1.0
     SEQUENCES: ClassVar[int] = 2
 
     def check(self) -> None:
@@ -106,5 +114,7 @@ class DPOParams(PostTrainParams):
             raise self.bad("label_smoothing", "a number in [0, 0.5)")
         if self.loss not in ("sigmoid", "ipo"):
             raise self.bad("loss", "sigmoid or ipo")
+        if not self.sft_weight >= 0:
+            raise self.bad("sft_weight", "a number >= 0")
         if self.loss == "ipo" and self.label_smoothing:
             raise self.bad("label_smoothing", "0 with dpo.loss=ipo (label smoothing is a sigmoid-loss variant)")

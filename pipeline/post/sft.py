@@ -40,9 +40,10 @@ PANELS = [Panel("loss on assistant tokens", "cross-entropy (nats/token)", {"loss
 
 
 def masked_loss(model, batch):
-    """Summed cross-entropy of the assistant tokens over (targets in the step / accumulation steps)."""
-    x, y, per_micro = batch
-    return model(x, y, reduction="sum") / per_micro
+    """Cross-entropy of the targets, each row's weighted, summed, over (weighted targets in the step /
+    accumulation steps): the step's weighted mean per target token."""
+    x, y, weights, per_micro = batch
+    return (model(x, y, reduction="none").sum(dim=1) * weights).sum() / per_micro
 
 
 def rows_of(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, what: str):
@@ -82,9 +83,11 @@ def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_
     model, loop, chat, data, seq_len = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len
     x, y = rows_of(data.train, chat, seq_len, "sft train")
     n_text = round(len(x) * params.text_share / (1 - params.text_share))
+    weights = torch.ones(len(x))
     if n_text:
         text_x, text_y = text_rows(corpus_dir, chat, seq_len, n_text, params.seed)
         x, y = torch.cat([x, text_x]), torch.cat([y, text_y])
+        weights = torch.cat([weights, torch.full((n_text,), params.text_weight)])
     val_x, val_y = rows_of(data.val, chat, seq_len, "sft held-out")
     scorer = ChoiceScorer(data.items, chat, seq_len)
     val_targets = int((val_y != -100).sum())
@@ -96,11 +99,11 @@ def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_
         return out
 
     before = evaluate(model)
-    fingerprint = {"start": s.sha256, "data": rows_sha256(x, y),
+    fingerprint = {"start": s.sha256, "data": rows_sha256(x, y, weights),
                    "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
     micro = params.batch_size * seq_len
     run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=masked_loss,
-              batches=ExampleBatches((x, y), params.batch_size, accumulation_steps(loop, micro), params.seed,
+              batches=ExampleBatches((x, y, weights), params.batch_size, accumulation_steps(loop, micro), params.seed,
                                      per_token=True),
               evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints,
                                                          resume_from=resume_from, command="kiln sft"),
