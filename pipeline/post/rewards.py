@@ -1,0 +1,230 @@
+"""Verifiable rewards for GRPO: a function of (prompt, completion, answer) that scores one sampled completion.
+
+GRPO learns only from differences in reward between completions of the same prompt, so a reward must be
+deterministic and must never fail quietly: a reward that silently returns 0 for a row it could not judge looks
+exactly like a wrong answer and teaches the model the wrong thing. Hence the built-in rewards are pure string
+functions, and `score` refuses (with a one-line `UserError` naming the row) any reward that raises or returns
+something other than a finite real number.
+
+`grpo.reward` picks the reward: `exact`, `numeric`, `contains`, `regex` (with `grpo.reward_pattern`), or
+`module:function` / `path/to/file.py:function` for a reward of your own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+import unicodedata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from decimal import Decimal
+from pathlib import Path
+
+from kiln.pipeline.errors import UserError
+
+CHOICES = "exact, numeric, regex, contains, or module:function (a module on sys.path or a .py file)"
+
+# Quotes stripped from both ends of an answer: straight, typographic and guillemets.
+QUOTES = "\"'`\u2018\u2019\u201a\u201b\u201c\u201d\u201e\u201f\u00ab\u00bb\u2039\u203a"
+# Sentence punctuation stripped from the end only: "Paris." and "Paris" are one answer, but a leading "." or "-"
+# is part of a number (".5", "-3"), and brackets are kept because "(a)" can be the answer itself.
+TRAILING = ".,;:!?\u2026"
+
+# A number as people write answers: an optional sign (not a hyphen glued to a word or a digit, so "16-3" is 16
+# and 3, not 16 and -3), an optional currency sign, then either thousands groups ("1,000,000") or plain digits,
+# with an optional decimal part. "72." ends a sentence, so a decimal point needs a digit after it.
+NUMBER = re.compile(r"(?<![\w.])(?P<sign>[-+\u2212]?)[$\u20ac\u00a3\u00a5]?"
+                    r"(?P<digits>(?:\d{1,3}(?:,\d{3})+(?!,?\d)|\d+)(?:\.\d+)?|\.\d+)")
+GSM8K_MARK = "####"
+
+Reward = Callable[[str, str, str], object]
+
+
+@dataclass(frozen=True)
+class NamedReward:
+    """A reward and the setting it came from, which every error about it quotes."""
+
+    label: str
+    fn: Reward
+
+    def __call__(self, prompt: str, completion: str, answer: str) -> object:
+        return self.fn(prompt, completion, answer)
+
+
+def normalize(text: str) -> str:
+    """The form `exact` and `contains` compare, so that formatting differences that do not change the answer
+    do not change the reward. In order:
+
+    1. Unicode NFKC, casefold, NFKC again: full-width letters, ligatures and the two encodings of "é" become one
+       string, and "Paris"/"PARIS"/"paris" compare equal (casefold also maps German "ß" to "ss").
+    2. Whitespace runs (any Unicode whitespace, newlines included) become one space.
+    3. Repeatedly until nothing changes: strip surrounding spaces, strip the quotes in `QUOTES` from both ends,
+       strip the sentence punctuation in `TRAILING` (. , ; : ! ? ...) from the end only.
+
+    Nothing inside the text is touched, so "new york" and "new-york" stay different. The result is a fixed
+    point: normalize(normalize(s)) == normalize(s)."""
+    text = unicodedata.normalize("NFKC", unicodedata.normalize("NFKC", text).casefold())
+    text = " ".join(text.split())
+    previous = None
+    while text != previous:
+        previous = text
+        text = text.strip(" ").strip(QUOTES).rstrip(TRAILING)
+    return text
+
+
+def exact_reward(prompt: str, completion: str, answer: str) -> float:
+    return float(normalize(completion) == normalize(answer))
+
+
+def contains_reward(prompt: str, completion: str, answer: str) -> float:
+    gold = normalize(answer)
+    # The empty string occurs in every completion: rewarding everything would be a silent failure.
+    if not gold:
+        raise UserError(f"answer {_preview(answer)} is empty once normalised; nothing to look for")
+    return float(gold in normalize(completion))
+
+
+def final_number(text: str) -> Decimal | None:
+    """The answer's number in `text`: the first number after the first `####` when there is one (GSM8K's
+    convention, and a model that has written its final answer gains nothing by rambling on), else the last
+    number in the text. None when there is no such number: "#### " followed by no number is None, not a fall
+    back to an earlier number, since the model did commit to a (non-numeric) final answer."""
+    head, mark, tail = text.partition(GSM8K_MARK)
+    if mark:
+        match = NUMBER.search(tail)
+    else:
+        matches = list(NUMBER.finditer(head))
+        match = matches[-1] if matches else None
+    if match is None:
+        return None
+    sign = "-" if match["sign"] in ("-", "\u2212") else ""
+    return Decimal(sign + match["digits"].replace(",", ""))
+
+
+def numeric_reward(prompt: str, completion: str, answer: str) -> float:
+    gold = final_number(answer)
+    if gold is None:
+        raise UserError(f"answer {_preview(answer)} holds no number")
+    # Decimal compares values exactly: 72 == 72.0 == 72.00, and no float rounding makes 2**53 + 1 "equal" 2**53.
+    return float(final_number(completion) == gold)
+
+
+def regex_reward(pattern: str) -> Reward:
+    """re.search of `pattern` in the raw completion; `{answer}` in the pattern stands for the answer, escaped,
+    so an answer like "3.5" or "(a)" matches only itself."""
+    where = f"params: grpo.reward_pattern={pattern!r}"
+    try:
+        # With a placeholder, check the pattern once with a stand-in answer, so a typo fails before any sampling.
+        compiled = re.compile(pattern.replace("{answer}", re.escape("0")))
+    except re.error as e:
+        raise UserError(f"{where}: not a valid regular expression ({e})") from None
+    if "{answer}" not in pattern:
+        return lambda prompt, completion, answer: float(compiled.search(completion) is not None)
+    return lambda prompt, completion, answer: float(
+        re.search(pattern.replace("{answer}", re.escape(answer)), completion) is not None)
+
+
+def load_function(spec: str) -> Reward:
+    """`module:function` or `file.py:function`: a module on sys.path is imported by name; a target ending in
+    .py or holding a path separator is loaded from that file (relative to the working directory)."""
+    where = f"params: grpo.reward={spec!r}"
+    target, _, name = spec.rpartition(":")
+    if not target or not name.isidentifier():
+        raise UserError(f"{where}: expected module:function (a module on sys.path or a .py file, then a name)")
+    try:
+        if target.endswith(".py") or "/" in target or "\\" in target:
+            module = _load_file(Path(target), where)
+        else:
+            module = importlib.import_module(target)
+    except UserError:
+        raise
+    except (Exception, SystemExit) as e:  # a module body may raise anything, sys.exit() included
+        raise UserError(f"{where}: cannot import {target!r}: {type(e).__name__}: {_one_line(e)}") from None
+    if not hasattr(module, name):
+        raise UserError(f"{where}: module {target!r} has no attribute {name!r}; expected a function "
+                        "(prompt, completion, answer) -> number")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise UserError(f"{where}: {target}:{name} is a {type(fn).__name__}, not callable; expected a function "
+                        "(prompt, completion, answer) -> number")
+    try:
+        inspect.signature(fn).bind("", "", "")
+    except TypeError:
+        raise UserError(f"{where}: {target}:{name}{inspect.signature(fn)} cannot be called with three arguments; "
+                        "expected a function (prompt, completion, answer) -> number") from None
+    except ValueError:
+        pass  # some builtins have no signature to check; a wrong one fails at the first row, naming it
+    return fn
+
+
+def _load_file(path: Path, where: str) -> object:
+    if not path.is_file():
+        raise UserError(f"{where}: no such file {str(path)!r}")
+    # A name of its own per file, registered in sys.modules because dataclasses and pickling look modules up there.
+    name = "kiln_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+BUILTIN = {"exact": exact_reward, "numeric": numeric_reward, "contains": contains_reward}
+
+
+def make_reward(spec: str, pattern: str | None = None) -> NamedReward:
+    """The reward `grpo.reward=spec` names (`pattern` is `grpo.reward_pattern`, used only by `regex`)."""
+    if spec not in BUILTIN and spec != "regex" and ":" not in spec:
+        raise UserError(f"params: grpo.reward={spec!r}: expected one of {CHOICES}")
+    # A pattern that would be ignored is most likely a reward switched without its pattern: say so.
+    if spec != "regex" and pattern is not None:
+        raise UserError(f"params: grpo.reward_pattern={pattern!r}: only used with grpo.reward='regex', "
+                        f"not {spec!r}; expected null")
+    if spec == "regex":
+        if not pattern:  # an empty pattern matches every completion
+            raise UserError(f"params: grpo.reward_pattern={pattern!r}: expected a regular expression, which "
+                            "grpo.reward='regex' needs (with {answer} for the escaped answer)")
+        return NamedReward(f"grpo.reward='regex' (grpo.reward_pattern={pattern!r})", regex_reward(pattern))
+    fn = BUILTIN[spec] if spec in BUILTIN else load_function(spec)
+    return NamedReward(f"grpo.reward={spec!r}", fn)
+
+
+def score(reward: NamedReward, rows: Sequence[tuple[str, str, str]], what: str) -> list[float]:
+    """The reward of every (prompt, completion, answer) row, as floats. `what` names the rows in errors (a data
+    set, a rollout batch). A bool counts as 1.0/0.0, since a pass/fail predicate is a natural reward; any other
+    non-real value (None, a string, a tensor), nan or inf, or an exception is a `UserError` naming the row."""
+    rewards = []
+    for i, (prompt, completion, answer) in enumerate(rows):
+        where = f"{what}: {reward.label}: row {i}"
+        try:
+            value = reward(prompt, completion, answer)
+        except UserError as e:
+            raise UserError(f"{where}: {_one_line(e)}") from None
+        except Exception as e:
+            raise UserError(f"{where} raised {type(e).__name__}: {_one_line(e)}") from None
+        if not isinstance(value, (numbers.Real, Decimal)):
+            raise UserError(f"{where} returned {_preview(value)} ({type(value).__name__}); expected a finite number")
+        value = float(value)
+        if not math.isfinite(value):
+            raise UserError(f"{where} returned {value}; expected a finite number")
+        rewards.append(value)
+    return rewards
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or "(no message)"
+
+
+def _preview(value: object, limit: int = 60) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
