@@ -1,11 +1,11 @@
-"""Dataset adapters for SFT and DPO: rows read through `datasets`, turned into chat messages.
+"""Dataset adapters for SFT, DPO and GRPO: rows read through `datasets`, turned into chat messages.
 
-Public instruction and preference sets each come in their own shape (Alpaca, Dolly, Anthropic HH transcripts,
-stack-exchange pairs, chat-message lists), so there is one small adapter per real-world format and everything
-downstream sees only `{"role", "content"}` messages. Real sets also hold a few broken rows (an empty answer, a
-missing column, a field of the wrong type); those are counted by reason and skipped, and only a set with no
-usable row at all is an error. A file that cannot be read as rows at all (a line that is not JSON, a truncated
-gzip or Parquet file) is refused, naming the file and the line: that is a damaged file, not a broken row.
+Public instruction, preference and prompt/answer sets each come in their own shape (Alpaca, Dolly, Anthropic HH
+transcripts, stack-exchange pairs, chat-message lists, GSM8K), so there is one small adapter per real-world format
+and everything downstream sees only `{"role", "content"}` messages. Real sets also hold a few broken rows (an
+empty answer, a missing column, a field of the wrong type); those are counted by reason and skipped, and only a
+set with no usable row at all is an error. A file that cannot be read as rows at all (a line that is not JSON, a
+truncated gzip or Parquet file) is refused, naming the file and the line: that is a damaged file, not a broken row.
 """
 
 from __future__ import annotations
@@ -25,12 +25,15 @@ from kiln.pipeline.text.corpus import SURROGATE
 
 SFT_FORMATS = ("messages", "alpaca", "dolly", "prompt_response")
 PREFERENCE_FORMATS = ("pairs", "hh", "stack_exchange")
+PROMPT_FORMATS = ("prompt_answer", "gsm8k")
 
 # The columns that identify each format, tried in this order; "hh" and "pairs" are told apart by the first row.
 SFT_COLUMNS = {"messages": ("messages",), "alpaca": ("instruction", "output"), "dolly": ("instruction", "response"),
                "prompt_response": ("prompt", "response")}
 PREFERENCE_COLUMNS = {"stack_exchange": ("question", "response_j", "response_k"), "hh": ("chosen", "rejected"),
                       "pairs": ("chosen", "rejected")}
+PROMPT_COLUMNS = {"prompt_answer": ("prompt", "answer"), "gsm8k": ("question", "answer")}
+FORMAT_COLUMNS = {"sft": SFT_COLUMNS, "preference": PREFERENCE_COLUMNS, "prompt": PROMPT_COLUMNS}
 
 HH_TURN = re.compile(r"(?:^|\n\n)(Human|Assistant):")
 HH_ROLES = {"Human": "user", "Assistant": "assistant"}
@@ -41,6 +44,15 @@ class Pair:
     prompt: list[dict]    # the messages both answers follow (usually ends with a user turn)
     chosen: list[dict]    # the preferred continuation: assistant message(s), non-empty
     rejected: list[dict]  # the dispreferred one
+
+
+@dataclass(frozen=True)
+class PromptAnswer:
+    """A GRPO row: the policy samples completions of `prompt`, a reward compares each with `answer`. The answer
+    is kept whole (GSM8K's worked reasoning included), since a reward such as `numeric` finds its own part."""
+
+    prompt: list[dict]  # chat messages ending with a user turn
+    answer: str
 
 
 class Skip(Exception):
@@ -106,15 +118,17 @@ def _first_line(e: Exception) -> str:
 
 
 def detect_format(row: dict, kind: str, where: str) -> str:
-    """The format whose columns `row` (the first) has; `kind` is "sft" or "preference"."""
-    table = SFT_COLUMNS if kind == "sft" else PREFERENCE_COLUMNS
+    """The format whose columns `row` (the first) has; `kind` is "sft", "preference" or "prompt"."""
+    table = FORMAT_COLUMNS[kind]
     fmt = next((fmt for fmt, columns in table.items() if all(c in row for c in columns)), None)
     if fmt == "hh" and ("prompt" in row or not _is_transcript(row["chosen"])):
         return "pairs"
     if fmt is None:
         expected = "; ".join(f"{fmt}: {', '.join(columns)}" for fmt, columns in table.items())
+        # A column name may hold a newline (any JSON key can): quoted, the error stays on one line.
+        columns = ", ".join(c if c.isprintable() else repr(c) for c in row)
         raise UserError(f"{where}: cannot tell the format from the first row's columns "
-                        f"{', '.join(row) or '(none)'} (expected {expected})")
+                        f"{columns or '(none)'} (expected {expected})")
     return fmt
 
 
@@ -132,8 +146,13 @@ def load_pairs(spec: str, fmt: str, split: str = "train", max_rows: int | None =
     return _load(spec, fmt, split, max_rows, key, "preference")
 
 
+def load_prompts(spec: str, fmt: str, split: str = "train", max_rows: int | None = None,
+                 key: str = "grpo.data") -> list[PromptAnswer]:
+    return _load(spec, fmt, split, max_rows, key, "prompt")
+
+
 def _load(spec: str, fmt: str, split: str, max_rows: int | None, key: str, kind: str) -> list:
-    converters = SFT_CONVERTERS if kind == "sft" else PREFERENCE_CONVERTERS
+    converters = {"sft": SFT_CONVERTERS, "preference": PREFERENCE_CONVERTERS, "prompt": PROMPT_CONVERTERS}[kind]
     where = f"params: {key}={spec!r}"
     if fmt != "auto" and fmt not in converters:
         raise UserError(f"{where}: unknown format {fmt!r} (expected auto, {', '.join(converters)})")
@@ -255,4 +274,22 @@ PREFERENCE_CONVERTERS: dict[str, Callable[[dict], Pair]] = {
     "stack_exchange": lambda row: _pair(_as_messages(_text(row, "question"), "user"),
                                         _as_messages(_text(row, "response_j"), "assistant"),
                                         _as_messages(_text(row, "response_k"), "assistant")),
+}
+
+
+def _prompt_answer(prompt: object, answer: str) -> PromptAnswer:
+    """The policy answers the last user turn: a prompt that ends otherwise (or says nothing) has no question."""
+    messages = _as_messages(prompt, "user")
+    if messages and messages[-1]["role"] != "user":
+        raise Skip("prompt not ending with a user turn")
+    if not messages or not messages[-1]["content"].strip():
+        raise Skip("empty prompt")
+    if not answer.strip():
+        raise Skip("empty answer")
+    return PromptAnswer(messages, answer)
+
+
+PROMPT_CONVERTERS: dict[str, Callable[[dict], PromptAnswer]] = {
+    "prompt_answer": lambda row: _prompt_answer(_field(row, "prompt"), _text(row, "answer")),
+    "gsm8k": lambda row: _prompt_answer(_text(row, "question"), _text(row, "answer")),
 }

@@ -12,6 +12,10 @@ Every item carries its answer and three wrong ones: SFT trains on the answer, DP
 wrong one, and accuracy asks which of the four the model finds likeliest. Training items come from the train
 split, held-out items from the val split only: both splits are whole scenes, so a held-out passage is always
 text the model never trained on (its play, it has seen).
+
+GRPO and a generative eval take the same items without their wrong answers (`prompt_items`): the model writes
+the answer and a reward checks it, by default for `speaker` questions only, whose short name an exact-match
+reward can judge (a passage or a continuation line has no one right wording).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import pyarrow.parquet as pq
 
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.tasks import MCItem
-from kiln.pipeline.post.chat_data import Pair
+from kiln.pipeline.post.chat_data import Pair, PromptAnswer
 from kiln.pipeline.post.chat_format import ChatFormat
 from kiln.pipeline.progress import console
 
@@ -55,6 +59,9 @@ class TaskItem:
     def pair(self) -> Pair:
         return Pair(list(self.prompt), [{"role": "assistant", "content": self.answer}],
                     [{"role": "assistant", "content": self.wrong[0]}])
+
+    def prompt_answer(self) -> PromptAnswer:
+        return PromptAnswer(list(self.prompt), self.answer)
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,11 @@ class TaskBuilder:
 
     def build(self, n: int, seed: int, kinds: tuple[str, ...] | None = None) -> list[TaskItem]:
         kinds = kinds or self.kinds
+        if unknown := [k for k in kinds if k not in KINDS]:
+            raise UserError(f"builtin task: unknown kind {', '.join(unknown)} (expected {', '.join(KINDS)})")
+        if "title" in kinds and len(self.titles) <= N_WRONG:
+            raise UserError(f"builtin task: the corpus has {len(self.titles)} titles, too few for title questions "
+                            f"(each needs {N_WRONG} wrong ones)")
         rng = np.random.default_rng(seed)
         items: list[TaskItem] = []
         for attempt in range(20 * n):
@@ -112,7 +124,9 @@ class TaskBuilder:
             if item is not None:
                 items.append(item)
         if not items:
-            raise UserError(f"builtin task: no passage fits max_seq_len={self.seq_len} tokens with its question")
+            # Also what a speaker-only build meets in a corpus without speaker names: hence the kinds named.
+            raise UserError(f"builtin task: no passage fits max_seq_len={self.seq_len} tokens with its question "
+                            f"({', '.join(kinds)})")
         return items
 
     def _item(self, kind: str, rng: np.random.Generator) -> TaskItem | None:
@@ -181,23 +195,36 @@ class TaskBuilder:
                 {"role": "assistant", "content": answer}]
 
 
-def task_items(corpus_dir: Path, chat: ChatFormat, seq_len: int, n_train: int, n_val: int,
-               seed: int) -> tuple[list[TaskItem], list[TaskItem]]:
-    """(train items, held-out items) of the built-in task; the same seed gives the same items."""
+def task_items(corpus_dir: Path, chat: ChatFormat, seq_len: int, n_train: int, n_val: int, seed: int,
+               kinds: tuple[str, ...] | None = None) -> tuple[list[TaskItem], list[TaskItem]]:
+    """(train items, held-out items) of the built-in task, of `kinds` (default: every kind the corpus can make);
+    the same seed gives the same items."""
     train_docs = read_documents(corpus_dir, "train")
     builder = TaskBuilder(train_docs, corpus_titles(corpus_dir), chat, seq_len)
-    train = builder.build(n_train, seed)
-    val = held_out_items(corpus_dir, chat, seq_len, n_val, seed)
-    console.print(f"builtin task: {len(train):,} train and {len(val):,} held-out items ({', '.join(builder.kinds)}) "
+    train = builder.build(n_train, seed, kinds)
+    val = held_out_items(corpus_dir, chat, seq_len, n_val, seed, kinds)
+    console.print(f"builtin task: {len(train):,} train and {len(val):,} held-out items "
+                  f"({', '.join(kinds or builder.kinds)}) "
                   f"from {len(train_docs)} documents and the val split, {len(builder.titles)} titles",
                   highlight=False)
     return train, val
 
 
-def held_out_items(corpus_dir: Path, chat: ChatFormat, seq_len: int, n_val: int, seed: int) -> list[TaskItem]:
+def held_out_items(corpus_dir: Path, chat: ChatFormat, seq_len: int, n_val: int, seed: int,
+                   kinds: tuple[str, ...] | None = None) -> list[TaskItem]:
     """The held-out items `task_items` gives for this seed, without building the train items (for eval)."""
-    return TaskBuilder(read_documents(corpus_dir, "val"), corpus_titles(corpus_dir), chat, seq_len).build(n_val,
-                                                                                                          seed + 1)
+    builder = TaskBuilder(read_documents(corpus_dir, "val"), corpus_titles(corpus_dir), chat, seq_len)
+    return builder.build(n_val, seed + 1, kinds)
+
+
+def prompt_items(corpus_dir: Path, chat: ChatFormat, seq_len: int, n_train: int, n_val: int, seed: int,
+                 kinds: tuple[str, ...] = ("speaker",)) -> tuple[list[PromptAnswer], list[PromptAnswer]]:
+    """(train, held-out) rows of the built-in task in generative form, for GRPO and a generative eval: the
+    question as the prompt and the true answer to check completions against. These are `task_items`' items
+    for the same seed and kinds, so the held-out prompts come from the val split only. A passage is fitted
+    to `seq_len` with its longest choice, which leaves at least that much room for a completion."""
+    train, val = task_items(corpus_dir, chat, seq_len, n_train, n_val, seed, kinds)
+    return [item.prompt_answer() for item in train], [item.prompt_answer() for item in val]
 
 
 def corpus_titles(corpus_dir: Path) -> list[str]:
