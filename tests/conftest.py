@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gzip
+import json
 import os
 import random
 from dataclasses import dataclass
@@ -119,3 +121,31 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
     """Every file under `root` with its bytes: compared before and after a failed run, it shows nothing of the
     previous output was touched."""
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+# Row files and chat messages for the data-loader tests (test_chat_data, test_prompt_data).
+def raw_rows(path: Path) -> list:
+    """The rows of a .json, .jsonl or .jsonl.gz file as plain JSON, read without kiln."""
+    if path.suffix == ".json":
+        return json.loads(path.read_text(encoding="utf-8"))
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return str(path)
+
+
+def summary(capsys):
+    """The printed summary line, with rich's wrapping at the console width undone."""
+    return " ".join(capsys.readouterr().err.split())
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def assistant(text):
+    return {"role": "assistant", "content": text}

@@ -18,31 +18,7 @@ from kiln.pipeline.post.chat_data import Pair, detect_format, load_conversations
 from kiln.pipeline.post.chat_format import ROLES, ChatFormat
 from kiln.pipeline.text.tokens import load_tokenizer
 
-
-def raw_rows(path):
-    if path.suffix == ".json":
-        return json.loads(path.read_text(encoding="utf-8"))
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    return str(path)
-
-
-def summary(capsys):
-    """The printed summary line, with rich's wrapping at the console width undone."""
-    return " ".join(capsys.readouterr().err.split())
-
-
-def user(text):
-    return {"role": "user", "content": text}
-
-
-def assistant(text):
-    return {"role": "assistant", "content": text}
+from conftest import assistant, raw_rows, summary, user, write_jsonl
 
 
 def joined(first, more):

@@ -3,7 +3,6 @@
 Expected values are computed here from the raw files with json/gzip, not through the code under test.
 """
 
-import gzip
 import json
 import re
 
@@ -19,28 +18,7 @@ from kiln.pipeline.post.corpus_task import SPEAKER, prompt_items, task_items
 from kiln.pipeline.post.rewards import make_reward, score
 from kiln.pipeline.text.tokens import load_tokenizer
 
-
-def raw_rows(path):
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
-    return str(path)
-
-
-def summary(capsys):
-    """The printed summary line, with rich's wrapping at the console width undone."""
-    return " ".join(capsys.readouterr().err.split())
-
-
-def user(text):
-    return {"role": "user", "content": text}
-
-
-def assistant(text):
-    return {"role": "assistant", "content": text}
+from conftest import assistant, raw_rows, summary, user, write_jsonl
 
 
 @pytest.mark.parametrize(("split", "n"), [("test", 1319), ("train", 7473)])
