@@ -7,6 +7,8 @@ the policy trains. An answer's log-probability is summed over its tokens after t
 each log-ratio by its answer's length, as TRL does after checking with the IPO authors, so that the margin
 target 1/(2 beta) does not depend on how long the answers are. `dpo.label_smoothing` is conservative DPO, the
 smoothed sigmoid loss of TRL 0.x (TRL 1.x's `sigmoid` ignores label_smoothing; its `robust` is another loss).
+`dpo.sft_weight` adds the chosen answers' NLL per token (RPO; TRL's loss_type "sft"), to the training loss and
+to `val_loss` alike, as TRL's logged loss includes every term.
 
 Metrics carry TRL's names and are TRL's quantities, whatever the loss: rewards/chosen = beta (log pi(chosen) -
 log ref(chosen)) with summed log-probabilities, rewards/rejected alike, rewards/margins their difference,

@@ -1,9 +1,10 @@
 """Stage `sft`: data/models/base -> data/models/sft/, supervised fine-tuning on chat-format examples.
 
-The loss is the cross-entropy on assistant tokens only (their `<|im_end|>` included), averaged over all such
-tokens of an optimizer step, however they fall across micro-batches. Examples are padded rows (see
-pipeline/posttrain.py for why not packed). Held-out: the masked loss, and for the built-in task the accuracy
-of picking the true answer among four, measured on the base model before training too.
+The targets are the assistant tokens of the examples (their `<|im_end|>` included) and every token of the
+`sft.text_share` rows of corpus text mixed in, each text row weighted `sft.text_weight`; the loss is their
+weighted mean over an optimizer step, however they fall across micro-batches. Examples are padded rows (see
+post/common.py for why not packed). Held-out: the loss on answer tokens only, and for the built-in task the
+accuracy of picking the true answer among four, measured on the base model before training too.
 """
 
 from __future__ import annotations

@@ -222,11 +222,10 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
                 grad_norm = distributed.whole(norm).item()
                 curves.add(step, {"loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
                                   "tokens_per_s": round(tps, 1)})
-                mfu = run.flops_per_token * tps / (peak * world.size) if peak else None  # tps counts every rank
-                if mfu is not None and mfu > 1 and device.type == "cpu":
-                    # a measured CPU peak can only be too low (measured while the machine was busy): measure again
+                if peak and device.type == "cpu" and run.flops_per_token * tps > peak * world.size:
+                    # above 100%: a measured CPU peak can only be too low (the machine was busy), measure again
                     peak, _ = peak_flops(device, params.precision)
-                    mfu = run.flops_per_token * tps / (peak * world.size)
+                mfu = run.flops_per_token * tps / (peak * world.size) if peak else None  # tps counts every rank
                 progress.advance(0, loss=loss, lr=lr, **{"tok/s": round(tps)},
                                  **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
                 timer_tokens, timer_start = 0, time.perf_counter()
