@@ -39,6 +39,15 @@ QUESTIONS = {"title": "Which play is this passage from?", "speaker": "Who speaks
 N_WRONG = 3
 MIN_LINES = 4  # a passage of at least 2 lines and an answer line after it
 SPEAKER = re.compile(r"[A-Z][A-Z .,'&-]*\.")  # "HAMLET.", "FIRST CITIZEN."
+# Capitals ending in "." that head a part of the text instead of naming who speaks: "ACT II.", "SCENE I.",
+# "PROLOGUE.", "THE ARGUMENT." (Lucrece). In the Shakespeare corpus these are the only such headings.
+HEADING = re.compile(r"(ACT|SCENE|PROLOGUE|EPILOGUE|THE)\b")
+
+
+def is_speaker(line: str) -> bool:
+    """Whether a line only names who speaks next."""
+    line = line.strip()
+    return SPEAKER.fullmatch(line) is not None and HEADING.match(line) is None
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,7 @@ def read_documents(corpus_dir: Path, split: str) -> list[Document]:
 
 def next_line(lines: tuple[str, ...], i: int) -> str:
     """Line i, joined by the next when line i only names who speaks."""
-    if SPEAKER.fullmatch(lines[i].strip()) and i + 1 < len(lines):
+    if is_speaker(lines[i]) and i + 1 < len(lines):
         return f"{lines[i]}\n{lines[i + 1]}"
     return lines[i]
 
@@ -138,7 +147,7 @@ class TaskBuilder:
             wrong = tuple(others[i] for i in rng.choice(len(others), N_WRONG, replace=False))
             start, end = int(rng.integers(0, len(doc.lines) - 1)), len(doc.lines)
         elif kind == "speaker":
-            tags = [i for i, line in enumerate(doc.lines[:-1]) if SPEAKER.fullmatch(line.strip())]
+            tags = [i for i, line in enumerate(doc.lines[:-1]) if is_speaker(line)]
             if not tags:
                 return None
             start, end = tags[int(rng.integers(0, len(tags)))], len(doc.lines)
@@ -157,7 +166,7 @@ class TaskBuilder:
         """A speaker of another document who is not named in this one."""
         for _ in range(100):
             other = self.docs[int(rng.integers(0, len(self.docs)))]
-            tags = [line.strip().rstrip(".") for line in other.lines if SPEAKER.fullmatch(line.strip())]
+            tags = [line.strip().rstrip(".") for line in other.lines if is_speaker(line)]
             names = [t for t in tags if t not in doc.lines and f"{t}." not in doc.lines]
             if names:
                 return names[int(rng.integers(0, len(names)))]
