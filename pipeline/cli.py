@@ -247,6 +247,31 @@ def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                               resume_from=resume_from))
 
 
+@app.command("grpo")
+@reports_errors
+def grpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+                 start: Annotated[Path | None, typer.Option(help="The model to start from (default: data/models/"
+                                                                 "<grpo.init>).")] = None,
+                 tokenizer: TokenizerOpt = layout.TOKENIZER, corpus: CorpusOpt = layout.CORPUS,
+                 out: OutOpt = layout.GRPO_MODEL,
+                 checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = layout.checkpoints("grpo"),
+                 resume_from: ResumeOpt = None):
+    """Reinforcement learning from verifiable rewards (GRPO) on prompts with answers (stage `grpo`).
+
+    Reads the `grpo` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
+    mean grpo.
+    """
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.post.grpo import grpo
+    from kiln.pipeline.post.grpo_params import GRPOParams
+    from kiln.pipeline.train.params import TrainParams
+
+    grpo_params, train = load_sections((GRPOParams, TrainParams), params, set_)
+    start = layout.MODELS / grpo_params.init if start is None else start
+    _print_metrics("grpo", grpo(grpo_params, train, start, tokenizer, corpus, out, checkpoints,
+                                resume_from=resume_from))
+
+
 @app.command("evaluate")
 @app.command("eval", hidden=True)
 @reports_errors

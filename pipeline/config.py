@@ -25,7 +25,7 @@ from kiln.pipeline.errors import UserError
 from kiln.pipeline.layout import PARAMS
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-SECTIONS = ("data", "tokenizer", "shard", "model", "train", "scaling", "sft", "dpo", "eval")
+SECTIONS = ("data", "tokenizer", "shard", "model", "train", "scaling", "sft", "dpo", "grpo", "eval")
 
 
 class Section:

@@ -17,7 +17,7 @@ SCALING = DATA / "scaling"  # runs.csv, each sweep run's curves, fit.json, size.
 FIT = SCALING / "fit.json"
 SIZE = SCALING / "size.json"
 MODELS = DATA / "models"
-BASE_MODEL, SFT_MODEL, DPO_MODEL = MODELS / "base", MODELS / "sft", MODELS / "dpo"
+BASE_MODEL, SFT_MODEL, DPO_MODEL, GRPO_MODEL = MODELS / "base", MODELS / "sft", MODELS / "dpo", MODELS / "grpo"
 CHECKPOINTS = DATA / "checkpoints"  # resume state, one folder per training stage
 
 METRICS = Path("metrics")  # <stage>.json for `dvc metrics`, timings/<stage>.json, <stage>/ curves

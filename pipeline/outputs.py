@@ -49,7 +49,7 @@ def _non_finite_key(obj, where: str = "") -> str | None:
 # How a run went rather than what it produced: they differ between two runs that give bit-identical outputs, so
 # they go to metrics/timings/<stage>.json, a plain output, and `dvc metrics diff` of a rerun shows no change.
 TIMING_KEYS = frozenset({"seconds", "train_seconds", "tokens_per_s", "mb_per_s", "mfu", "peak_memory_gb", "trained",
-                         "reused", "trained_flops"})
+                         "reused", "trained_flops", "rollout_tokens_per_s", "generate_share"})
 
 
 def write_metrics(stage: str, values: dict, metrics_dir: Path = METRICS) -> Path:

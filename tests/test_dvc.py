@@ -74,6 +74,10 @@ def project(tmp_path):
                 log_every=2, val_examples=3)
     params["sft"].update(data=str(tmp_path / "chat.jsonl"), **loop)
     params["dpo"].update(data=str(tmp_path / "pairs.json"), **loop)
+    prompts = [{"prompt": f"up {i}?", "answer": "yes"} for i in range(12)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prompts))
+    params["grpo"].update(data=str(tmp_path / "prompts.jsonl"), reward="contains", group_size=2, max_new_tokens=4,
+                          **{**loop, "batch_examples": 4})
     # The built-in cloze task needs scenes of several lines; these documents are one line each.
     task = [{"query": f"doc {i}: the", "choices": [" king", " queen", " night"], "gold": i % 3} for i in range(6)]
     (tmp_path / "task.jsonl").write_text("".join(json.dumps(row) + "\n" for row in task))
@@ -89,11 +93,12 @@ def project(tmp_path):
 def test_repro_noop_and_experiment(project):
     first = run(project, "dvc", "repro")
     assert ran_stages(first) == {"prepare", "tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size",
-                                 "pretrain", "sft", "dpo", "evaluate"}
+                                 "pretrain", "sft", "dpo", "grpo", "evaluate"}
     for out in ("data/corpus/train.parquet", "data/tokenizer/tokenizer.json", "data/shards/manifest.json",
                 "data/models/base/model.safetensors", "metrics/pretrain/curves.png", "data/scaling/fit.json",
                 "metrics/scaling/isoflops.png", "data/models/sft/model.safetensors",
-                "data/models/dpo/model.safetensors", "metrics/dpo/curves.png"):
+                "data/models/dpo/model.safetensors", "metrics/dpo/curves.png", "data/models/grpo/model.safetensors",
+                "metrics/grpo/curves.png"):
         assert (project / out).is_file()
     assert json.loads((project / "metrics/tokenizer.json").read_text())["tokenizer"]["vocab_size"] == 300
     assert len((project / "data/scaling/runs.csv").read_text().splitlines()) == 1 + 6
@@ -137,7 +142,8 @@ def test_repro_noop_and_experiment(project):
 
     # model.size=auto: pretrain takes the shape the fit gives for scaling.target_flops, and says so.
     exp = run(project, "dvc", "exp", "run", "-S", "model.size=auto", "-S", "scaling.approach=parametric")
-    assert ran_stages(exp) == {"scaling_sweep", "scaling_size", "pretrain", "sft", "dpo", "evaluate"}  # sweep: no-op
+    # the sweep's stage runs and finds every run done
+    assert ran_stages(exp) == {"scaling_sweep", "scaling_size", "pretrain", "sft", "dpo", "grpo", "evaluate"}
     size = json.loads((project / "data/scaling/size.json").read_text())
     pretrained = json.loads((project / "metrics/pretrain.json").read_text())["pretrain"]
     assert pretrained["size_auto"]["n_layer"] == size["n_layer"] and pretrained["tokens"] <= size["tokens"]
@@ -146,7 +152,7 @@ def test_repro_noop_and_experiment(project):
 
     exp = run(project, "dvc", "exp", "run", "-S", "tokenizer.vocab_size=330")
     assert ran_stages(exp) == {"tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size", "pretrain",
-                               "sft", "dpo", "evaluate"}
+                               "sft", "dpo", "grpo", "evaluate"}
     assert json.loads((project / "metrics/tokenizer.json").read_text())["tokenizer"]["vocab_size"] == 330
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))
     change = diff["metrics/tokenizer.json"]["tokenizer.vocab_size"]
@@ -155,7 +161,7 @@ def test_repro_noop_and_experiment(project):
 
     exp = run(project, "dvc", "exp", "run", "-S", "train.precision=bf16")
     # pretraining and what follows; the sweep trains with its own scaling.* keys, so it is left alone
-    assert ran_stages(exp) == {"pretrain", "sft", "dpo", "evaluate"}
+    assert ran_stages(exp) == {"pretrain", "sft", "dpo", "grpo", "evaluate"}
     assert "bf16" in exp  # the run says what it trains in
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))["metrics/pretrain.json"]
     diff = diff["pretrain.val_loss"]
@@ -176,3 +182,12 @@ def test_repro_noop_and_experiment(project):
     assert after["val_loss"]["dpo"] != before["val_loss"]["dpo"]
     assert {k: v for k, v in after["val_loss"].items() if k != "dpo"} == \
         {k: v for k, v in before["val_loss"].items() if k != "dpo"}
+
+    # GRPO's KL to its start: the grpo stage and the evaluation rerun, nothing upstream; the KL is now logged.
+    exp = run(project, "dvc", "exp", "run", "-S", "grpo.beta=0.04")
+    assert ran_stages(exp) == {"grpo", "evaluate"}
+    assert (project / "metrics/grpo/plots/metrics/kl.tsv").is_file()
+    final = json.loads((project / "metrics/eval.json").read_text())["eval"]
+    assert final["val_loss"]["grpo"] != after["val_loss"]["grpo"]
+    assert {k: v for k, v in final["val_loss"].items() if k != "grpo"} == \
+        {k: v for k, v in after["val_loss"].items() if k != "grpo"}

@@ -22,6 +22,7 @@ from kiln.model import GPT, ModelConfig, save_model
 from kiln.pipeline.config import SECTIONS, build_section, load_section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.evaluate import EvalParams
+from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.text.shard import ShardParams
@@ -33,7 +34,7 @@ from kiln.pipeline.train.params import ModelParams, TrainParams
 from conftest import fails_in_one_line, tree_bytes, write_params
 
 ALL_SECTIONS = (DataParams, TokenizerParams, ShardParams, ModelParams, TrainParams, ScalingParams, SFTParams,
-                DPOParams, EvalParams)
+                DPOParams, GRPOParams, EvalParams)
 TINY = {"n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 16, "max_seq_len": 16}
 
 

@@ -150,7 +150,8 @@ STAGE_MODULES = {"prepare": "kiln.pipeline.text.prepare", "tokenizer": "kiln.pip
                  "shard": "kiln.pipeline.text.shard", "scaling_sweep": "kiln.pipeline.scaling.sweep",
                  "scaling_fit": "kiln.pipeline.scaling.fit", "scaling_size": "kiln.pipeline.scaling.size",
                  "pretrain": "kiln.pipeline.train.pretrain", "sft": "kiln.pipeline.post.sft",
-                 "dpo": "kiln.pipeline.post.dpo", "evaluate": "kiln.pipeline.evals.evaluate"}
+                 "dpo": "kiln.pipeline.post.dpo", "grpo": "kiln.pipeline.post.grpo",
+                 "evaluate": "kiln.pipeline.evals.evaluate"}
 MODULES = {module_name(p): p for folder in ("kernels", "model", "pipeline") for p in (REPO / folder).rglob("*.py")}
 
 

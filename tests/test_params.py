@@ -20,6 +20,7 @@ from kiln.pipeline.cli import app
 from kiln.pipeline.config import SECTIONS, build_section, load_section, read_params_file
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.evaluate import EvalParams
+from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.text.shard import ShardParams
@@ -54,7 +55,7 @@ def test_repo_params_yaml_loads(cls):
 
 
 ALL_SECTIONS = [DataParams, TokenizerParams, ShardParams, ModelParams, TrainParams, ScalingParams, SFTParams,
-                DPOParams, EvalParams]
+                DPOParams, GRPOParams, EvalParams]
 
 
 @pytest.mark.parametrize("cls", ALL_SECTIONS, ids=lambda c: c.SECTION)

@@ -1,5 +1,5 @@
-"""What SFT and DPO share: the model they start from, examples as padded tensors, their batches, and the
-summed log-probability of an answer that both losses (and every multiple-choice score) are made of.
+"""What SFT, DPO and GRPO share: the model they start from, examples as padded tensors, their batches, and
+the summed log-probability of an answer that the SFT and DPO losses (and every multiple-choice score) are made of.
 
 Padding, not packing: each example is one row of `max_seq_len` tokens, padded on the right with `<|pad|>` and
 targets of -100. With causal attention a right pad never affects the tokens before it, so no attention mask is
@@ -21,9 +21,9 @@ import torch
 from kiln.model import load_model, save_model
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.post.chat_data import load_conversations, load_pairs
+from kiln.pipeline.post.chat_data import load_conversations, load_pairs, load_prompts
 from kiln.pipeline.post.chat_format import ChatFormat, Rendered
-from kiln.pipeline.post.corpus_task import TaskItem, task_items
+from kiln.pipeline.post.corpus_task import TaskItem, prompt_items, task_items
 from kiln.pipeline.post.params import PostTrainParams
 from kiln.pipeline.progress import console
 from kiln.pipeline.text.tokens import load_tokenizer
@@ -181,8 +181,9 @@ def score_rows(model, x: torch.Tensor, y: torch.Tensor, batch_size: int, precisi
 
 @dataclass
 class ChatData:
-    """A post-training stage's examples (conversations for SFT, `Pair`s for DPO), train and held out, and for
-    the built-in task the held-out multiple-choice items behind its accuracy."""
+    """A post-training stage's examples (conversations for SFT, `Pair`s for DPO, `PromptAnswer`s for GRPO),
+    train and held out, and for SFT's and DPO's built-in task the held-out multiple-choice items behind its
+    accuracy."""
 
     train: list
     val: list
@@ -190,14 +191,19 @@ class ChatData:
 
 
 def load_chat_data(params: PostTrainParams, chat: ChatFormat, seq_len: int, corpus_dir: Path) -> ChatData:
-    pairs = params.SECTION == "dpo"
+    section = params.SECTION
     if params.data == "builtin":
         if params.max_examples is None:
             raise params.bad("max_examples", "the number of items to derive when data is builtin")
+        if section == "grpo":
+            # Passages fitted to leave room for a whole completion, so that no prompt is dropped as too long.
+            train, val = prompt_items(corpus_dir, chat, seq_len - params.max_new_tokens, params.max_examples,
+                                      params.val_examples, params.seed)
+            return ChatData(train, val, [])
         train, val = task_items(corpus_dir, chat, seq_len, params.max_examples, params.val_examples, params.seed)
-        convert = TaskItem.pair if pairs else TaskItem.conversation
+        convert = TaskItem.pair if section == "dpo" else TaskItem.conversation
         return ChatData([convert(i) for i in train], [convert(i) for i in val], val)
-    load = load_pairs if pairs else load_conversations
+    load = {"sft": load_conversations, "dpo": load_pairs, "grpo": load_prompts}[section]
     cap = None if params.max_examples is None else params.max_examples + params.val_examples
     rows = load(params.data, params.format, params.split, cap, f"{params.SECTION}.data")
     keys = [json.dumps(row if isinstance(row, list) else vars(row), sort_keys=True) for row in rows]

@@ -1,4 +1,4 @@
-"""The `sft` and `dpo` sections: what post-training shares, and what DPO adds."""
+"""The `sft` and `dpo` sections, and what every post-training section shares (GRPO's: post/grpo_params.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from kiln.pipeline.train.params import TrainParams
 
 @dataclass
 class PostTrainParams(Section):
-    """What SFT and DPO share: their data and the optimisation that differs from pretraining.
+    """What SFT, DPO and GRPO share: their data and the optimisation that differs from pretraining.
 
     The device, precision, kernels, compile, Adam betas, gradient clipping and checkpoint retention come from
     the `train` section, so one `-S train.precision=bf16` changes every training stage alike."""
@@ -41,9 +41,9 @@ class PostTrainParams(Section):
     SEQUENCES: ClassVar[int] = 1  # sequences per example: a DPO pair is two
 
     def check(self) -> None:
-        from kiln.pipeline.post.chat_data import PREFERENCE_FORMATS, SFT_FORMATS
+        from kiln.pipeline.post.chat_data import PREFERENCE_FORMATS, PROMPT_FORMATS, SFT_FORMATS
 
-        formats = SFT_FORMATS if self.SECTION == "sft" else PREFERENCE_FORMATS
+        formats = {"sft": SFT_FORMATS, "dpo": PREFERENCE_FORMATS, "grpo": PROMPT_FORMATS}[self.SECTION]
         if self.format not in ("auto", *formats):
             raise self.bad("format", f"auto or one of {', '.join(formats)}")
         if not self.data.strip():
@@ -118,3 +118,4 @@ class DPOParams(PostTrainParams):
             raise self.bad("sft_weight", "a number >= 0")
         if self.loss == "ipo" and self.label_smoothing:
             raise self.bad("label_smoothing", "0 with dpo.loss=ipo (label smoothing is a sigmoid-loss variant)")
+

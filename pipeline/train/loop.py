@@ -1,4 +1,4 @@
-"""The one training loop: pretraining uses it now; the scaling sweep, SFT and DPO reuse it with their losses.
+"""The one training loop: pretraining, the scaling sweep, SFT, DPO and GRPO use it with their losses.
 
 It owns the machinery that does not depend on the loss: device and precision, AdamW with decay on matrices
 only, warmup + cosine or WSD schedule, gradient accumulation to `train.batch_tokens` per step, clipping,
@@ -124,6 +124,10 @@ class Run:
     flops_per_token: float
     name: str = "train"
     world: World = SINGLE
+    # The loss's own numbers since the last log (GRPO's rewards, clip ratios), logged beside the loss; the keys
+    # in `show` also go on the progress line.
+    log_metrics: Callable[[], dict] | None = None
+    show: tuple[str, ...] = ()
 
 
 def accumulation_steps(params: TrainParams, micro_batch_tokens: int, world_size: int = 1) -> int:
@@ -220,13 +224,15 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
                 elapsed = time.perf_counter() - timer_start
                 tps = timer_tokens / elapsed
                 grad_norm = distributed.whole(norm).item()
+                extra = run.log_metrics() if run.log_metrics else {}
                 curves.add(step, {"loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
-                                  "tokens_per_s": round(tps, 1)})
+                                  "tokens_per_s": round(tps, 1), **{k: round(v, 5) for k, v in extra.items()}})
                 if peak and device.type == "cpu" and run.flops_per_token * tps > peak * world.size:
                     # above 100%: a measured CPU peak can only be too low (the machine was busy), measure again
                     peak, _ = peak_flops(device, params.precision)
                 mfu = run.flops_per_token * tps / (peak * world.size) if peak else None  # tps counts every rank
-                progress.advance(0, loss=loss, lr=lr, **{"tok/s": round(tps)},
+                progress.advance(0, loss=loss, **{k: round(extra[k], 3) for k in run.show if k in extra}, lr=lr,
+                                 **{"tok/s": round(tps)},
                                  **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
                 timer_tokens, timer_start = 0, time.perf_counter()
             progress.advance(1)

@@ -1,0 +1,303 @@
+"""Stage `grpo`: data/models/<grpo.init> -> data/models/grpo/, reinforcement learning from verifiable rewards
+(GRPO, Shao et al. 2024), on the one training loop.
+
+Each rollout batch takes `batch_examples / group_size` prompts, samples `group_size` completions of each from the
+policy as it is now (the KV-cache generator, stopping at `<|im_end|>`), scores them with `grpo.reward`, and turns
+each completion's reward relative to its group's into the advantage of its tokens (post/grpo_loss.py). The batch
+then feeds `grpo.epochs` optimizer steps; from the second on, the importance ratio against the log-probabilities
+of the policy that sampled it (computed once, right after sampling) carries the clip. Log-probabilities are of
+logits / temperature, the distribution the completions were drawn from (as TRL does).
+
+With `grpo.beta` > 0 a frozen copy of the starting model is the KL reference: it scores each rollout batch
+once, under no_grad, so it holds weights but never activations. With beta 0 (the default, as TRL's) no
+reference is kept and `kl` is not logged.
+
+Resuming regenerates the rollout batch of the checkpoint's step from the checkpoint's weights with the batch's
+own seed, so a resumed run samples what an uninterrupted one did (hence checkpoints only where a rollout batch
+begins: grpo.checkpoint_every is a multiple of grpo.epochs).
+
+Per logged step, the metrics carry TRL's names and meanings: reward (mean over the step's completions),
+reward_std (the mean of the groups' standard deviations), frac_reward_zero_std (groups that teach nothing),
+completions/mean_length, completions/clipped_ratio (completions cut by max_new_tokens), entropy (of the policy at
+the sampled positions), clip_ratio/* and kl. Held out: greedy pass@1 and mean reward on `val_examples` prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.model import generate
+from kiln.pipeline import layout
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.outputs import recover, write_metrics
+from kiln.pipeline.post.chat_data import PromptAnswer
+from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.post.common import IGNORE, ExampleBatches, start
+from kiln.pipeline.post.grpo_loss import group_advantages, policy_loss
+from kiln.pipeline.post.grpo_params import GRPOParams
+from kiln.pipeline.post.rewards import NamedReward, make_reward, score
+from kiln.pipeline.progress import console
+from kiln.pipeline.train.checkpoints import Checkpoints
+from kiln.pipeline.train.curves import Panel, plot_png
+from kiln.pipeline.train.lm import CADENCE
+from kiln.pipeline.train.loop import Run, accumulation_steps, autocast, train
+from kiln.pipeline.train.params import TrainParams
+
+MODEL_DIR = layout.GRPO_MODEL
+CHECKPOINT_DIR = layout.checkpoints("grpo")
+CURVES_DIR = layout.curves("grpo")
+PANELS = [Panel("reward", "mean over the step's completions", {"reward": "train (sampled)",
+                                                               "val/reward": "held-out (greedy)"}),
+          Panel("held-out greedy pass@1", "share of prompts", {"val/pass@1": "pass@1"}),
+          Panel("groups", "share / std", {"frac_reward_zero_std": "groups with one reward",
+                                          "reward_std": "reward std"}),
+          Panel("completions", "tokens", {"completions/mean_length": "mean length"}),
+          Panel("policy", "nats / share", {"entropy": "entropy", "kl": "KL to start (k3)",
+                                           "clip_ratio/region_mean": "clipped tokens"}),
+          Panel("learning rate", "lr", {"lr": "lr"})]
+
+
+@dataclass
+class Prompts:
+    """Prompts as the policy sees them, with what a reward sees: the last user turn's text and the answer."""
+
+    ids: list[list[int]]
+    texts: list[str]
+    answers: list[str]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def encode_prompts(rows: list[PromptAnswer], chat: ChatFormat, seq_len: int, max_new_tokens: int,
+                   what: str) -> Prompts:
+    """The rows whose prompt leaves room for max_new_tokens within seq_len (the rest counted and skipped)."""
+    out = Prompts([], [], [])
+    for row in rows:
+        ids = chat.prompt(row.prompt)
+        if len(ids) + max_new_tokens - 1 <= seq_len:
+            out.ids.append(ids)
+            out.texts.append(next(m["content"] for m in reversed(row.prompt) if m["role"] == "user"))
+            out.answers.append(row.answer)
+    if len(out) < len(rows):
+        console.print(f"{what}: skipped {len(rows) - len(out):,} of {len(rows):,} prompts too long for "
+                      f"grpo.max_new_tokens={max_new_tokens} within max_seq_len={seq_len}", highlight=False)
+    if rows and not len(out):
+        raise UserError(f"{what}: no prompt leaves room for grpo.max_new_tokens={max_new_tokens} within "
+                        f"max_seq_len={seq_len}")
+    return out
+
+
+def token_logps(model, x: torch.Tensor, y: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probability of each target under softmax(logits / temperature) (B, T), the full log-softmax)."""
+    logp = (model(x).float() / temperature).log_softmax(dim=-1)
+    return logp.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1), logp
+
+
+class Rollouts:
+    """The loop's micro-batches: scored completions that the policy samples as training goes.
+
+    Micro-batch k belongs to optimizer step k // accum; step s trains on rollout batch s // epochs, sampled when
+    its first micro-batch is asked for. A micro-batch is (x, y, advantages, old log-probs, reference log-probs,
+    completion tokens of the whole step / accum): with that last one the loop's mean over micro-batches is the
+    dapo loss over the step exactly (post/grpo_loss.py, `aggregate`)."""
+
+    def __init__(self, model: torch.nn.Module, prompts: Prompts, params: GRPOParams, chat: ChatFormat,
+                 reward: NamedReward, precision: str, accum: int):
+        self.model, self.prompts, self.params, self.chat, self.reward = model, prompts, params, chat, reward
+        self.precision, self.accum, self.step = precision, accum, 0
+        self.per_rollout = params.batch_examples // params.group_size
+        self.order = ExampleBatches((torch.arange(len(prompts)),), self.per_rollout, 1, params.seed)
+        self.ref = None
+        if params.beta:
+            self.ref = copy.deepcopy(model).eval().requires_grad_(False)
+        self.batch: list[torch.Tensor] | None = None
+        self.batch_index = -1
+        self.rollout_stats: list[dict] = []
+        self.loss_stats: list[dict] = []
+        self.current: dict = {}
+        self.seconds, self.tokens = 0.0, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> list[torch.Tensor]:
+        opt_step, micro = divmod(self.step, self.accum)
+        index = opt_step // self.params.epochs
+        if index != self.batch_index:
+            self.batch, self.batch_index = self._rollout(index, opt_step + 1), index
+        self.step += 1
+        B = self.params.batch_size
+        x, y, advantages, old, ref, per_micro = self.batch
+        rows = slice(micro * B, (micro + 1) * B)
+        width = int((y[rows] != IGNORE).any(dim=0).nonzero().max()) + 1  # trailing all-padding columns dropped
+        old, ref = (t[rows, :width] if t.numel() else t for t in (old, ref))
+        return [x[rows, :width], y[rows, :width], advantages[rows], old, ref, per_micro]
+
+    def _rollout(self, index: int, step: int) -> list[torch.Tensor]:
+        started = time.perf_counter()
+        p, G = self.params, self.params.group_size
+        self.order.step = index
+        chosen = next(self.order)[0].tolist()
+        prompt_ids = [self.prompts.ids[i] for i in chosen for _ in range(G)]
+        device = next(self.model.parameters()).device
+        seed = int(np.random.SeedSequence([p.seed, index]).generate_state(1)[0])
+        with autocast(device, self.precision):
+            completions = generate(self.model, prompt_ids, p.max_new_tokens, temperature=p.temperature,
+                                   top_p=p.top_p, stop_ids=[self.chat.im_end, self.chat.eot], seed=seed)
+        rewards = []
+        for j, i in enumerate(chosen):
+            rows = [(self.prompts.texts[i], self.chat.parse_reply(c), self.prompts.answers[i])
+                    for c in completions[j * G:(j + 1) * G]]
+            rewards += score(self.reward, rows, f"grpo step {step}: grpo.data prompt {i}, completions")
+        rewards = torch.tensor(rewards, dtype=torch.float64)
+        advantages = group_advantages(rewards, G, p.scale_rewards).float()
+        x, y = completion_rows(prompt_ids, completions, self.chat.pad)
+        n_tokens = int((y != IGNORE).sum())
+        old = self._score(self.model, x, y) if p.epochs > 1 else torch.zeros(0)
+        ref = self._score(self.ref, x, y) if self.ref is not None else torch.zeros(0)
+        stops = {self.chat.im_end, self.chat.eot}
+        groups = rewards.view(-1, G)
+        self.current = {"reward": rewards.mean().item(), "reward_std": groups.std(dim=1).mean().item(),
+                        "frac_reward_zero_std": (groups.std(dim=1) == 0).double().mean().item(),
+                        "completions/mean_length": n_tokens / len(completions),
+                        "completions/clipped_ratio": float(np.mean([c[-1] not in stops for c in completions]))}
+        self.rollout_stats.append(self.current)
+        self.seconds += time.perf_counter() - started
+        self.tokens += n_tokens
+        return [x, y, advantages, old, ref, torch.tensor(n_tokens / self.accum)]
+
+    @torch.no_grad()
+    def _score(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of the completion tokens under `model` (B, T), micro-batch by micro-batch."""
+        was_training = model.training
+        model.eval()
+        device = next(model.parameters()).device
+        out = []
+        for i in range(0, len(x), self.params.batch_size):
+            with autocast(device, self.precision):
+                out.append(token_logps(model, x[i:i + self.params.batch_size].to(device),
+                                       y[i:i + self.params.batch_size].to(device), self.params.temperature)[0].cpu())
+        model.train(was_training)
+        return torch.cat(out)
+
+    def loss(self, model, batch: list[torch.Tensor]) -> torch.Tensor:
+        x, y, advantages, old, ref, per_micro = batch
+        p = self.params
+        logps, logp = token_logps(model, x, y, p.temperature)
+        mask = (y != IGNORE).float()
+        loss, metrics = policy_loss(logps, old if old.numel() else logps.detach(), advantages, mask,
+                                    p.epsilon_low, p.epsilon_high, ref if ref.numel() else None, p.beta,
+                                    p.loss_type, p.max_new_tokens, per_micro)
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(dim=-1)
+            metrics["entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
+        self.loss_stats.append({k: v for k, v in metrics.items() if k in LOGGED})
+        return loss
+
+    def log_metrics(self) -> dict:
+        """Means over what was sampled and trained since the last call (the rollout batch in use if none was
+        sampled since)."""
+        rollouts, losses = self.rollout_stats or [self.current], self.loss_stats
+        self.rollout_stats, self.loss_stats = [], []
+        return {k: float(np.mean([s[k] for s in stats])) for stats in (rollouts, losses) if stats for k in stats[0]}
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "seed": self.params.seed, "accum": self.accum, "prompts": len(self.prompts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, mine in (("seed", self.params.seed), ("accum", self.accum), ("prompts", len(self.prompts))):
+            if state.get(key) != mine:
+                raise UserError(f"resume state: rollouts {key}={state.get(key)!r}, this run has {mine!r}")
+        step = int(state["step"])
+        if step % (self.accum * self.params.epochs):
+            raise UserError(f"resume state: rollouts step {step} is inside a rollout batch; a checkpoint must "
+                            "fall where one begins (grpo.checkpoint_every a multiple of grpo.epochs)")
+        self.step = step
+
+
+LOGGED = ("kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "entropy")
+
+
+def completion_rows(prompt_ids: list[list[int]], completions: list[list[int]],
+                    pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs x and targets y (N, W) of prompt + completion, right-padded to the longest: y holds the completion
+    tokens (its stop token included) at the positions that predict them, -100 elsewhere."""
+    width = max(len(p) + len(c) for p, c in zip(prompt_ids, completions)) - 1
+    x = torch.full((len(completions), width), pad, dtype=torch.long)
+    y = torch.full((len(completions), width), IGNORE, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completions)):
+        seq = p + c
+        x[i, :len(seq) - 1] = torch.tensor(seq[:-1])
+        y[i, len(p) - 1:len(seq) - 1] = torch.tensor(c)
+    return x, y
+
+
+def greedy_rewards(model, prompts: Prompts, chat: ChatFormat, reward: NamedReward, max_new_tokens: int,
+                   precision: str, what: str) -> list[float]:
+    """Each prompt's reward for its greedy completion."""
+    device = next(model.parameters()).device
+    with autocast(device, precision):
+        completions = generate(model, prompts.ids, max_new_tokens, temperature=0.0,
+                               stop_ids=[chat.im_end, chat.eot])
+    rows = [(t, chat.parse_reply(c), a) for t, c, a in zip(prompts.texts, completions, prompts.answers)]
+    return score(reward, rows, what)
+
+
+def grpo(params: GRPOParams, train_params: TrainParams, start_dir: Path, tokenizer_path: Path, corpus_dir: Path,
+         out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR,
+         resume_from: Path | None = None) -> dict:
+    recover(out_dir)  # what a killed write of the model left
+    reward = make_reward(params.reward, params.reward_pattern)  # a bad reward fails before the model loads
+    s = start(params, train_params, start_dir, tokenizer_path, corpus_dir)
+    model, loop, chat, seq_len = s.model, s.loop, s.chat, s.model.config.max_seq_len
+    prompts = encode_prompts(s.data.train, chat, seq_len, params.max_new_tokens, "grpo train")
+    val = encode_prompts(s.data.val, chat, seq_len, params.max_new_tokens, "grpo held-out")
+    micro = params.batch_size * seq_len
+    rollouts = Rollouts(model, prompts, params, chat, reward, loop.precision, accumulation_steps(loop, micro))
+
+    def evaluate(m) -> dict:
+        if not len(val):
+            return {}
+        rewards = np.array(greedy_rewards(m, val, chat, reward, params.max_new_tokens, loop.precision,
+                                          "grpo held-out"))
+        return {"val/reward": float(rewards.mean()), "val/pass@1": float((rewards >= 1).mean())}
+
+    before = evaluate(model)
+    data = json.dumps([prompts.ids, prompts.texts, prompts.answers]).encode()
+    fingerprint = {"start": s.sha256, "data": hashlib.sha256(data).hexdigest(),
+                   "grpo": {k: getattr(params, k) for k in ("group_size", "epochs", "temperature", "top_p",
+                                                            "max_new_tokens", "epsilon_low", "epsilon_high", "beta",
+                                                            "loss_type", "scale_rewards", "reward", "reward_pattern")},
+                   "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
+    run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=rollouts.loss,
+              batches=rollouts, evaluate=evaluate,
+              checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints, resume_from=resume_from,
+                                      command="kiln grpo"),
+              curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name="grpo",
+              log_metrics=rollouts.log_metrics, show=("reward",))
+    console.print(f"grpo: {len(prompts):,} train and {len(val):,} held-out prompts, {loop.max_steps} steps x "
+                  f"{rollouts.per_rollout} prompts x {params.group_size} completions, {reward.label}, "
+                  f"{params.loss_type} loss, from {start_dir}", highlight=False)
+    started = time.perf_counter()
+    result = train(model, run)
+    seconds = time.perf_counter() - started  # this process's share of the run: what rollouts.seconds is part of
+    s.save(out_dir)
+    # The loop's tokens count every row as max_seq_len long; what GRPO moves is completions, counted here.
+    metrics = {**{k: v for k, v in result.items() if k not in ("tokens", "tokens_per_s", "mfu")},
+               "prompts": len(prompts), "val_prompts": len(val), "start": {k: round(v, 5) for k, v in before.items()},
+               "rollout_tokens_per_s": round(rollouts.tokens / rollouts.seconds, 1) if rollouts.seconds else 0.0,
+               "generate_share": round(rollouts.seconds / seconds, 4) if rollouts.seconds else 0.0}
+    plot_png(curves_dir, curves_dir / "curves.png", PANELS,
+             f"grpo: {len(prompts):,} prompts x {params.group_size}, {result['steps']} steps")
+    write_metrics("grpo", metrics)
+    return metrics

@@ -1,0 +1,73 @@
+"""The `grpo` section, apart from `sft` and `dpo`'s so that a change to it reruns only the grpo stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kiln.pipeline.post.grpo_loss import LOSS_TYPES
+from kiln.pipeline.post.params import PostTrainParams
+
+
+@dataclass
+class GRPOParams(PostTrainParams):
+    """GRPO: the policy samples `group_size` completions of each prompt, a reward scores them, and each
+    completion's reward relative to its group's is the advantage of all its tokens (post/grpo.py).
+
+    Counts are completions: `batch_examples` per optimizer step (prompts x group_size), `batch_size` per
+    micro-step. One rollout batch feeds `epochs` optimizer steps (TRL's num_iterations)."""
+
+    SECTION: ClassVar[str] = "grpo"
+    init: str = "sft"  # the model folder GRPO starts from (and whose copy is the KL reference): sft | dpo
+    max_examples: int | None = 2000  # prompts
+    val_examples: int = 100  # held-out prompts behind the stage's own greedy pass@1 curve
+    max_steps: int = 60
+    batch_size: int = 32
+    batch_examples: int = 64
+    lr: float = 2e-4
+    min_lr: float = 2e-5
+    warmup_steps: int = 5
+    eval_every: int = 10
+    checkpoint_every: int = 10
+    log_every: int = 1
+    group_size: int = 8  # completions per prompt
+    epochs: int = 1  # optimizer steps per rollout batch; > 1 reuses samples through the importance ratio
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    epsilon_low: float = 0.2  # the clip range of the ratio: [1 - epsilon_low, 1 + epsilon_high]
+    epsilon_high: float = 0.28  # DAPO's clip-higher: more room for unlikely tokens with a positive advantage
+    beta: float = 0.0  # weight of the k3 KL to the starting model (0: no reference model is kept, as in TRL)
+    loss_type: str = "dapo"  # dapo | grpo | bnpo | dr_grpo (post/grpo_loss.py says how each aggregates)
+    scale_rewards: bool = True  # divide by the group's std; false: Dr. GRPO's unscaled advantages
+    reward: str = "exact"  # exact | numeric | contains | regex | module:function | file.py:function
+    reward_pattern: str | None = None  # the regex of reward=regex, {answer} standing for the escaped answer
+
+    def check(self) -> None:
+        super().check()
+        if self.init not in ("sft", "dpo"):
+            raise self.bad("init", "sft or dpo")
+        for name in ("epochs", "max_new_tokens"):
+            if getattr(self, name) < 1:
+                raise self.bad(name, "a positive integer")
+        if self.group_size < 2:
+            raise self.bad("group_size", "2 or more (an advantage is a reward relative to the rest of its group)")
+        if self.batch_examples % self.group_size:
+            raise self.bad("batch_examples", f"a multiple of grpo.group_size={self.group_size}")
+        # A resumed run regenerates its rollout batch from the checkpoint's weights, so a checkpoint must fall
+        # where a rollout batch begins.
+        for name in ("checkpoint_every", "max_steps"):
+            if getattr(self, name) % self.epochs:
+                raise self.bad(name, f"a multiple of grpo.epochs={self.epochs}")
+        if not self.temperature > 0:
+            raise self.bad("temperature", "a positive number (GRPO needs different samples of one prompt)")
+        if not 0 < self.top_p <= 1:
+            raise self.bad("top_p", "a number in (0, 1]")
+        if not 0 <= self.epsilon_low < 1:
+            raise self.bad("epsilon_low", "a number in [0, 1)")
+        if not self.epsilon_high >= 0:
+            raise self.bad("epsilon_high", "a number >= 0")
+        if not self.beta >= 0:
+            raise self.bad("beta", "a number >= 0")
+        if self.loss_type not in LOSS_TYPES:
+            raise self.bad("loss_type", f"one of {', '.join(LOSS_TYPES)}")

@@ -1,0 +1,168 @@
+"""The `grpo` stage end to end on tiny models: it learns a reachable task, a killed run resumes to the same model,
+its micro-batches are the rollouts it sampled, and a reward that fails stops it in one line with nothing written."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from kiln.model import load_model
+from kiln.pipeline.cli import app
+from kiln.pipeline.config import build_section
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.post.chat_data import PromptAnswer
+from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.post.common import IGNORE
+from kiln.pipeline.post.grpo import Prompts, Rollouts, completion_rows, encode_prompts
+from kiln.pipeline.post.grpo_params import GRPOParams
+from kiln.pipeline.post.rewards import make_reward
+from kiln.pipeline.text.tokens import load_tokenizer
+from tests.conftest import fails_in_one_line, tree_bytes, write_jsonl, write_params
+from tests.test_posttrain import save_base
+from tests.test_train import KILL_IN_SECOND_SAVE, kiln
+
+# A dense reward the random tiny model can climb: the share of the completion's characters that are the answer's.
+REWARDS = '''
+def share(prompt, completion, answer):
+    return sum(ch == answer for ch in completion) / max(1, len(completion))
+
+def broken(prompt, completion, answer):
+    raise KeyError("no such field")
+
+def not_a_number(prompt, completion, answer):
+    return float("nan")
+'''
+GRPO = {"max_steps": 30, "batch_size": 16, "batch_examples": 32, "group_size": 8, "max_new_tokens": 4,
+        "lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0, "eval_every": 10, "checkpoint_every": 10, "log_every": 5,
+        "val_examples": 4, "reward": "rewards.py:share"}
+
+
+@pytest.fixture
+def project(tiny, tmp_path, monkeypatch):
+    """A working folder with a tiny random start model, prompts whose answer is "x", and the reward module."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Say x, {i} times.", "answer": "x"} for i in range(40)])
+    save_base(tiny.tokenizer, tmp_path / "start")
+    return tmp_path
+
+
+def grpo_args(tiny, root: Path, out: str = "grpo", **grpo) -> list[str]:
+    write_params(root / "params.yaml", {"grpo": {**GRPO, "data": "prompts.jsonl", **grpo}, "train": {"device": "cpu"}})
+    return ["grpo", "--start", "start", "--tokenizer", str(tiny.tokenizer), "--corpus", str(tiny.corpus),
+            "--out", out, "--checkpoints", f"ckpt-{out}"]
+
+
+def rewards_of(root: Path) -> list[float]:
+    rows = (root / "metrics/grpo/plots/metrics/reward.tsv").read_text().splitlines()[1:]
+    return [float(line.split("\t")[1]) for line in rows]
+
+
+def test_a_tiny_model_learns_to_answer_x(tiny, project):
+    done = kiln(project, *grpo_args(tiny, project))
+    assert done.returncode == 0, done.output
+    rewards = rewards_of(project)
+    assert len(rewards) == 6 and rewards[0] < 0.3 and rewards[-1] > 0.9, rewards
+    metrics = json.loads((project / "metrics/grpo.json").read_text())["grpo"]
+    assert metrics["start"]["val/reward"] < 0.3 and metrics["val/reward"] > 0.9
+    assert metrics["prompts"] == 36 and metrics["val_prompts"] == 4 and metrics["steps"] == 30
+    timings = json.loads((project / "metrics/timings/grpo.json").read_text())
+    assert timings["rollout_tokens_per_s"] > 0 and 0 < timings["generate_share"] < 1
+    curves = {p.relative_to(project / "metrics/grpo/plots/metrics").as_posix()
+              for p in (project / "metrics/grpo/plots/metrics").rglob("*.tsv")}
+    assert {"reward.tsv", "reward_std.tsv", "frac_reward_zero_std.tsv", "entropy.tsv", "completions/mean_length.tsv",
+            "completions/clipped_ratio.tsv", "clip_ratio/region_mean.tsv", "val/pass@1.tsv", "loss.tsv"} <= curves
+    assert "kl.tsv" not in curves  # beta 0: no reference model, as in TRL
+    assert (project / "metrics/grpo/curves.png").read_bytes().startswith(b"\x89PNG")
+    model, meta = load_model(project / "grpo")
+    assert meta["init"]["model"] == "start" and meta["chat_format"] == "chatml"
+
+
+def test_killed_run_resumes_to_the_same_model(tiny, project):
+    """kill -9 while the second checkpoint is written (steps 2 and 4 of 6, two optimizer steps per rollout batch,
+    beta > 0 so the reference is in play): the resumed run resamples the rollouts of step 2 from the checkpoint's
+    weights and ends with the uninterrupted run's model, bit for bit."""
+    setting = {"max_steps": 6, "checkpoint_every": 2, "eval_every": 2, "epochs": 2, "beta": 0.04}
+    straight = kiln(project, *grpo_args(tiny, project, "straight", **setting))
+    assert straight.returncode == 0, straight.output
+    args = grpo_args(tiny, project, "resumed", **setting)
+    killed = kiln(project, *args, prelude=KILL_IN_SECOND_SAVE)
+    assert killed.returncode == -9, killed.output
+    assert not (project / "resumed").exists()
+    resumed = kiln(project, *args)
+    assert resumed.returncode == 0 and "resuming from" in resumed.output and "step 2)" in resumed.output
+    a, b = load_file(project / "straight/model.safetensors"), load_file(project / "resumed/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    kl = (project / "metrics/grpo/plots/metrics/kl.tsv").read_text().splitlines()[1:]  # logged with beta > 0
+    assert [int(line.split("\t")[0]) for line in kl] == [5, 6] and all(float(line.split("\t")[1]) >= 0 for line in kl)
+
+
+@pytest.mark.parametrize(("reward", "said"), [("rewards.py:broken", "raised KeyError: 'no such field'"),
+                                              ("rewards.py:not_a_number", "returned nan")])
+def test_a_failing_reward_stops_in_one_line_and_writes_nothing(tiny, project, reward, said):
+    """The error is one line (after the data summary the run printed before it), exit 2, no file touched."""
+    args = grpo_args(tiny, project, reward=reward)
+    before = tree_bytes(project)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    error = result.output.strip().splitlines()[-1]
+    assert error.startswith("error: grpo held-out: ") and f"grpo.reward='{reward}': row 0" in error and said in error
+    assert tree_bytes(project) == before
+
+
+def test_rollout_micro_batches_are_the_sampled_completions(tiny, project):
+    """What the loop trains on: every completion as prompt + completion with targets on the completion alone,
+    grouped per prompt, and per-micro-batch token counts that sum to the step's completion tokens."""
+    chat = ChatFormat(load_tokenizer(tiny.tokenizer, ordinary=True))
+    model, _ = load_model(project / "start")
+    rows = [PromptAnswer([{"role": "user", "content": f"Say x, {i} times."}], "x") for i in range(6)]
+    prompts = encode_prompts(rows, chat, model.config.max_seq_len, 4, "test")
+    params = build_section(GRPOParams, {**GRPO, "batch_examples": 16, "batch_size": 8, "group_size": 4})
+    rollouts = Rollouts(model, prompts, params, chat, make_reward("contains"), "fp32", accum=2)
+    micro = [next(rollouts) for _ in range(2)]
+    assert rollouts.batch_index == 0 and rollouts.current["completions/mean_length"] <= 4
+    x, y, advantages, old, ref, per_micro = rollouts.batch
+    assert x.shape == y.shape and len(x) == 16 and old.numel() == 0 and ref.numel() == 0
+    # Each carries the step's tokens / accum: the loop divides each micro-batch's loss by accum once more.
+    assert [m[-1].item() for m in micro] == [(y != IGNORE).sum().item() / 2] * 2
+    for i in range(16):
+        targets = y[i][y[i] != IGNORE].tolist()
+        assert 1 <= len(targets) <= 4
+        start = (y[i] != IGNORE).nonzero().min().item()
+        prompt = x[i, :start + 1].tolist()
+        assert prompt in prompts.ids  # the rows of a group share a prompt, the groups come in order
+        assert prompt == x[i - i % 4, :start + 1].tolist()
+    assert torch.allclose(advantages.view(4, 4).sum(dim=1), torch.zeros(4), atol=1e-5)
+    # The third micro-batch starts the next step: a new rollout batch, other prompts.
+    next(rollouts)
+    assert rollouts.batch_index == 1
+
+
+def test_completion_rows_target_the_completion_only():
+    x, y = completion_rows([[1, 2, 3], [4]], [[7, 8], [9, 10, 11]], pad=0)
+    assert x.tolist() == [[1, 2, 3, 7], [4, 9, 10, 0]]
+    assert y.tolist() == [[IGNORE, IGNORE, 7, 8], [9, 10, 11, IGNORE]]
+
+
+def test_prompts_too_long_for_the_completion_are_counted_and_skipped(tiny, capsys):
+    chat = ChatFormat(load_tokenizer(tiny.tokenizer, ordinary=True))
+    rows = [PromptAnswer([{"role": "user", "content": "x " * n}], "x") for n in (1, 200)]
+    kept = encode_prompts(rows, chat, 64, 8, "grpo train")
+    assert isinstance(kept, Prompts) and len(kept) == 1 and kept.texts == ["x "]
+    assert "skipped 1 of 2 prompts" in capsys.readouterr().err  # the console writes to stderr
+    with pytest.raises(UserError, match="no prompt leaves room"):
+        encode_prompts(rows[1:], chat, 64, 8, "grpo train")
+
+
+@pytest.mark.parametrize(("key", "value", "said"), [
+    ("group_size", 6, "grpo.batch_examples=32: expected a multiple of grpo.group_size=6"),
+    ("group_size", 1, "2 or more"),
+    ("checkpoint_every", 3, "a multiple of grpo.epochs=2"), ("temperature", 0, "a positive number"),
+    ("loss_type", "ppo", "one of grpo, bnpo, dr_grpo, dapo"), ("init", "base", "sft or dpo"),
+    ("format", "messages", "prompt_answer"), ("reward", "fuzzy", "exact, numeric")])
+def test_bad_settings_are_refused_in_one_line(tiny, project, key, value, said):
+    args = grpo_args(tiny, project, **{"epochs": 2, "max_steps": 4, "checkpoint_every": 2, key: value})
+    fails_in_one_line(args, 2, f"grpo.{key}", said)
