@@ -60,7 +60,7 @@ class Run:
 
     def fails(self, task: dict, *names: str, samples: list[str] = ("The king",)) -> str:
         before = tree_bytes(self.metrics)
-        assert set(before) == {"eval.json", "samples/base.md"}
+        assert set(before) == {"eval.json", "report.md", "samples/base.md"}
         line = fails_in_one_line(self.args(task, samples), 2, *names)
         assert tree_bytes(self.metrics) == before
         return line

@@ -358,3 +358,28 @@ def test_a_module_that_fails_to_import_is_a_user_error(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=r"^params: grpo\.reward='syntax\.py:f': cannot import 'syntax\.py': "
                                         r"SyntaxError"):
         make_reward("syntax.py:f")
+
+
+def test_key_names_the_setting_in_every_message(user_module):
+    """An eval task's reward names its own entry (`eval.tasks[1].reward`), never `grpo.*`, in every message."""
+    name, _ = user_module
+    key = "eval.tasks[1]"
+    cases = [(("f1", None), f"params: {key}.reward='f1': expected one of"),
+             (("numeric", r"\d"), f"params: {key}.reward_pattern='\\\\d': only used with {key}.reward='regex'"),
+             (("regex", ""), f"params: {key}.reward_pattern='': expected a regular expression, which "
+                             f"{key}.reward='regex' needs (with {{answer}} for the escaped answer)"),
+             (("regex", "("), f"params: {key}.reward_pattern='(': not a valid regular expression"),
+             ((f"{name}.py:absent", None), f"params: {key}.reward='{name}.py:absent': module"),
+             (("nowhere.py:f", None), f"params: {key}.reward='nowhere.py:f': no such file")]
+    for (spec, pattern), start in cases:
+        with pytest.raises(UserError) as info:
+            make_reward(spec, pattern, key=key)
+        assert str(info.value).startswith(start) and "grpo" not in str(info.value), str(info.value)
+    for spec, pattern, label in [("exact", None, f"{key}.reward='exact'"),
+                                 ("regex", "{answer}", f"{key}.reward='regex' ({key}.reward_pattern='{{answer}}')"),
+                                 (f"{name}.py:boom", None, f"{key}.reward='{name}.py:boom'")]:
+        reward = make_reward(spec, pattern, key=key)
+        assert reward.label == label
+    with pytest.raises(UserError) as info:
+        score(make_reward(f"{name}.py:boom", key=key), [("p", "c", "a")] * 2 + [("p", "boom", "a")], "eval speaker")
+    assert str(info.value) == f"eval speaker: {key}.reward='{name}.py:boom': row 2 raised ValueError: bad input"

@@ -3,9 +3,12 @@
 For each model: val loss, perplexity and bits per byte on the first `eval.tokens` of the val shards (the same
 tokens for every model, so the numbers compare across models and runs); each task of `eval.tasks` scored as
 lm-evaluation-harness does (evals/scoring.py); the built-in post-training task's held-out accuracy and the
-preference accuracy on the DPO held-out pairs; and greedy generations of a few fixed prompts written to
-`metrics/samples/<model>.md`. `items` in eval.json counts the items each task scored and `<task>/too_long` those
-left out because an answer alone does not fit the context window (the harness refuses them).
+preference accuracy on the DPO held-out pairs; each generative task of `eval.tasks` (an entry with a `reward`:
+greedy pass@1, mean reward and sampled pass@k, evals/generative.py); and greedy generations of a few fixed prompts
+written to `metrics/samples/<model>.md`. `items` in eval.json counts the items each task scored and
+`<task>/too_long` those left out because they do not fit the context window (for a multiple-choice task, an answer
+alone; the harness refuses them). `metrics/report.md` (evals/report.py) puts it all in one page, each model
+against the model it started from.
 
 eval.json is keyed metric first, model second ({"val_bpb": {"base": .., "sft": .., "dpo": ..}}), so that
 `dvc metrics show` and `dvc metrics diff` list the models of one metric together. Multiple-choice tasks are
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass
@@ -29,9 +33,11 @@ from kiln.model import generate, load_config
 from kiln.pipeline import layout
 from kiln.pipeline.config import Section, coerce
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.evals.generative import GenResult, GenTask, GenTaskSpec, load_gen_task, run_gen_task
+from kiln.pipeline.evals.report import report_markdown
 from kiln.pipeline.evals.sampling import Sampling, TextModel
 from kiln.pipeline.evals.scoring import ChoiceTask
-from kiln.pipeline.evals.tasks import Task, load_task
+from kiln.pipeline.evals.tasks import TASK_FORMATS, Task, TaskSpec, load_task
 from kiln.pipeline.outputs import atomic_write_bytes, sha256_file, write_metrics
 from kiln.pipeline.post.chat_format import ChatFormat
 from kiln.pipeline.post.common import ChoiceScorer, load_chat_data
@@ -45,6 +51,7 @@ from kiln.pipeline.train.lm import byte_lengths, evaluate_lm
 from kiln.pipeline.train.loop import prepare_device
 from kiln.pipeline.train.params import TrainParams
 
+REPORT = "report.md"  # in the metrics folder, beside eval.json
 DEFAULT_SAMPLES = ["ROMEO.\nBut soft, what light", "To be, or not to be", "Who speaks first in this passage?\n\nKING."]
 
 
@@ -56,8 +63,14 @@ class EvalParams(Section):
     models: list[str] = dataclasses.field(default_factory=lambda: ["base", "sft", "dpo"])  # folders of data/models
     tokens: int = 65536  # val tokens for loss, perplexity and bits per byte: the same budget for every model
     batch_size: int = 16  # rows per forward
-    # Each task: {name, data, format, split, shots, limit, delimiter}; data `builtin` is the corpus cloze task.
-    tasks: list[dict] = dataclasses.field(default_factory=lambda: [{"name": "cloze", "data": "builtin", "limit": 500}])
+    # A multiple-choice task: {name, data, format, split, shots, limit, delimiter}; data `builtin` is the corpus
+    # cloze task. A generative task has a reward: {name, data, reward, reward_pattern, format, split, limit,
+    # samples, temperature, max_new_tokens}; data `builtin` is the built-in task's held-out speaker questions.
+    tasks: list[dict] = dataclasses.field(default_factory=lambda: [
+        {"name": "cloze", "data": "builtin", "limit": 500},
+        {"name": "speaker", "data": "builtin", "reward": "exact", "limit": 300, "samples": 8, "temperature": 1.0,
+         "max_new_tokens": 16}])
+    gen_batch_size: int = 256  # rows (prompts x samples) per generation call of the generative tasks
     posttrain: bool = True  # the built-in post-training task's held-out accuracy and preference accuracy
     samples: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_SAMPLES))
     max_new_tokens: int = 64
@@ -72,7 +85,7 @@ class EvalParams(Section):
         for name in self.models:
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
                 raise self.bad("models", f"folder names under data/models (got {name!r})")
-        for name in ("tokens", "batch_size", "max_new_tokens"):
+        for name in ("tokens", "batch_size", "gen_batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise self.bad(name, "a positive integer")
         if self.temperature < 0:
@@ -86,24 +99,31 @@ class EvalParams(Section):
                 raise UserError(f"params: {self.SECTION}.samples[{i}]: not valid Unicode (a lone surrogate)")
         self.task_specs()
 
-    def task_specs(self) -> list:
-        """`tasks` as TaskSpecs, each key type-checked; errors name the entry (`eval.tasks[1].gold`)."""
-        from kiln.pipeline.evals.tasks import TASK_FORMATS, TaskSpec
-
-        hints = typing.get_type_hints(TaskSpec)
+    def task_specs(self) -> list[TaskSpec | GenTaskSpec]:
+        """`tasks` as TaskSpecs (multiple choice) and GenTaskSpecs (an entry with a `reward`), each key
+        type-checked; errors name the entry (`eval.tasks[1].gold`)."""
         specs, names = [], set()
         for i, entry in enumerate(self.tasks):
             key = f"{self.SECTION}.tasks[{i}]"
+            cls = GenTaskSpec if "reward" in entry else TaskSpec
+            hints = typing.get_type_hints(cls)
             unknown = sorted(set(entry) - set(hints))
             if unknown:
-                raise UserError(f"params: {key}: unknown key {unknown[0]!r} (expected {', '.join(hints)})")
+                hint = ("; a generative task needs a reward" if cls is TaskSpec
+                        and unknown[0] in typing.get_type_hints(GenTaskSpec) else "")
+                raise UserError(f"params: {key}: unknown key {unknown[0]!r} (expected {', '.join(hints)}{hint})")
             for field in ("name", "data"):
                 if field not in entry:
                     raise UserError(f"params: {key}: missing key {field!r}")
-            spec = TaskSpec(**{k: coerce(f"{key}.{k}", v, hints[k]) for k, v in entry.items()})
+            spec = cls(**{k: coerce(f"{key}.{k}", v, hints[k]) for k, v in entry.items()})
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", spec.name) or spec.name in names:
                 raise UserError(f"params: {key}.name={spec.name!r}: expected a distinct name of letters, digits, "
                                 "_ . -")
+            names.add(spec.name)
+            if cls is GenTaskSpec:
+                spec.check(key)
+                specs.append(spec)
+                continue
             if spec.format not in ("auto", *TASK_FORMATS):
                 raise UserError(f"params: {key}.format={spec.format!r}: expected auto or one of "
                                 f"{', '.join(TASK_FORMATS)}")
@@ -113,7 +133,6 @@ class EvalParams(Section):
                                 + ("0 or more" if bad == "shots" else "a positive integer or null"))
             if spec.data == "builtin" and spec.limit is None:
                 raise UserError(f"params: {key}.limit: the number of cloze items to derive when data is builtin")
-            names.add(spec.name)
             specs.append(spec)
         return specs
 
@@ -126,6 +145,16 @@ class PostTrainData:
 
     scorer: ChoiceScorer
     pairs: PairRows
+
+
+def starting_models(dirs: dict[str, Path]) -> dict[str, str | None]:
+    """Each model's starting model (the folder its metadata's `init` names) when that one is evaluated too."""
+    by_path = {path.resolve(): name for name, path in dirs.items()}
+    starts = {}
+    for name, path in dirs.items():
+        init = (load_config(path)[1].get("init") or {}).get("model")
+        starts[name] = by_path.get(Path(init).resolve()) if init is not None else None
+    return starts
 
 
 def check_models(params: EvalParams, models_dir: Path) -> dict[str, Path]:
@@ -141,15 +170,19 @@ def check_models(params: EvalParams, models_dir: Path) -> dict[str, Path]:
     return dirs
 
 
-def load_tasks(params: EvalParams, chat: ChatFormat, corpus_dir: Path, seq_len: int) -> list[Task]:
-    tasks = []
+def load_tasks(params: EvalParams, chat: ChatFormat, corpus_dir: Path,
+               seq_len: int) -> tuple[dict[str, Task], list[GenTask]]:
+    """(multiple-choice tasks by their key `eval.tasks[i]`, generative tasks), each in `eval.tasks` order."""
+    tasks, gen_tasks = {}, []
     for i, spec in enumerate(params.task_specs()):
-        if spec.data == "builtin":
-            items = cloze_items(corpus_dir, chat, seq_len, spec.limit, params.seed)
-            tasks.append(Task(spec.name, "cloze", items, {}))
+        key = f"eval.tasks[{i}]"
+        if isinstance(spec, GenTaskSpec):
+            gen_tasks.append(load_gen_task(spec, key, chat, corpus_dir, seq_len, params.seed))
+        elif spec.data == "builtin":
+            tasks[key] = Task(spec.name, "cloze", cloze_items(corpus_dir, chat, seq_len, spec.limit, params.seed), {})
         else:
-            tasks.append(load_task(spec, f"eval.tasks[{i}]"))
-    return tasks
+            tasks[key] = load_task(spec, key)
+    return tasks, gen_tasks
 
 
 def check_samples(params: EvalParams, lm: TextModel, seq_len: int) -> None:
@@ -161,19 +194,26 @@ def check_samples(params: EvalParams, lm: TextModel, seq_len: int) -> None:
                             f"do not fit the models' max_seq_len={seq_len}")
 
 
-def encode_tasks(tasks: list[Task], tokenizer, eot: int, seq_len: int) -> list[ChoiceTask]:
-    """Each task's requests, and one line per task saying what will be scored: nothing is printed before every
-    task is known to have something to score, so that bad input reads as one line."""
-    scorers = [ChoiceTask(tokenizer, eot, task.items, seq_len, task.format == "lambada") for task in tasks]
+def encode_tasks(tasks: dict[str, Task], gen_tasks: list[GenTask], tokenizer, eot: int,
+                 seq_len: int) -> list[ChoiceTask]:
+    """Each multiple-choice task's requests, and one line per task saying what will be scored: nothing is printed
+    before every task is known to have something to score, so that bad input reads as one line."""
+    scorers = [ChoiceTask(tokenizer, eot, task.items, seq_len, task.format == "lambada") for task in tasks.values()]
     too_long = f"an answer is longer than the model's {seq_len}-token context"
-    for i, (task, scorer) in enumerate(zip(tasks, scorers)):
+    for (key, task), scorer in zip(tasks.items(), scorers):
         if not scorer.items:
-            raise UserError(f"eval.tasks[{i}] {task.name}: in every item {too_long}: nothing to score")
-    for i, (task, scorer) in enumerate(zip(tasks, scorers)):
-        console.print(f"eval.tasks[{i}] {task.summary()}", highlight=False)
+            raise UserError(f"{key} {task.name}: in every item {too_long}: nothing to score")
+    for (key, task), scorer in zip(tasks.items(), scorers):
+        console.print(f"{key} {task.summary()}", highlight=False)
         if scorer.too_long:
-            console.print(f"warning: eval.tasks[{i}] {task.name}: {scorer.too_long:,} of {len(task.items):,} items "
+            console.print(f"warning: {key} {task.name}: {scorer.too_long:,} of {len(task.items):,} items "
                           f"left out: {too_long} (lm-evaluation-harness refuses them)", highlight=False, soft_wrap=True)
+    for task in gen_tasks:
+        console.print(f"{task.key} {task.summary()}", highlight=False)
+        if task.too_long:
+            console.print(f"warning: {task.key} {task.name}: {task.too_long:,} of {task.too_long + len(task.texts):,} "
+                          f"prompts left out: no room for {task.key}.max_new_tokens={task.spec.max_new_tokens} "
+                          f"within the model's {seq_len}-token context", highlight=False, soft_wrap=True)
     return scorers
 
 
@@ -223,17 +263,19 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
     first = TextModel(dirs[params.models[0]], tokenizer_path, device)
     chat = ChatFormat(first.tokenizer)
     seq_len = first.model.config.max_seq_len
-    tasks = load_tasks(params, chat, corpus_dir, seq_len)
+    tasks, gen_tasks = load_tasks(params, chat, corpus_dir, seq_len)
     check_samples(params, first, seq_len)
-    scorers = encode_tasks(tasks, first.tokenizer, chat.eot, seq_len)
+    scorers = encode_tasks(tasks, gen_tasks, first.tokenizer, chat.eot, seq_len)
+    starts = starting_models(dirs)
     post = load_posttrain(sft, dpo, chat, seq_len, corpus_dir) if params.posttrain else None
     sampling = Sampling(params.max_new_tokens, params.temperature, params.top_k, params.top_p, params.seed)
     sampling.check()
 
     results: dict[str, dict[str, float]] = {}
-    pair_logps: dict[Path, tuple[torch.Tensor, torch.Tensor]] = {}
+    pair_logps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    answers: list[dict[str, GenResult]] = [{} for _ in gen_tasks]  # per generative task, each model's answers
     samples: dict[str, str] = {}
-    parts = 2 + len(tasks) + (post is not None)
+    parts = 2 + len(tasks) + len(gen_tasks) + (post is not None)
     with Progress("eval", unit="parts", total=len(dirs) * parts) as progress:
         for name, model_dir in dirs.items():
             lm = first if model_dir == dirs[params.models[0]] else TextModel(model_dir, tokenizer_path, device)
@@ -248,39 +290,49 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
                                      train.precision)
             out |= lm_metrics | {"val_ppl": math.exp(lm_metrics["val_loss"])}
             progress.advance(1)
-            for task, scorer in zip(tasks, scorers):
+            for task, scorer in zip(tasks.values(), scorers):
                 progress.advance(0, part=task.name)
                 out |= {f"{task.name}/{k}": v for k, v in scorer.score(model, params.batch_size,
                                                                        train.precision).items()}
+                progress.advance(1)
+            for task, by_model in zip(gen_tasks, answers):
+                progress.advance(0, part=task.name)
+                by_model[name] = run_gen_task(task, model, chat, bool(meta.get("chat_format")), params.gen_batch_size,
+                                              train.precision, params.seed)
+                out |= {f"{task.name}/{k}": v for k, v in by_model[name].metrics.items()}
                 progress.advance(1)
             if post is not None:
                 progress.advance(0, part="posttrain")
                 out |= {f"posttrain/{k.removeprefix('val_')}": v
                         for k, v in post.scorer.accuracy(model, params.batch_size, train.precision).items()}
                 pc, pr = logps(model, post.pairs, params.batch_size, train.precision)
-                pair_logps[model_dir.resolve()] = (pc, pr)
+                pair_logps[name] = (pc, pr)
                 out["posttrain/preference_accuracy"] = (pc > pr).double().mean().item()
-                init = (meta.get("init") or {}).get("model")
-                if init is not None and Path(init).resolve() in pair_logps:
+                if starts[name] in pair_logps:
                     # DPO's implicit reward, measured against the model this one was trained from.
-                    ic, ir = pair_logps[Path(init).resolve()]
+                    ic, ir = pair_logps[starts[name]]
                     out["posttrain/reward_accuracy"] = ((pc - ic) > (pr - ir)).double().mean().item()
                 progress.advance(1)
             progress.advance(0, part="samples")
             samples[name] = samples_markdown(name, model_dir, lm, params.samples, sampling,
                                              chat if meta.get("chat_format") else None)
             progress.advance(1)
-    for task, scorer in zip(tasks, scorers):
+    for task, scorer in zip(tasks.values(), scorers):
         console.print(f"{task.name}: {len(scorer.items):,} items scored"
                       + (f", {sum(task.skipped.values()):,} rows skipped" if task.skipped else ""), highlight=False)
     metrics = report(results)
     metrics["items"] = {}
-    for task, scorer in zip(tasks, scorers):
+    for task, scorer in zip(tasks.values(), scorers):
         metrics["items"] |= {task.name: len(scorer.items), f"{task.name}/too_long": scorer.too_long}
+    for task in gen_tasks:
+        metrics["items"] |= {task.name: len(task.texts), f"{task.name}/too_long": task.too_long}
     if post is not None:
         metrics["items"] |= {"posttrain": len(post.scorer.kinds), "posttrain_pairs": len(post.pairs)}
+    page = report_markdown(metrics, list(dirs), starts, list(zip(gen_tasks, answers)), params.seed,
+                           Path(os.path.relpath(samples_dir, metrics_dir)).as_posix())
     for name, text in samples.items():
         atomic_write_bytes(samples_dir / f"{name}.md", text.encode("utf-8"))
+    atomic_write_bytes(Path(metrics_dir) / REPORT, page.encode("utf-8"))
     write_metrics("eval", metrics, metrics_dir)
     print_table(results, list(dirs))
     return metrics

@@ -7,7 +7,8 @@ functions, and `score` refuses (with a one-line `UserError` naming the row) any 
 something other than a finite real number.
 
 `grpo.reward` picks the reward: `exact`, `numeric`, `contains`, `regex` (with `grpo.reward_pattern`), or
-`module:function` / `path/to/file.py:function` for a reward of your own.
+`module:function` / `path/to/file.py:function` for a reward of your own. A generative eval task
+(`eval.tasks[i].reward`) names its reward the same way; `key` makes every message name the setting it came from.
 """
 
 from __future__ import annotations
@@ -115,10 +116,10 @@ def numeric_reward(prompt: str, completion: str, answer: str) -> float:
     return float(final_number(completion) == gold)
 
 
-def regex_reward(pattern: str) -> Reward:
+def regex_reward(pattern: str, key: str = "grpo") -> Reward:
     """re.search of `pattern` in the raw completion; `{answer}` in the pattern stands for the answer, escaped,
     so an answer like "3.5" or "(a)" matches only itself."""
-    where = f"params: grpo.reward_pattern={pattern!r}"
+    where = f"params: {key}.reward_pattern={pattern!r}"
     try:
         # With a placeholder, check the pattern once with a stand-in answer, so a typo fails before any sampling.
         compiled = re.compile(pattern.replace("{answer}", re.escape("0")))
@@ -130,10 +131,10 @@ def regex_reward(pattern: str) -> Reward:
         re.search(pattern.replace("{answer}", re.escape(answer)), completion) is not None)
 
 
-def load_function(spec: str) -> Reward:
+def load_function(spec: str, key: str = "grpo") -> Reward:
     """`module:function` or `file.py:function`: a module on sys.path is imported by name; a target ending in
     .py or holding a path separator is loaded from that file (relative to the working directory)."""
-    where = f"params: grpo.reward={spec!r}"
+    where = f"params: {key}.reward={spec!r}"
     target, _, name = spec.rpartition(":")
     if not target or not name.isidentifier():
         raise UserError(f"{where}: expected module:function (a module on sys.path or a .py file, then a name)")
@@ -182,21 +183,22 @@ def _load_file(path: Path, where: str) -> object:
 BUILTIN = {"exact": exact_reward, "numeric": numeric_reward, "contains": contains_reward}
 
 
-def make_reward(spec: str, pattern: str | None = None) -> NamedReward:
-    """The reward `grpo.reward=spec` names (`pattern` is `grpo.reward_pattern`, used only by `regex`)."""
+def make_reward(spec: str, pattern: str | None = None, key: str = "grpo") -> NamedReward:
+    """The reward `<key>.reward=spec` names (`pattern` is `<key>.reward_pattern`, used only by `regex`); `key`
+    is the params entry every message names (`grpo`, `eval.tasks[1]`)."""
     if spec not in BUILTIN and spec != "regex" and ":" not in spec:
-        raise UserError(f"params: grpo.reward={spec!r}: expected one of {CHOICES}")
+        raise UserError(f"params: {key}.reward={spec!r}: expected one of {CHOICES}")
     # A pattern that would be ignored is most likely a reward switched without its pattern: say so.
     if spec != "regex" and pattern is not None:
-        raise UserError(f"params: grpo.reward_pattern={pattern!r}: only used with grpo.reward='regex', "
+        raise UserError(f"params: {key}.reward_pattern={pattern!r}: only used with {key}.reward='regex', "
                         f"not {spec!r}; expected null")
     if spec == "regex":
         if not pattern:  # an empty pattern matches every completion
-            raise UserError(f"params: grpo.reward_pattern={pattern!r}: expected a regular expression, which "
-                            "grpo.reward='regex' needs (with {answer} for the escaped answer)")
-        return NamedReward(f"grpo.reward='regex' (grpo.reward_pattern={pattern!r})", regex_reward(pattern))
-    fn = BUILTIN[spec] if spec in BUILTIN else load_function(spec)
-    return NamedReward(f"grpo.reward={spec!r}", fn)
+            raise UserError(f"params: {key}.reward_pattern={pattern!r}: expected a regular expression, which "
+                            f"{key}.reward='regex' needs (with {{answer}} for the escaped answer)")
+        return NamedReward(f"{key}.reward='regex' ({key}.reward_pattern={pattern!r})", regex_reward(pattern, key))
+    fn = BUILTIN[spec] if spec in BUILTIN else load_function(spec, key)
+    return NamedReward(f"{key}.reward={spec!r}", fn)
 
 
 def score(reward: NamedReward, rows: Sequence[tuple[str, str, str]], what: str) -> list[float]:
