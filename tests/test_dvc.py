@@ -115,7 +115,7 @@ def test_repro_noop_and_experiment(project):
     assert dpo["pairs"] == 9 and {"val/rewards/accuracies", "train/rewards/margins", "val/logps/chosen"} <= set(dpo)
     report = json.loads((project / "metrics/eval.json").read_text())["eval"]
     for metric in ("val_bpb", "mine/acc", "posttrain/preference_accuracy"):
-        assert list(report[metric]) == ["base", "sft", "dpo"]
+        assert list(report[metric]) == ["base", "sft", "dpo", "grpo"]
     assert report["items"] == {"mine": 6, "mine/too_long": 0, "posttrain": 0, "posttrain_pairs": 3}
     assert (project / "metrics/samples/dpo.md").is_file()
 

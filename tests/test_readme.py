@@ -24,6 +24,7 @@ from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section, read_params_file
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.evaluate import EvalParams
+from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.text.shard import ShardParams
@@ -36,11 +37,11 @@ from conftest import one_dvc_at_a_time
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SECTIONS = {cls.SECTION: cls for cls in (DataParams, TokenizerParams, ShardParams, ModelParams, TrainParams,
-                                         ScalingParams, SFTParams, DPOParams, EvalParams)}
+                                         ScalingParams, SFTParams, DPOParams, GRPOParams, EvalParams)}
 # `kiln <command> --set bare_key=...` means the command's own section.
 OWN_SECTION = {"data prepare": "data", "tokenizer train": "tokenizer", "data shard": "shard", "pretrain": "train",
                "scaling sweep": "scaling", "scaling fit": "scaling", "scaling size": "scaling", "sft": "sft",
-               "dpo": "dpo", "evaluate": "eval"}
+               "dpo": "dpo", "grpo": "grpo", "evaluate": "eval"}
 RUN = {("--help",), ("tokenizer", "encode")}  # kiln commands cheap enough to run as written
 WIDTH = 120
 

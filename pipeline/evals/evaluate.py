@@ -60,7 +60,7 @@ class EvalParams(Section):
     """The evaluate stage: which models, how many val tokens, which multiple-choice tasks, which samples."""
 
     SECTION: ClassVar[str] = "eval"
-    models: list[str] = dataclasses.field(default_factory=lambda: ["base", "sft", "dpo"])  # folders of data/models
+    models: list[str] = dataclasses.field(default_factory=lambda: ["base", "sft", "dpo", "grpo"])  # data/models/*
     tokens: int = 65536  # val tokens for loss, perplexity and bits per byte: the same budget for every model
     batch_size: int = 16  # rows per forward
     # A multiple-choice task: {name, data, format, split, shots, limit, delimiter}; data `builtin` is the corpus

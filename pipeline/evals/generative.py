@@ -30,7 +30,7 @@ import numpy as np
 from kiln.model import generate
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.pass_at_k import mean_pass_at_k
-from kiln.pipeline.post.chat_data import PROMPT_FORMATS, PromptAnswer, load_prompts
+from kiln.pipeline.post.chat_data import PROMPT_FORMATS, load_prompts
 from kiln.pipeline.post.chat_format import ChatFormat
 from kiln.pipeline.post.corpus_task import held_out_items
 from kiln.pipeline.post.rewards import NamedReward, make_reward, score
@@ -130,7 +130,7 @@ def load_gen_task(spec: GenTaskSpec, key: str, chat: ChatFormat, corpus_dir: Pat
         if max(len(ids), len(plain)) + spec.max_new_tokens - 1 > seq_len:
             task.too_long += 1
             continue
-        task.texts.append(_last_user_turn(row))
+        task.texts.append(row.question)
         task.answers.append(row.answer)
         task.chat_ids.append(ids)
         task.plain_ids.append(plain)
@@ -151,10 +151,6 @@ def plain_answer(chat: ChatFormat, ids: list[int]) -> str:
     """A base model's answer: its text up to the first newline (or <|endoftext|>)."""
     end = ids.index(chat.eot) if chat.eot in ids else len(ids)
     return chat.text(ids[:end]).split("\n", 1)[0]
-
-
-def _last_user_turn(row: PromptAnswer) -> str:
-    return next(m["content"] for m in reversed(row.prompt) if m["role"] == "user")
 
 
 def run_gen_task(task: GenTask, model, chat: ChatFormat, chat_model: bool, rows: int, precision: str,

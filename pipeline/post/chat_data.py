@@ -54,6 +54,11 @@ class PromptAnswer:
     prompt: list[dict]  # chat messages ending with a user turn
     answer: str
 
+    @property
+    def question(self) -> str:
+        """The last user turn's text: what a reward gets as the prompt."""
+        return next(m["content"] for m in reversed(self.prompt) if m["role"] == "user")
+
 
 class Skip(Exception):
     """A row that cannot be used; the message is the reason it is counted under."""

@@ -86,7 +86,7 @@ def encode_prompts(rows: list[PromptAnswer], chat: ChatFormat, seq_len: int, max
         ids = chat.prompt(row.prompt)
         if len(ids) + max_new_tokens - 1 <= seq_len:
             out.ids.append(ids)
-            out.texts.append(next(m["content"] for m in reversed(row.prompt) if m["role"] == "user"))
+            out.texts.append(row.question)
             out.answers.append(row.answer)
     if len(out) < len(rows):
         console.print(f"{what}: skipped {len(rows) - len(out):,} of {len(rows):,} prompts too long for "
