@@ -21,14 +21,14 @@ class GRPOParams(PostTrainParams):
     init: str = "sft"  # the model folder GRPO starts from (and whose copy is the KL reference): sft | dpo
     max_examples: int | None = 2000  # prompts
     val_examples: int = 100  # held-out prompts behind the stage's own greedy pass@1 curve
-    max_steps: int = 150
+    max_steps: int = 250
     batch_size: int = 32
     batch_examples: int = 64
     lr: float = 2e-4
     min_lr: float = 2e-5
     warmup_steps: int = 5
-    eval_every: int = 25
-    checkpoint_every: int = 25
+    eval_every: int = 50
+    checkpoint_every: int = 50
     log_every: int = 1
     group_size: int = 8  # completions per prompt
     epochs: int = 1  # optimizer steps per rollout batch; > 1 reuses samples through the importance ratio
