@@ -74,10 +74,13 @@ def project(tmp_path):
                 log_every=2, val_examples=3)
     params["sft"].update(data=str(tmp_path / "chat.jsonl"), **loop)
     params["dpo"].update(data=str(tmp_path / "pairs.json"), **loop)
+    # A reward of the user's own that differs between any two completions of unequal length, so that GRPO moves
+    # the weights (with equal rewards in a group every advantage is 0, and the model stays its start).
     prompts = [{"prompt": f"up {i}?", "answer": "yes"} for i in range(12)]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prompts))
-    params["grpo"].update(data=str(tmp_path / "prompts.jsonl"), reward="contains", group_size=2, max_new_tokens=4,
-                          **{**loop, "batch_examples": 4})
+    (root / "length.py").write_text("def reward(prompt, completion, answer):\n    return len(completion)\n")
+    params["grpo"].update(data=str(tmp_path / "prompts.jsonl"), reward="length.py:reward", group_size=4,
+                          max_new_tokens=4, **{**loop, "batch_examples": 8})
     # The built-in cloze task needs scenes of several lines; these documents are one line each.
     task = [{"query": f"doc {i}: the", "choices": [" king", " queen", " night"], "gold": i % 3} for i in range(6)]
     (tmp_path / "task.jsonl").write_text("".join(json.dumps(row) + "\n" for row in task))

@@ -283,7 +283,9 @@ def grpo(params: GRPOParams, train_params: TrainParams, start_dir: Path, tokeniz
               batches=rollouts, evaluate=evaluate,
               checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints, resume_from=resume_from,
                                       command="kiln grpo"),
-              curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name="grpo",
+              # The loop counts every row as max_seq_len tokens; a rollout row is a prompt and a short completion,
+              # and sampling takes a third of the time: an MFU from those counts would be fiction.
+              curves_dir=curves_dir, flops_per_token=0.0, name="grpo",
               log_metrics=rollouts.log_metrics, show=("reward",))
     console.print(f"grpo: {len(prompts):,} train and {len(val):,} held-out prompts, {loop.max_steps} steps x "
                   f"{rollouts.per_rollout} prompts x {params.group_size} completions, {reward.label}, "
@@ -293,7 +295,7 @@ def grpo(params: GRPOParams, train_params: TrainParams, start_dir: Path, tokeniz
     seconds = time.perf_counter() - started  # this process's share of the run: what rollouts.seconds is part of
     s.save(out_dir)
     # The loop's tokens count every row as max_seq_len long; what GRPO moves is completions, counted here.
-    metrics = {**{k: v for k, v in result.items() if k not in ("tokens", "tokens_per_s", "mfu")},
+    metrics = {**{k: v for k, v in result.items() if k not in ("tokens", "tokens_per_s")},
                "prompts": len(prompts), "val_prompts": len(val), "start": {k: round(v, 5) for k, v in before.items()},
                "rollout_tokens_per_s": round(rollouts.tokens / rollouts.seconds, 1) if rollouts.seconds else 0.0,
                "generate_share": round(rollouts.seconds / seconds, 4) if rollouts.seconds else 0.0}

@@ -121,7 +121,7 @@ class Run:
     evaluate: Callable[[torch.nn.Module], dict]
     checkpoints: Checkpoints
     curves_dir: Path
-    flops_per_token: float
+    flops_per_token: float  # 0: the loss's tokens are not the rows' (GRPO), so no MFU is claimed
     name: str = "train"
     world: World = SINGLE
     # The loss's own numbers since the last log (GRPO's rewards, clip ratios), logged beside the loss; the keys
@@ -206,7 +206,7 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
         raise StageError(f"{run.name}: loss is {loss} at step {step + 1}; stopped. {run.checkpoints.advice()}")
 
     curves = Curves(run.curves_dir, step, write=world.main)
-    peak, _ = peak_flops(device, params.precision)
+    peak = peak_flops(device, params.precision)[0] if run.flops_per_token else None
     tokens_per_step = params.batch_tokens
     last_eval: dict = {}
     timer_tokens, timer_start = 0, time.perf_counter()
@@ -253,7 +253,7 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
     result = {"train_loss": round(loss, 5), **{k: round(v, 5) for k, v in last_eval.items()}, "steps": step,
               "tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tps, 1)}
     peak, _ = peak_flops(device, params.precision)  # again: on a CPU the best of two measurements
-    if peak:
+    if peak and run.flops_per_token:
         result["mfu"] = round(run.flops_per_token * tps / (peak * world.size), 5)
     result["peak_memory_gb"] = round(peak_memory_bytes(device) / 1e9, 3)
     return result
