@@ -96,6 +96,12 @@ def test_killed_run_resumes_to_the_same_model(tiny, project):
     assert resumed.returncode == 0 and "resuming from" in resumed.output and "step 2)" in resumed.output
     a, b = load_file(project / "straight/model.safetensors"), load_file(project / "resumed/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The sampling totals came back with the checkpoint: the whole run's, not the resumed part's alone.
+    timings = json.loads((project / "metrics/timings/grpo.json").read_text())
+    assert timings["rollout_tokens_per_s"] > 0 and 0 < timings["generate_share"] < 1
+    again = kiln(project, *args)  # from the final checkpoint: nothing to train, the same totals
+    final = json.loads((project / "metrics/timings/grpo.json").read_text())
+    assert again.returncode == 0 and all(final[k] == timings[k] for k in ("rollout_tokens_per_s", "generate_share"))
     kl = (project / "metrics/grpo/plots/metrics/kl.tsv").read_text().splitlines()[1:]  # logged with beta > 0
     assert [int(line.split("\t")[0]) for line in kl] == [5, 6] and all(float(line.split("\t")[1]) >= 0 for line in kl)
 

@@ -212,7 +212,9 @@ class Rollouts:
         return {k: float(np.mean([s[k] for s in stats])) for stats in (rollouts, losses) if stats for k in stats[0]}
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.params.seed, "accum": self.accum, "prompts": len(self.prompts)}
+        # The sampling totals travel with the run, so that a resumed run reports the whole run's rollout speed.
+        return {"step": self.step, "seed": self.params.seed, "accum": self.accum, "prompts": len(self.prompts),
+                "rollout_seconds": self.seconds, "rollout_tokens": self.tokens}
 
     def load_state_dict(self, state: dict) -> None:
         for key, mine in (("seed", self.params.seed), ("accum", self.accum), ("prompts", len(self.prompts))):
@@ -223,6 +225,7 @@ class Rollouts:
             raise UserError(f"resume state: rollouts step {step} is inside a rollout batch; a checkpoint must "
                             "fall where one begins (grpo.checkpoint_every a multiple of grpo.epochs)")
         self.step = step
+        self.seconds, self.tokens = float(state.get("rollout_seconds", 0.0)), int(state.get("rollout_tokens", 0))
 
 
 LOGGED = ("kl", "clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "entropy")
@@ -290,15 +293,13 @@ def grpo(params: GRPOParams, train_params: TrainParams, start_dir: Path, tokeniz
     console.print(f"grpo: {len(prompts):,} train and {len(val):,} held-out prompts, {loop.max_steps} steps x "
                   f"{rollouts.per_rollout} prompts x {params.group_size} completions, {reward.label}, "
                   f"{params.loss_type} loss, from {start_dir}", highlight=False)
-    started = time.perf_counter()
     result = train(model, run)
-    seconds = time.perf_counter() - started  # this process's share of the run: what rollouts.seconds is part of
     s.save(out_dir)
     # The loop's tokens count every row as max_seq_len long; what GRPO moves is completions, counted here.
     metrics = {**{k: v for k, v in result.items() if k not in ("tokens", "tokens_per_s")},
                "prompts": len(prompts), "val_prompts": len(val), "start": {k: round(v, 5) for k, v in before.items()},
                "rollout_tokens_per_s": round(rollouts.tokens / rollouts.seconds, 1) if rollouts.seconds else 0.0,
-               "generate_share": round(rollouts.seconds / seconds, 4) if rollouts.seconds else 0.0}
+               "generate_share": round(rollouts.seconds / result["seconds"], 4) if result["seconds"] else 0.0}
     plot_png(curves_dir, curves_dir / "curves.png", PANELS,
              f"grpo: {len(prompts):,} prompts x {params.group_size}, {result['steps']} steps")
     write_metrics("grpo", metrics)
