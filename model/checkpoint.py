@@ -24,6 +24,8 @@ from kiln.model.gpt import GPT, ModelConfig
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
+# A model trained with adapters also keeps them alone: their tensors, and config.json's "adapter" and "init"
+ADAPTER_WEIGHTS = "adapter.safetensors"
 # Wrappers that prefix parameter names: torch.compile's OptimizedModule and DDP.
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
@@ -63,12 +65,13 @@ def _unwrap(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def save_model(model_or_state_dict: torch.nn.Module | dict, config: ModelConfig, out_dir: Path,
-               extra: dict | None = None) -> Path:
+               extra: dict | None = None, adapter: dict[str, torch.Tensor] | None = None) -> Path:
     """Write out_dir/model.safetensors and out_dir/config.json atomically; return out_dir.
 
     out_dir is replaced as a whole (a previous checkpoint there stays intact until the new one is complete),
     so keep nothing else in it. Tensors are saved in their own dtype, detached, on CPU. `extra` goes into
-    config.json beside "model" (e.g. {"tokenizer_sha256": ...}) and must be JSON-serialisable.
+    config.json beside "model" (e.g. {"tokenizer_sha256": ...}) and must be JSON-serialisable. `adapter`:
+    the LoRA tensors the weights include, written to ADAPTER_WEIGHTS in the same folder.
     """
     out_dir = Path(out_dir)
     extra = dict(extra or {})
@@ -91,6 +94,8 @@ def save_model(model_or_state_dict: torch.nn.Module | dict, config: ModelConfig,
 
     with atomic_dir(out_dir) as tmp:
         save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
+        if adapter is not None:
+            save_file(adapter, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})
         (tmp / CONFIG).write_text(meta, encoding="utf-8")
     return out_dir
 

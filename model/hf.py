@@ -267,3 +267,53 @@ def hf_config(config: ModelConfig, special: dict[str, int | None]) -> dict:
             "layer_norm_epsilon": config.norm_eps, **{name: config.dropout for name in GPT2_DROPOUTS},
             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
             "reorder_and_upcast_attn": False, "add_cross_attention": False, **common}
+
+
+# --- LoRA adapters in PEFT's format --------------------------------------------------------------------------
+
+PEFT_PREFIX = "base_model.model."  # PeftModel wraps the HF model, so its names gain this
+
+
+def lora_deltas(adapter: dict[str, torch.Tensor], spec: dict) -> dict[str, torch.Tensor]:
+    """kiln weight name -> the (out, in) update its adapter adds: (alpha / rank) B A, in float32."""
+    scaling = spec["alpha"] / spec["rank"]
+    return {name.removesuffix(".lora_A.weight") + ".weight":
+            scaling * adapter[name.replace(".lora_A.", ".lora_B.")].float() @ a.float()
+            for name, a in adapter.items() if name.endswith(".lora_A.weight")}
+
+
+def peft_adapter(adapter: dict[str, torch.Tensor], spec: dict, config: ModelConfig,
+                 base: str) -> tuple[dict[str, torch.Tensor], dict]:
+    """(adapter_model.safetensors tensors, adapter_config.json) for PEFT's LoRA on the HF model of `config`.
+
+    Names follow `rules`. GPT-2 keeps q, k and v in one Conv1D (c_attn), so their adapters become one of rank
+    3·rank there: A stacked, B block-diagonal, which adds exactly the three updates (an unadapted part
+    contributes zeros); `rank_pattern` / `alpha_pattern` keep its scaling alpha / rank."""
+    rank, alpha = spec["rank"], spec["alpha"]
+    tensors, targets, ranks = {}, set(), {}
+    for rule in rules(config):
+        parts = [name.removesuffix(".weight") for name in rule.kiln]
+        if not rule.hf.endswith(".weight") or not any(f"{p}.lora_A.weight" in adapter for p in parts):
+            continue
+        module = rule.hf.removesuffix(".weight")
+        a_parts, b_parts = [], []
+        for p in parts:
+            a, b = adapter.get(f"{p}.lora_A.weight"), adapter.get(f"{p}.lora_B.weight")
+            if a is None:  # fused with adapted projections but not adapted: GPT-2's q, k, v are all d x d
+                a, b = torch.zeros(rank, config.d_model), torch.zeros(config.d_model, rank)
+            a_parts.append(a)
+            b_parts.append(b)
+        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = torch.cat(a_parts).contiguous()
+        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = torch.block_diag(*b_parts).contiguous()
+        suffix = ".".join(module.split(".")[-2:])  # self_attn.q_proj, attn.c_attn: PEFT matches name endings
+        targets.add(suffix)
+        if len(parts) > 1:
+            ranks[suffix] = len(parts)
+    peft_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
+        "lora_alpha": alpha, "lora_dropout": spec["dropout"], "target_modules": sorted(targets), "bias": "none",
+        "fan_in_fan_out": config.arch == "gpt2", "init_lora_weights": True, "use_rslora": False,
+        "rank_pattern": {k: rank * n for k, n in ranks.items()},
+        "alpha_pattern": {k: alpha * n for k, n in ranks.items()},
+        "modules_to_save": None, "inference_mode": True}
+    return tensors, peft_config

@@ -598,13 +598,16 @@ def convert_to_hf(
         model: Annotated[Path, typer.Argument(help="A kiln model folder (config.json + model.safetensors).")],
         out: Annotated[Path, typer.Argument(help="The transformers folder to write (replaced whole).")],
         tokenizer: Annotated[Path | None, typer.Option(help="The model's tokenizer.json (default: MODEL/tokenizer.json "
-                                                            "if there, else data/tokenizer/tokenizer.json).")] = None):
+                                                            "if there, else data/tokenizer/tokenizer.json).")] = None,
+        adapter: Annotated[bool, typer.Option("--adapter", help="For a model trained with a LoRA/QLoRA adapter: write "
+                                                                "the model it was trained on, and OUT/adapter/ in "
+                                                                "PEFT's format.")] = False):
     """Convert a kiln model into a folder that transformers' AutoModelForCausalLM and AutoTokenizer load."""
     from kiln.pipeline.tools.convert import to_hf
 
     if tokenizer is None:
         tokenizer = model / "tokenizer.json" if (model / "tokenizer.json").is_file() else layout.TOKENIZER
-    to_hf(model, out, tokenizer)
+    to_hf(model, out, tokenizer, adapter)
 
 
 def _is_utf8(data: bytes) -> bool:

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kiln.model import load_model, save_model
+from kiln.model.lora import adapter_state_dict, apply_adapter, merged_state_dict
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.post.chat_data import load_conversations, load_pairs, load_prompts
@@ -46,10 +47,27 @@ class Start:
     chat: ChatFormat
     data: ChatData
 
+    adapter: dict
+
+    def identity(self) -> dict:
+        """The start of a run's fingerprint: the starting weights and, when not full, the adapter on them."""
+        return {"start": self.sha256, **({"adapter": self.adapter} if self.adapter["adapter"] != "full" else {})}
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token for MFU; 0 (no MFU claimed) with an adapter, whose frozen base has no weight
+        gradients to compute and whose 4-bit matrices are not parameters."""
+        if self.adapter["adapter"] != "full":
+            return 0
+        return self.model.flops_per_token(self.model.config.max_seq_len)
+
     def save(self, out_dir: Path) -> None:
-        save_model(self.model, self.model.config, out_dir, {
+        """The model as a plain kiln model folder (adapters merged in); with an adapter, the adapter beside it."""
+        adapted = self.adapter["adapter"] != "full"
+        save_model(merged_state_dict(self.model) if adapted else self.model, self.model.config, out_dir, {
             "tokenizer_sha256": self.tokenizer_sha256, "chat_format": "chatml",
-            "init": {"model": str(self.model_dir), "sha256": self.sha256}})
+            "init": {"model": str(self.model_dir), "sha256": self.sha256},
+            **({"adapter": self.adapter} if adapted else {})},
+            adapter=adapter_state_dict(self.model) if adapted else None)
 
 
 def start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokenizer_path: Path,
@@ -67,9 +85,14 @@ def start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokenize
         raise UserError(f"{tokenizer_path}: not the tokenizer {model_dir} was trained with")
     seq_len = model.config.max_seq_len
     chat = ChatFormat(load_tokenizer(tokenizer_path, ordinary=True))
-    return Start(model.set_kernels(train.kernels), Path(model_dir), want,
-                 sha256_file(Path(model_dir) / "model.safetensors"), params.loop_params(train, seq_len), chat,
-                 load_chat_data(params, chat, seq_len, corpus_dir))
+    spec = params.adapter_spec()
+    try:
+        apply_adapter(model.set_kernels(train.kernels), spec["adapter"], params.lora_rank, params.lora_alpha,
+                      params.lora_dropout, params.lora_targets)
+    except ValueError as e:
+        raise UserError(f"params: {params.SECTION}.{e}") from None
+    return Start(model, Path(model_dir), want, sha256_file(Path(model_dir) / "model.safetensors"),
+                 params.loop_params(train, seq_len), chat, load_chat_data(params, chat, seq_len, corpus_dir), spec)
 
 
 def to_rows(rendered: list[Rendered], seq_len: int, pad: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -128,7 +128,7 @@ def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_p
 
     before = evaluate(model)
     tensors = (*train_rows.chosen, *train_rows.rejected, train_rows.ref_chosen.float(), train_rows.ref_rejected.float())
-    fingerprint = {"start": s.sha256, "data": rows_sha256(*tensors[:4]),
+    fingerprint = {**s.identity(), "data": rows_sha256(*tensors[:4]),
                    "dpo": {"beta": params.beta, "label_smoothing": params.label_smoothing, "loss": params.loss,
                            "sft_weight": params.sft_weight},
                    "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
@@ -137,7 +137,7 @@ def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_p
               batches=ExampleBatches(tensors, params.batch_size, accumulation_steps(loop, micro), params.seed),
               evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints,
                                                          resume_from=resume_from, command="kiln dpo"),
-              curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name="dpo")
+              curves_dir=curves_dir, flops_per_token=s.flops_per_token(), name="dpo")
     console.print(f"dpo: {len(train_rows):,} train and {len(val_rows):,} held-out pairs, {params.loss} loss, "
                   f"beta {params.beta}, {loop.max_steps} steps x {params.batch_examples} pairs, from {sft_dir}",
                   highlight=False)

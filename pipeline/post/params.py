@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
+from kiln.model.lora import ADAPTERS, TARGETS
 from kiln.pipeline.config import Section, build_section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.train.params import TrainParams
@@ -37,6 +38,13 @@ class PostTrainParams(Section):
     eval_every: int = 50
     checkpoint_every: int = 50
     log_every: int = 10
+    # full: every weight trains | lora: the base frozen, low-rank adapters on lora_targets train | qlora: lora
+    # on a base whose block projections and embedding are stored in 4-bit NF4 (model/lora.py)
+    adapter: str = "full"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0  # the adapter's update is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: list(TARGETS))
 
     SEQUENCES: ClassVar[int] = 1  # sequences per example: a DPO pair is two
 
@@ -56,6 +64,18 @@ class PostTrainParams(Section):
             raise self.bad("batch_size" if self.batch_size < 1 else "batch_examples", "a positive integer")
         if self.batch_examples % self.batch_size:
             raise self.bad("batch_examples", f"a multiple of {self.SECTION}.batch_size={self.batch_size}")
+        if self.adapter not in ADAPTERS:
+            raise self.bad("adapter", " | ".join(ADAPTERS))
+        if self.lora_rank < 1:
+            raise self.bad("lora_rank", "a positive integer")
+        if not self.lora_alpha > 0:
+            raise self.bad("lora_alpha", "a positive number")
+        if not 0 <= self.lora_dropout < 1:
+            raise self.bad("lora_dropout", "a number in [0, 1)")
+        unknown = [t for t in self.lora_targets if t not in TARGETS]
+        if unknown or not self.lora_targets or len(set(self.lora_targets)) < len(self.lora_targets):
+            raise self.bad("lora_targets", f"distinct names among {', '.join(TARGETS)}"
+                           + (f" ({unknown[0]!r} is none)" if unknown else ""))
         try:
             self.loop_params(TrainParams(), 1)
         except UserError as e:
@@ -70,6 +90,13 @@ class PostTrainParams(Section):
             "lr": self.lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
             "weight_decay": self.weight_decay, "eval_every": self.eval_every,
             "checkpoint_every": self.checkpoint_every, "log_every": self.log_every})
+
+    def adapter_spec(self) -> dict:
+        """What shapes the adapted model: the run's fingerprint and the saved adapter's config."""
+        if self.adapter == "full":
+            return {"adapter": "full"}
+        return {"adapter": self.adapter, "rank": self.lora_rank, "alpha": self.lora_alpha,
+                "dropout": self.lora_dropout, "targets": list(self.lora_targets)}
 
 
 @dataclass

@@ -100,7 +100,7 @@ def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_
         return out
 
     before = evaluate(model)
-    fingerprint = {"start": s.sha256, "data": rows_sha256(x, y, weights),
+    fingerprint = {**s.identity(), "data": rows_sha256(x, y, weights),
                    "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
     micro = params.batch_size * seq_len
     run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=masked_loss,
@@ -108,7 +108,7 @@ def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_
                                      per_token=True),
               evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints,
                                                          resume_from=resume_from, command="kiln sft"),
-              curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name="sft")
+              curves_dir=curves_dir, flops_per_token=s.flops_per_token(), name="sft")
     examples = len(x) - n_text
     console.print(f"sft: {examples:,} train examples ({(y[:examples] != -100).float().sum(1).mean():.1f} answer "
                   f"tokens each on average) and {n_text:,} rows of corpus text, {len(val_x):,} held-out examples, "

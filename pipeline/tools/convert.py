@@ -26,8 +26,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.model import ModelConfig, save_model
-from kiln.model.checkpoint import read_json_object
-from kiln.model.hf import EMBEDDING, hf_config, hf_shapes, kiln_config, to_hf_tensors, to_kiln_tensors
+from kiln.model.checkpoint import ADAPTER_WEIGHTS, read_json_object
+from kiln.model.hf import (
+    EMBEDDING,
+    hf_config,
+    hf_shapes,
+    kiln_config,
+    lora_deltas,
+    peft_adapter,
+    to_hf_tensors,
+    to_kiln_tensors,
+)
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.sampling import TextModel
 from kiln.pipeline.layout import TOKENIZER_FILE
@@ -38,6 +47,7 @@ from kiln.pipeline.text.tokens import EOT, load_tokenizer
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 TORCH_WEIGHTS, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
+ADAPTER_DIR, PEFT_WEIGHTS, PEFT_CONFIG = "adapter", "adapter_model.safetensors", "adapter_config.json"
 TOKENIZER_CONFIG, GENERATION_CONFIG = "tokenizer_config.json", "generation_config.json"
 HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
 # Tensors some checkpoints hold that are not weights: GPT-2's causal-mask buffers, Llama's rotary frequencies
@@ -244,8 +254,10 @@ def _tokenizer_note(out: Path, tokenizer: Path) -> str:
 
 # --- to-hf ---------------------------------------------------------------------------------------------------
 
-def to_hf(model_dir: Path, out: Path, tokenizer_path: Path) -> None:
-    """Write the transformers folder `out` from the kiln model folder `model_dir` and its tokenizer."""
+def to_hf(model_dir: Path, out: Path, tokenizer_path: Path, adapter: bool = False) -> None:
+    """Write the transformers folder `out` from the kiln model folder `model_dir` and its tokenizer. With
+    `adapter`, `out` holds the model the adapter was trained on (the merged weights minus its update, for QLoRA
+    the dequantised base) and `out/adapter/` the adapter in PEFT's format, which PeftModel puts back."""
     _not_over(out, model_dir)
     text = TextModel(model_dir, tokenizer_path)  # checks that the tokenizer is the model's
     model, meta, tok, config = text.model, text.meta, text.tokenizer, text.model.config
@@ -268,20 +280,52 @@ def to_hf(model_dir: Path, out: Path, tokenizer_path: Path) -> None:
     # kiln chat stops there or at <|endoftext|>; a base model stops at <|endoftext|> alone (kiln generate).
     generation = {"bos_token_id": eot, "eos_token_id": [tok.token_to_id(IM_END), eot] if chat else eot,
                   "pad_token_id": pad}
-    tensors = to_hf_tensors(model.state_dict(), config)
+    state = model.state_dict()
+    if adapter:
+        lora, spec = _read_adapter(model_dir, meta)
+        for name, delta in lora_deltas(lora, spec).items():
+            state[name] = state[name] - delta
+        peft_tensors, peft_config = peft_adapter(lora, spec, config, str(out))
+    tensors = to_hf_tensors(state, config)
     with atomic_dir(out) as tmp:
         save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
+        if adapter:
+            (tmp / ADAPTER_DIR).mkdir()
+            save_file(peft_tensors, tmp / ADAPTER_DIR / PEFT_WEIGHTS, metadata={"format": "pt"})
+            write_json(tmp / ADAPTER_DIR / PEFT_CONFIG, peft_config)
         write_json(tmp / CONFIG, hf)
         write_json(tmp / GENERATION_CONFIG, generation)
         shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
         write_json(tmp / TOKENIZER_CONFIG, tokenizer_config)
     console.print(f"to-hf: {out} ({hf['architectures'][0]}, {_params(tensors):,} parameters, float32"
-                  + (", ChatML chat template" if chat else "") + ")", highlight=False, soft_wrap=True)
+                  + (", ChatML chat template" if chat else "") + ")"
+                  + (f"; {out / ADAPTER_DIR}: its {spec['adapter']} adapter in PEFT's format "
+                     "(PeftModel.from_pretrained)" if adapter else ""), highlight=False, soft_wrap=True)
     if eot is None:
         console.print(f"note: the tokenizer has no {EOT}, so bos/eos are left unset", highlight=False, soft_wrap=True)
     if config.arch == "llama" and config.dropout:
         console.print(f"note: dropout={config.dropout} (training only) is not carried: HF Llama has attention "
                       f"dropout only", highlight=False, soft_wrap=True)
+
+
+def _read_adapter(model_dir: Path, meta: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    """The adapter a post-training stage saved beside its merged model, checked against config.json's spec."""
+    spec, path = meta.get("adapter"), model_dir / ADAPTER_WEIGHTS
+    if not isinstance(spec, dict) or not path.is_file():
+        raise UserError(f"{model_dir}: no adapter (it was trained with adapter: full); convert it without --adapter")
+    if not (isinstance(spec.get("rank"), int) and isinstance(spec.get("alpha"), (int, float))
+            and isinstance(spec.get("dropout"), (int, float)) and spec["rank"] > 0):
+        raise UserError(f"{model_dir / 'config.json'}: adapter: expected rank, alpha and dropout, got {spec!r}")
+    try:
+        tensors = load_file(path)
+    except Exception as e:  # safetensors' own error, OSError
+        raise UserError(f"{path}: not a readable safetensors file ({_first_line(e)})") from None
+    for name, t in tensors.items():
+        twin = name.replace(".lora_A.", ".lora_B.") if ".lora_A." in name else name.replace(".lora_B.", ".lora_A.")
+        rows = t.shape[0] if ".lora_A." in name else t.shape[-1]
+        if twin not in tensors or t.dim() != 2 or rows != spec["rank"] or not t.isfinite().all():
+            raise UserError(f"{path}: {name}: expected finite 2-d lora_A/lora_B pairs of rank {spec['rank']}")
+    return tensors, spec
 
 
 def _read_json(path: Path) -> dict:

@@ -1,0 +1,249 @@
+"""Low-rank adapters (LoRA, Hu et al. 2021) on a frozen base, optionally stored in 4-bit NF4 (QLoRA, Dettmers
+et al. 2023).
+
+LoRA leaves a projection W (out, in) frozen and trains A (rank, in) and B (out, rank): y = W x + (alpha/rank)
+B A dropout(x). B starts at zero, so before the first step the model computes exactly what it did. Only A and B
+have gradients and AdamW state, which is the whole saving: at rank 8 that is well under 2 % of the weights.
+The names (lora_A, lora_B, scaling, kaiming-uniform A, zero B) are PEFT's, so an adapter exports to PEFT's
+format by renaming alone (`hf_adapter`).
+
+QLoRA goes further and stores every frozen matrix of the base in NF4 (`kernels/nf4.py`: 4 bits per weight, an
+8-bit absmax per 64, a float per 256 absmaxes, ~0.52 bytes per weight): the block projections and the token
+embedding, which a tied LM head shares. A frozen NF4 linear dequantises its weight in forward and again in
+backward (`_NF4Linear`) instead of keeping the full-precision copy between them: activations stay the only
+thing that grows with the batch. The gradient reaches the input (and through it the adapters), never the
+codes. Norm gains and biases stay as they are (a few thousand numbers).
+
+What a stage saves is `merged_state_dict`: W + (alpha/rank) B A in float32, with W dequantised for QLoRA, so the
+output is a plain kiln model computing what the adapted model computed, and evaluate, generate, chat and
+convert need nothing new. The adapter alone (`adapter_state_dict`) is saved beside it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kiln.model.gpt import GPT
+
+ADAPTERS = ("full", "lora", "qlora")
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+NF4_BLOCK = 64  # weights per absmax: a quantised matrix's rows must hold whole blocks
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return model.get_submodule(path) if path else model, leaf
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on x runs in: autocast's when it is on, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class NF4Weight(nn.Module):
+    """One frozen matrix in NF4 (buffers, so they move with .to() and are saved in checkpoints, but are never
+    parameters). Calling it returns the matrix dequantised to a dtype."""
+
+    def __init__(self, weight: torch.Tensor, backend: str):
+        super().__init__()
+        from kiln.kernels.nf4 import quantize_nf4
+
+        for key, tensor in quantize_nf4(weight.detach()).items():
+            self.register_buffer(key, tensor)
+        self.shape, self.dtype, self.backend = tuple(weight.shape), weight.dtype, backend
+
+    def codes(self) -> tuple[torch.Tensor, ...]:
+        return self.packed, self.absmax, self.absmax_scale, self.absmax_offset
+
+    def forward(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        from kiln.kernels.nf4 import dequantize_nf4
+
+        return dequantize_nf4(*self.codes(), self.shape, dtype or self.dtype, backend=self.backend)
+
+
+class _NF4Linear(torch.autograd.Function):
+    """x @ dequant(codes)^T, with the dequantised weight recomputed in backward rather than saved: saved
+    tensors are the 4-bit codes, which the layer holds anyway."""
+
+    @staticmethod
+    def forward(ctx, x, packed, absmax, absmax_scale, absmax_offset, shape, backend):
+        from kiln.kernels.nf4 import dequantize_nf4
+
+        dtype = compute_dtype(x)
+        ctx.save_for_backward(packed, absmax, absmax_scale, absmax_offset)
+        ctx.shape, ctx.backend, ctx.dtype, ctx.x_dtype = shape, backend, dtype, x.dtype
+        weight = dequantize_nf4(packed, absmax, absmax_scale, absmax_offset, shape, dtype, backend=backend)
+        return x.to(dtype) @ weight.T
+
+    @staticmethod
+    def backward(ctx, grad):
+        from kiln.kernels.nf4 import dequantize_nf4
+
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        weight = dequantize_nf4(*ctx.saved_tensors, ctx.shape, ctx.dtype, backend=ctx.backend)
+        return (grad.to(ctx.dtype) @ weight).to(ctx.x_dtype), None, None, None, None, None, None
+
+
+class NF4Linear(nn.Module):
+    """A frozen nn.Linear stored in NF4. `weight` is the dequantised matrix (what the fused LM head and the
+    chunked log-probabilities read), made on demand and never kept."""
+
+    def __init__(self, quantized: NF4Weight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.quantized = quantized
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.quantized()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.quantized
+        y = _NF4Linear.apply(x, *q.codes(), q.shape, q.backend)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class NF4Embedding(nn.Module):
+    """A frozen token embedding stored in NF4: the lookup dequantises the table (frozen, so nothing is saved for
+    backward)."""
+
+    def __init__(self, quantized: NF4Weight):
+        super().__init__()
+        self.quantized = quantized
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.quantized()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.quantized())
+
+
+class LoRALinear(nn.Module):
+    """base(x) + scaling * lora_B(lora_A(dropout(x))), base frozen (an nn.Linear or an NF4Linear)."""
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        weight = base.weight
+        out_features, in_features = weight.shape
+        self.base = base
+        self.lora_A = nn.Linear(in_features, rank, bias=False, device=weight.device, dtype=weight.dtype)
+        self.lora_B = nn.Linear(rank, out_features, bias=False, device=weight.device, dtype=weight.dtype)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's init: A random, B zero
+        nn.init.zeros_(self.lora_B.weight)
+        self.scaling = alpha / rank
+        self.dropout = nn.Dropout(dropout)
+        self.enabled = True
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    def delta(self) -> torch.Tensor:
+        """The adapter's (out, in) update, scaling included, in float32."""
+        return (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if not self.enabled:
+            return y
+        return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+
+def check_adapter(model: GPT, adapter: str, targets: list[str]) -> str | None:
+    """None, or what is wrong with adapting this model so: ("lora_targets: 'gate_proj' ...")."""
+    block = model.blocks[0]
+    have = [t for t in TARGETS if isinstance(getattr(block.attn, t, None) or getattr(block.mlp, t, None), nn.Linear)]
+    for t in targets:
+        if t not in have:
+            return f"lora_targets: {t!r} is not a projection of this {model.config.arch} model ({', '.join(have)})"
+    if adapter == "qlora":
+        c = model.config
+        for name, size in (("d_model", c.d_model), ("d_ff", c.ffn_dim), ("n_head x head_dim", c.n_head * c.head_dim)):
+            if size % NF4_BLOCK:
+                return (f"adapter: qlora stores rows in blocks of {NF4_BLOCK} weights, and the model's {name}={size} "
+                        f"is not a multiple of {NF4_BLOCK}")
+    return None
+
+
+def apply_adapter(model: GPT, adapter: str, rank: int, alpha: float, dropout: float,
+                  targets: list[str]) -> GPT:
+    """Freeze `model` and put LoRA on the `targets` of every block (QLoRA: with its frozen matrices in NF4).
+    In place; returns the model. "full" returns it untouched. Raises ValueError from check_adapter."""
+    if adapter == "full":
+        return model
+    if (problem := check_adapter(model, adapter, targets)) is not None:
+        raise ValueError(problem)
+    model.requires_grad_(False)
+    if adapter == "qlora":
+        _quantize(model)
+    for name, module in list(model.named_modules()):
+        if name.startswith("blocks.") and name.rpartition(".")[2] in targets:
+            parent, leaf = _parent(model, name)
+            setattr(parent, leaf, LoRALinear(module, rank, alpha, dropout))
+    return model
+
+
+def _quantize(model: GPT) -> None:
+    """Every block projection and the token embedding into NF4; a tied LM head shares the embedding's codes."""
+    backend = model.backend
+    for name, module in list(model.named_modules()):
+        if name.startswith("blocks.") and isinstance(module, nn.Linear):
+            parent, leaf = _parent(model, name)
+            setattr(parent, leaf, NF4Linear(NF4Weight(module.weight, backend), module.bias))
+    table = NF4Weight(model.tok_emb.weight, backend)
+    tied = model.config.tie_embeddings
+    model.tok_emb = NF4Embedding(table)
+    model.lm_head = NF4Linear(table if tied else NF4Weight(model.lm_head.weight, backend))
+
+
+def is_adapted(model: nn.Module) -> bool:
+    return any(isinstance(m, (LoRALinear, NF4Linear, NF4Embedding)) for m in model.modules())
+
+
+def _replaced(model: nn.Module) -> dict[str, nn.Module]:
+    """The outermost adapter or NF4 modules by name (a LoRALinear, not also the NF4Linear inside it)."""
+    out: dict[str, nn.Module] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, (LoRALinear, NF4Linear, NF4Embedding)) and not any(
+                name.startswith(p + ".") for p in out):
+            out[name] = module
+    return out
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The plain GPT state dict this adapted model computes: adapters added into their (dequantised) bases, in
+    float32 (a tied LM head's entry equals the embedding's; save_model stores it once)."""
+    replaced = _replaced(model)
+    out = {k: v for k, v in model.state_dict().items() if not any(k.startswith(p + ".") for p in replaced)}
+    for name, module in replaced.items():
+        if isinstance(module, LoRALinear):
+            out[f"{name}.weight"] = module.base.weight.float() + module.delta().to(module.base.weight.device)
+            bias = module.base.bias
+        else:
+            out[f"{name}.weight"] = module.weight.float()
+            bias = getattr(module, "bias", None)
+        if bias is not None:
+            out[f"{name}.bias"] = bias
+    return out
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """lora_A / lora_B of every adapted projection, under the model's names, on the CPU."""
+    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
+            if ".lora_A." in k or ".lora_B." in k}
+
+
+def set_adapters(model: nn.Module, enabled: bool) -> None:
+    """Switch the adapters off (the frozen base alone: the model training started from) or back on."""
+    for module in model.modules():
+        if isinstance(module, LoRALinear):
+            module.enabled = enabled
