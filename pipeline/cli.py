@@ -536,6 +536,28 @@ def bench_generate(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
         device, out)
 
 
+@bench_app.command("adapters")
+@reports_errors
+def bench_adapters(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+                   tokenizer: TokenizerOpt = layout.TOKENIZER,
+                   tokens: Annotated[int, typer.Option(help="Tokens in the one training step taken.")] = 64,
+                   device: Annotated[str, typer.Option(help="auto (cuda, else cpu), cpu or cuda.")] = "auto",
+                   out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                   layout.BENCH / "adapters.json"):
+    """Weights, gradients and AdamW state of full, LoRA and QLoRA fine-tuning, for the `model` section's shape
+    and GPT-2 124M's (rank, alpha and targets from the `sft` section)."""
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.post.params import SFTParams
+    from kiln.pipeline.text.tokens import load_tokenizer
+    from kiln.pipeline.tools.bench_adapters import bench_adapters as run
+    from kiln.pipeline.tools.bench_adapters import default_shapes
+    from kiln.pipeline.train.params import ModelParams
+
+    model, sft = load_sections((ModelParams, SFTParams), params, set_)
+    vocab = load_tokenizer(tokenizer).get_vocab_size() if tokenizer.is_file() else 1024
+    run(default_shapes(model.config(vocab)), sft.lora_rank, sft.lora_alpha, sft.lora_targets, device, tokens, out)
+
+
 @bench_app.command("kernels")
 @reports_errors
 def bench_kernels(ops: Annotated[str | None, typer.Option(
