@@ -57,6 +57,9 @@ def test_memory_bound_goal(copy_pct, vs_compile, vs_liger, met):
     ("linear_cross_entropy", {"peak_mb_vs_eager": 0.15, "fwd_bwd_speedup_vs_eager": 0.9}, False),
     ("flash_attention", {"fwd_bwd_speedup_vs_sdpa flash": 0.7}, True),  # 1.43x SDPA's time
     ("flash_attention", {"fwd_bwd_speedup_vs_sdpa flash": 0.6}, False),  # 1.67x
+    ("nf4_dequantize", {"fwd_bwd_speedup_vs_unsloth": 1.2}, True),
+    ("nf4_dequantize", {"fwd_bwd_speedup_vs_unsloth": 1.1}, False),
+    ("nf4_dequantize", {"fwd_bwd_speedup_vs_bitsandbytes": 3.0}, None),  # no Unsloth, no verdict
 ])
 def test_compute_bound_goals(op, row, met):
     assert goal_met({"op": op, **row}) is met

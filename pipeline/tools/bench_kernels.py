@@ -36,7 +36,7 @@ from kiln.pipeline.tools.bench import machine, package_version
 DTYPE = torch.bfloat16
 BF16 = 2  # bytes per element
 SIZES = ("quick", "full", "smoke")
-OPS = ("rms_norm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy", "flash_attention")
+OPS = ("rms_norm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy", "flash_attention", "nf4_dequantize")
 
 
 @dataclass
@@ -60,7 +60,7 @@ def shapes(size: str) -> dict[str, list[tuple]]:
     if size == "smoke":
         return {"rms_norm": [(64, 96)], "swiglu": [(64, 96)], "rope": [(1, 16, 4, 2, 16)],
                 "cross_entropy": [(32, 160)], "linear_cross_entropy": [(32, 160, 48)],
-                "flash_attention": [(1, 2, 1, 32, 16)]}
+                "flash_attention": [(1, 2, 1, 32, 16)], "nf4_dequantize": [(64, 128)]}
     tokens = [4096, 16384] if size == "quick" else [4096, 16384, 32768]
     hidden = [768, 4096] if size == "quick" else [768, 4096, 8192]
     vocab = [32768, 128256] if size == "quick" else [32768, 50304, 128256]
@@ -74,6 +74,9 @@ def shapes(size: str) -> dict[str, list[tuple]]:
         "linear_cross_entropy": [(8192, 50304, 768)] + ([] if size == "quick" else [(16384, 128256, 4096)]),
         "flash_attention": [(4, 12, 12, 2048, 64)] + ([] if size == "quick" else
                                                       [(2, 32, 8, 4096, 128), (1, 16, 16, 8192, 128)]),
+        # MLP weights of Llama-2 7B, 13B (up and down) and 70B
+        "nf4_dequantize": [(11008, 4096), (4096, 11008), (8192, 28672)] + ([] if size == "quick" else
+                                                                          [(13824, 5120), (28672, 8192)]),
     }
 
 
@@ -81,6 +84,7 @@ def cases(size: str, device: torch.device) -> list[Case]:
     from kiln.kernels.cross_entropy import cross_entropy
     from kiln.kernels.flash_attention import flash_attention
     from kiln.kernels.linear_cross_entropy import linear_cross_entropy
+    from kiln.kernels.nf4 import KEYS, dequantize_nf4, quantize_nf4
     from kiln.kernels.rms_norm import rms_norm
     from kiln.kernels.rope import rope
     from kiln.kernels.swiglu import swiglu
@@ -130,6 +134,39 @@ def cases(size: str, device: torch.device) -> list[Case]:
                         lambda x, b: flash_attention(x[0], x[1], x[2], causal=True, backend=b),
                         fwd_flops=flops, bwd_flops=int(2.5 * flops),
                         extra={"sdpa flash": _sdpa_flash} if device.type == "cuda" else {}))
+    for rows, cols in grid["nf4_dequantize"]:
+        n = rows * cols  # in: 4-bit codes, 8-bit absmaxes, a float per 256 of them; out: bf16
+        out.append(Case("nf4_dequantize", f"{rows}x{cols}",
+                        lambda rows=rows, cols=cols: [quantize_nf4(randn(rows, cols, grad=False) * 0.02)[k]
+                                                      for k in KEYS],
+                        lambda x, b, shape=(rows, cols): dequantize_nf4(*x, shape, DTYPE, backend=b),
+                        fwd_bytes=n // 2 + n // 64 + 4 * (n // 64 // 256 + 1) + n * BF16,
+                        extra=nf4_baselines((rows, cols)) if device.type == "cuda" else {}))
+    return out
+
+
+def nf4_baselines(shape: tuple[int, int]) -> dict[str, Callable]:
+    """bitsandbytes' dequantize_4bit and Unsloth's fast_dequantize on kiln's bytes (the layout is theirs), each
+    when installed."""
+    out: dict[str, Callable] = {}
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return out
+    from bitsandbytes.functional import QuantState, dequantize_4bit
+
+    from kiln.kernels.nf4 import DYNAMIC, NF4
+
+    def state(x):
+        packed, absmax, scale, offset = x
+        inner = QuantState(absmax=scale, code=DYNAMIC.to(packed.device), blocksize=256, dtype=torch.float32)
+        return QuantState(absmax=absmax, shape=torch.Size(shape), code=NF4.to(packed.device), blocksize=64,
+                          quant_type="nf4", dtype=DTYPE, offset=offset, state2=inner)
+
+    out["bitsandbytes"] = lambda x: dequantize_4bit(x[0].view(-1, 1), state(x))
+    try:
+        from unsloth.kernels.utils import fast_dequantize
+    except Exception:  # absent, or present but unable to import here: the column stays empty
+        return out
+    out["unsloth"] = lambda x: fast_dequantize(x[0].view(-1, 1), state(x))
     return out
 
 
@@ -196,8 +233,9 @@ def timings(fn: Callable[[list[torch.Tensor]], object], make: Callable[[], list[
     def fwd_bwd():
         clear()
         outs = fn(inputs)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if o.requires_grad]
+        if outs:  # a forward-only op (NF4 dequantisation) has nothing to differentiate
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
     fwd = median_ms(lambda: fn(inputs), device)
     both = median_ms(fwd_bwd, device)
@@ -275,6 +313,7 @@ GOALS = {
     "cross_entropy": "fwd+bwd >= 85% of copy bandwidth, not slower than compile or liger",
     "linear_cross_entropy": "peak memory <= 20% of eager at <= 1.0x eager's time",
     "flash_attention": "fwd+bwd time <= 1.5x SDPA's flash backend",
+    "nf4_dequantize": ">= 1.15x faster than Unsloth's fast_dequantize on the same bytes",
 }
 
 
@@ -283,6 +322,8 @@ def goal_met(row: dict) -> bool | None:
     speedup = lambda base: row.get(f"fwd_bwd_speedup_vs_{base}")
     if row["op"] == "linear_cross_entropy":
         return row["peak_mb_vs_eager"] <= 0.2 and speedup("eager") >= 1.0
+    if row["op"] == "nf4_dequantize":
+        return None if speedup("unsloth") is None else speedup("unsloth") >= 1.15
     if row["op"] == "flash_attention":
         return None if speedup("sdpa flash") is None else speedup("sdpa flash") >= 1 / 1.5
     if speedup("compile") is None or speedup("liger") is None:

