@@ -27,6 +27,7 @@ import torch.nn.functional as F
 # Only the backend switch at import: the kernel modules import Triton, which macOS and Windows lack, so each is
 # imported where a fused path is taken (and Triton is there).
 from kiln.kernels.backend import BACKENDS, use_triton
+from kiln.model.logprobs import TokenStats, token_logprobs
 
 ARCHS = ("llama", "gpt2")
 REDUCTIONS = ("mean", "sum", "none")
@@ -429,7 +430,8 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache: KVCache | None = None,
-                pos: int = 0, pad: torch.Tensor | None = None, reduction: str = "mean") -> torch.Tensor:
+                pos: int = 0, pad: torch.Tensor | None = None, reduction: str = "mean", temperature: float = 1.0,
+                stats: bool = False) -> torch.Tensor | TokenStats:
         """idx (B, T) token ids at positions [pos, pos+T).
 
         Without targets: logits (B, T, vocab_size) — the padded vocabulary rows are cut off, so they can never
@@ -439,6 +441,9 @@ class GPT(nn.Module):
         `pad` (B,) int64 batches sequences of different lengths by left padding: row b's first pad[b] slots
         (of the cache, or of idx without one) are padding, never attended to, and its tokens' positions count
         from slot pad[b], so each row computes what it would alone.
+        Per-token results never hold the (B·T, vocab) logits: reduction "none" and `stats` run the head a chunk
+        of tokens at a time (model/logprobs.py). `stats=True` returns TokenStats of (B, T) tensors under
+        softmax(logits / temperature): log p(target), the entropy, and whether the target is the argmax.
         """
         c = self.config
         B, T = idx.shape
@@ -461,8 +466,12 @@ class GPT(nn.Module):
         for layer, block in enumerate(self.blocks):
             x = block(x, rope, cache, layer, pos, mask)
         h = self.norm(x)
+        if targets is not None and stats:
+            return TokenStats(*(t.view(B, T) for t in self._token_logprobs(h, targets, temperature, True)))
         if targets is not None and use_triton(self.backend, h):
             return self._fused_loss(h, targets, reduction)
+        if targets is not None and reduction == "none":
+            return -self._token_logprobs(h, targets, 1.0, False).view(B, T)
         logits = self.lm_head(h)[..., :c.vocab_size]
         if targets is None:
             return logits
@@ -470,6 +479,10 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(B * T), ignore_index=-100,
                                reduction=reduction)
         return loss.view(B, T) if reduction == "none" else loss
+
+    def _token_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float, stats: bool):
+        weight = self.lm_head.weight[:self.config.vocab_size]  # the padding rows are never scored
+        return token_logprobs(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), temperature, stats)
 
     def _fused_loss(self, h: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
         """LM head + cross-entropy in token chunks: the (B·T, vocab) logits are never materialised."""

@@ -102,8 +102,9 @@ def test_killed_run_resumes_to_the_same_model(tiny, project):
     again = kiln(project, *args)  # from the final checkpoint: nothing to train, the same totals
     final = json.loads((project / "metrics/timings/grpo.json").read_text())
     assert again.returncode == 0 and final["rollout_tokens_per_s"] == timings["rollout_tokens_per_s"]
-    # Not equal: this run's seconds add its own final evaluation to the checkpoint's, on a machine busy or not.
-    assert 0 < final["generate_share"] <= timings["generate_share"] * 1.01
+    # Not equal: this run's seconds are the checkpoint's plus its own final evaluation, the first run's its own
+    # time after the checkpoint; on a busy machine either can be the longer (measured 0.364 against 0.358).
+    assert 0 < final["generate_share"] <= timings["generate_share"] * 1.05
     kl = (project / "metrics/grpo/plots/metrics/kl.tsv").read_text().splitlines()[1:]  # logged with beta > 0
     assert [int(line.split("\t")[0]) for line in kl] == [5, 6] and all(float(line.split("\t")[1]) >= 0 for line in kl)
 

@@ -72,13 +72,10 @@ def score_requests(model, requests: list[Request], groups: list[int], batch_rows
                 y[i, n - r.n_target:n] = torch.tensor(r.ids[-r.n_target:])
         x, y = x.to(device), y.to(device)
         with autocast(device, precision):
-            logits = model(x)
-        # At least float32 (log-softmax over a vocabulary loses too much in bf16); a float64 model keeps float64.
-        logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+            token = model(x, y, stats=True)  # log p and argmax per token, never the (rows x T x vocab) logits
         scored = y != IGNORE
-        picked = logp.gather(-1, y.clamp(min=0)[..., None])[..., 0]
-        logps.append((picked * scored).sum(-1).double().cpu())
-        greedy.append(((logp.argmax(-1) == y) | ~scored).all(-1).cpu())
+        logps.append(token.logp.sum(-1).double().cpu())
+        greedy.append((token.hit | ~scored).all(-1).cpu())
     model.train(was_training)
     if not logps:
         return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)

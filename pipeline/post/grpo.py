@@ -97,12 +97,6 @@ def encode_prompts(rows: list[PromptAnswer], chat: ChatFormat, seq_len: int, max
     return out
 
 
-def token_logps(model, x: torch.Tensor, y: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probability of each target under softmax(logits / temperature) (B, T), the full log-softmax)."""
-    logp = (model(x).float() / temperature).log_softmax(dim=-1)
-    return logp.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1), logp
-
-
 class Rollouts:
     """The loop's micro-batches: scored completions that the policy samples as training goes.
 
@@ -185,22 +179,23 @@ class Rollouts:
         out = []
         for i in range(0, len(x), self.params.batch_size):
             with autocast(device, self.precision):
-                out.append(token_logps(model, x[i:i + self.params.batch_size].to(device),
-                                       y[i:i + self.params.batch_size].to(device), self.params.temperature)[0].cpu())
+                rows = slice(i, i + self.params.batch_size)
+                out.append(model(x[rows].to(device), y[rows].to(device), temperature=self.params.temperature,
+                                 stats=True).logp.cpu())
         model.train(was_training)
         return torch.cat(out)
 
     def loss(self, model, batch: list[torch.Tensor]) -> torch.Tensor:
         x, y, advantages, old, ref, per_micro = batch
         p = self.params
-        logps, logp = token_logps(model, x, y, p.temperature)
-        mask = (y != IGNORE).float()
+        # log p of each completion token at the sampling temperature (as TRL), and the policy's entropy
+        token = model(x, y, temperature=p.temperature, stats=True)
+        logps, mask = token.logp, (y != IGNORE).float()
         loss, metrics = policy_loss(logps, old if old.numel() else logps.detach(), advantages, mask,
                                     p.epsilon_low, p.epsilon_high, ref if ref.numel() else None, p.beta,
                                     p.loss_type, p.max_new_tokens, per_micro)
         with torch.no_grad():
-            entropy = -(logp.exp() * logp).sum(dim=-1)
-            metrics["entropy"] = ((entropy * mask).sum() / mask.sum().clamp(min=1)).item()
+            metrics["entropy"] = ((token.entropy * mask).sum() / mask.sum().clamp(min=1)).item()
         self.loss_stats.append({k: v for k, v in metrics.items() if k in LOGGED})
         return loss
 

@@ -1,0 +1,65 @@
+"""Per-token log-probabilities of given targets under the LM head, a chunk of tokens at a time.
+
+Post-training and evaluation need, for each position, log p(target) (SFT, DPO and GRPO losses, every
+multiple-choice score), and sometimes the entropy of the distribution (GRPO's metric) and whether the target is
+the argmax (greedy match in evaluation). Computing them from full logits keeps a (tokens x vocab) tensor, its
+float32 copy and its log-softmax alive at once: at 4k tokens and a 50k vocabulary that is 2.4 GB, more than a
+small model's activations. Here the head runs on CHUNK_ELEMENTS / vocab rows at a time. With gradients, each
+chunk is wrapped in `torch.utils.checkpoint` (non-reentrant): the forward keeps only its inputs (a view of the
+hidden states and the head weight, which exist anyway), and backward recomputes one chunk's logits at a time.
+That costs a second head matmul in backward, against the logits that would otherwise be stored; it is plain
+autograd, so any head (a dequantised NF4 weight, a LoRA-adapted one) and `torch.compile` work unchanged.
+(The Triton path of `kernels/linear_cross_entropy.py` does the same for the loss without recomputation.)
+
+Log-softmax is taken in at least float32 whatever the matmul's dtype, as before: over a large vocabulary bf16
+loses too much (a float64 model keeps float64). Positions whose target is -100 get log-probability 0 and no hit.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+IGNORE = -100
+CHUNK_ELEMENTS = 2**24  # logits per chunk: 64 MB in float32, e.g. 333 rows of GPT-2's 50k vocabulary
+
+
+class TokenStats(NamedTuple):
+    logp: torch.Tensor  # log p(target), 0 where ignored
+    entropy: torch.Tensor  # of softmax(logits / temperature)
+    hit: torch.Tensor  # the target is the argmax (bool), False where ignored
+
+
+def chunk_rows(n_tokens: int, vocab: int) -> int:
+    return max(1, min(n_tokens, CHUNK_ELEMENTS // vocab))
+
+
+def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+           stats: bool) -> tuple[torch.Tensor, ...]:
+    logits = hidden @ weight.T
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+    picked = logp.gather(-1, targets.clamp(min=0)[:, None])[:, 0] * (targets != IGNORE)
+    if not stats:
+        return (picked,)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    return picked, entropy, (logp.argmax(dim=-1) == targets)
+
+
+def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   stats: bool = False, chunk_size: int | None = None) -> torch.Tensor | TokenStats:
+    """hidden (N, D), weight (V, D), targets (N,): log p(target) (N,) in float32 (or wider), or with `stats` the
+    TokenStats (logp, entropy, hit), computed `chunk_size` tokens at a time (default `chunk_rows`)."""
+    n = hidden.shape[0]
+    size = chunk_size or chunk_rows(n, weight.shape[0])
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    parts = []
+    for start in range(0, n, size):
+        args = (hidden[start:start + size], weight, targets[start:start + size], temperature, stats)
+        parts.append(checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
+    if not parts:
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        return TokenStats(empty, empty, empty.bool()) if stats else empty
+    columns = [torch.cat(column) for column in zip(*parts)]
+    return TokenStats(*columns) if stats else columns[0]
