@@ -21,6 +21,7 @@ convert need nothing new. The adapter alone (`adapter_state_dict`) is saved besi
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -247,3 +248,13 @@ def set_adapters(model: nn.Module, enabled: bool) -> None:
     for module in model.modules():
         if isinstance(module, LoRALinear):
             module.enabled = enabled
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """The frozen base alone inside the block (GRPO's reference without a second copy of the model)."""
+    set_adapters(model, False)
+    try:
+        yield model
+    finally:
+        set_adapters(model, True)

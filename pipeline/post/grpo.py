@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from kiln.model import generate
+from kiln.model.lora import adapters_off, is_adapted
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import recover, write_metrics
@@ -111,8 +112,10 @@ class Rollouts:
         self.precision, self.accum, self.step = precision, accum, 0
         self.per_rollout = params.batch_examples // params.group_size
         self.order = ExampleBatches((torch.arange(len(prompts)),), self.per_rollout, 1, params.seed)
+        # The reference is the starting model: with adapters, the policy with them switched off (no second copy);
+        # otherwise a frozen copy, weights only.
         self.ref = None
-        if params.beta:
+        if params.beta and not is_adapted(model):
             self.ref = copy.deepcopy(model).eval().requires_grad_(False)
         self.batch: list[torch.Tensor] | None = None
         self.batch_index = -1
@@ -158,7 +161,12 @@ class Rollouts:
         x, y = completion_rows(prompt_ids, completions, self.chat.pad)
         n_tokens = int((y != IGNORE).sum())
         old = self._score(self.model, x, y) if p.epochs > 1 else torch.zeros(0)
-        ref = self._score(self.ref, x, y) if self.ref is not None else torch.zeros(0)
+        ref = torch.zeros(0)
+        if self.ref is not None:
+            ref = self._score(self.ref, x, y)
+        elif self.params.beta:
+            with adapters_off(self.model):
+                ref = self._score(self.model, x, y)
         stops = {self.chat.im_end, self.chat.eot}
         groups = rewards.view(-1, G)
         self.current = {"reward": rewards.mean().item(), "reward_std": groups.std(dim=1).mean().item(),
@@ -272,7 +280,7 @@ def grpo(params: GRPOParams, train_params: TrainParams, start_dir: Path, tokeniz
 
     before = evaluate(model)
     data = json.dumps([prompts.ids, prompts.texts, prompts.answers]).encode()
-    fingerprint = {"start": s.sha256, "data": hashlib.sha256(data).hexdigest(),
+    fingerprint = {**s.identity(), "data": hashlib.sha256(data).hexdigest(),
                    "grpo": {k: getattr(params, k) for k in ("group_size", "epochs", "temperature", "top_p",
                                                             "max_new_tokens", "epsilon_low", "epsilon_high", "beta",
                                                             "loss_type", "scale_rewards", "reward", "reward_pattern")},
