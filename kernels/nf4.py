@@ -238,4 +238,4 @@ def dequantize_nf4(packed: torch.Tensor, absmax: torch.Tensor, absmax_scale: tor
         return reference(packed, absmax, absmax_scale, absmax_offset, tuple(shape), dtype)
     # Under torch.compile the op keeps the launch in the graph; eagerly it would only add dispatch time.
     launch = _dequantize_op if torch.compiler.is_compiling() else _launch
-    return launch(packed, absmax, absmax_scale, absmax_offset.reshape(()), list(shape), dtype)
+    return launch(packed, absmax, absmax_scale, absmax_offset, list(shape), dtype)
