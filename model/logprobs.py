@@ -4,12 +4,15 @@ Post-training and evaluation need, for each position, log p(target) (SFT, DPO an
 multiple-choice score), and sometimes the entropy of the distribution (GRPO's metric) and whether the target is
 the argmax (greedy match in evaluation). Computing them from full logits keeps a (tokens x vocab) tensor, its
 float32 copy and its log-softmax alive at once: at 4k tokens and a 50k vocabulary that is 2.4 GB, more than a
-small model's activations. Here the head runs on CHUNK_ELEMENTS / vocab rows at a time. With gradients, each
-chunk is wrapped in `torch.utils.checkpoint` (non-reentrant): the forward keeps only its inputs (a view of the
-hidden states and the head weight, which exist anyway), and backward recomputes one chunk's logits at a time.
-That costs a second head matmul in backward, against the logits that would otherwise be stored; it is plain
-autograd, so any head (a dequantised NF4 weight, a LoRA-adapted one) and `torch.compile` work unchanged.
-(The Triton path of `kernels/linear_cross_entropy.py` does the same for the loss without recomputation.)
+small model's activations. Here the head runs on CHUNK_ELEMENTS / vocab rows at a time. The bound is on the
+chunk's elements rather than on rows (the Triton loss's 4·D rows), because 4·D rows leave a short batch whole:
+1,024 tokens at D = 768 would be one (tokens x vocab) chunk. With gradients, each chunk is wrapped in
+`torch.utils.checkpoint` (non-reentrant): the forward keeps only its inputs (a view of the hidden states and the
+head weight, which exist anyway), and backward recomputes one chunk's logits at a time. That costs a second head
+matmul in backward, against the logits that would otherwise be stored; it is plain autograd, so any head (a
+dequantised NF4 weight, a LoRA-adapted one), autocast (restored for the recomputation) and `torch.compile` work
+unchanged, where a hand-written autograd.Function would write each chunk's backward and dtype casts itself. (The
+Triton loss, kernels/linear_cross_entropy.py, chunks the same way with its own kernel.)
 
 Log-softmax is taken in at least float32 whatever the matmul's dtype, as before: over a large vocabulary bf16
 loses too much (a float64 model keeps float64). Positions whose target is -100 get log-probability 0 and no hit.
@@ -59,7 +62,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         args = (hidden[start:start + size], weight, targets[start:start + size], temperature, stats)
         parts.append(checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
     if not parts:
-        empty = hidden.new_zeros(0, dtype=torch.float32)
+        empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
         return TokenStats(empty, empty, empty.bool()) if stats else empty
     columns = [torch.cat(column) for column in zip(*parts)]
     return TokenStats(*columns) if stats else columns[0]
