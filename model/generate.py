@@ -60,7 +60,8 @@ def generate(model: GPT, prompt_ids: Sequence[Sequence[int]], max_new_tokens: in
     was_training = model.training
     model.eval()
     try:
-        with torch.inference_mode():
+        # no_grad, not inference_mode: an FSDP model gathers its weights into buffers it reuses outside the call
+        with torch.no_grad():
             steps = decode_steps(model, prompts, pad, max_new_tokens, temperature, top_k, top_p, stop_ids, generator,
                             cache)
             rows = torch.stack(list(steps), dim=1).tolist()
@@ -94,7 +95,7 @@ def decode_steps(model, prompts, pad, max_new_tokens, temperature, top_k, top_p,
     done = torch.zeros(B, dtype=torch.bool, device=prompts.device)
     cache = None
     if use_cache:
-        dtype = next(model.parameters()).dtype
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())  # not QLoRA's 4-bit codes
         cache = KVCache(model.config, B, L + max_new_tokens - 1, prompts.device, dtype)
     seq = prompts
     logits = model(prompts, cache=cache, pos=0, pad=pad)[:, -1]

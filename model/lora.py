@@ -48,15 +48,22 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class NF4Weight(nn.Module):
-    """One frozen matrix in NF4 (buffers, so they move with .to() and are saved in checkpoints, but are never
-    parameters). Calling it returns the matrix dequantised to a dtype."""
+    """One frozen matrix in NF4. Calling it returns the matrix dequantised to a dtype.
+
+    The 4-bit codes and 8-bit absmaxes (all but 4 bytes in 16,384 of it) are parameters that never require a
+    gradient: the optimizer passes them by, and FSDP2 shards them across ranks like any other weight, gathering a
+    block's codes only while it computes. The float32 scales and the offset are buffers, whole on every rank,
+    which also keeps them out of FSDP's mixed-precision cast (a bf16 scale would change every weight)."""
 
     def __init__(self, weight: torch.Tensor, backend: str):
         super().__init__()
         from kiln.kernels.nf4 import quantize_nf4
 
-        for key, tensor in quantize_nf4(weight.detach()).items():
-            self.register_buffer(key, tensor)
+        codes = quantize_nf4(weight.detach())
+        for key in ("packed", "absmax"):
+            self.register_parameter(key, nn.Parameter(codes[key], requires_grad=False))
+        for key in ("absmax_scale", "absmax_offset"):
+            self.register_buffer(key, codes[key])
         self.shape, self.dtype, self.backend = tuple(weight.shape), weight.dtype, backend
 
     def codes(self) -> tuple[torch.Tensor, ...]:
@@ -220,27 +227,38 @@ def _replaced(model: nn.Module) -> dict[str, nn.Module]:
 
 
 @torch.no_grad()
-def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The plain GPT state dict this adapted model computes: adapters added into their (dequantised) bases, in
-    float32 (a tied LM head's entry equals the embedding's; save_model stores it once)."""
+    float32 (a tied LM head's entry equals the embedding's; save_model stores it once). `state`: the model's
+    state dict when it was gathered elsewhere (FSDP's, whole on rank 0); by default the model's own."""
+    state = model.state_dict() if state is None else state
     replaced = _replaced(model)
-    out = {k: v for k, v in model.state_dict().items() if not any(k.startswith(p + ".") for p in replaced)}
+    out = {k: v for k, v in state.items() if not any(k.startswith(p + ".") for p in replaced)}
     for name, module in replaced.items():
+        base_name, base = (f"{name}.base", module.base) if isinstance(module, LoRALinear) else (name, module)
+        weight = _dense(state, base_name, base)
         if isinstance(module, LoRALinear):
-            out[f"{name}.weight"] = module.base.weight.float() + module.delta().to(module.base.weight.device)
-            bias = module.base.bias
-        else:
-            out[f"{name}.weight"] = module.weight.float()
-            bias = getattr(module, "bias", None)
-        if bias is not None:
-            out[f"{name}.bias"] = bias
+            a, b = state[f"{name}.lora_A.weight"].float(), state[f"{name}.lora_B.weight"].float()
+            weight = weight + (b @ a).to(weight.device) * module.scaling
+        out[f"{name}.weight"] = weight
+        if f"{base_name}.bias" in state:
+            out[f"{name}.bias"] = state[f"{base_name}.bias"]
     return out
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """lora_A / lora_B of every adapted projection, under the model's names, on the CPU."""
-    return {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()
-            if ".lora_A." in k or ".lora_B." in k}
+def _dense(state: dict[str, torch.Tensor], name: str, base: nn.Module) -> torch.Tensor:
+    """The float32 matrix of the frozen module `name` in `state`: an nn.Linear's weight, or NF4 codes decoded."""
+    if isinstance(base, (NF4Linear, NF4Embedding)):
+        from kiln.kernels.nf4 import KEYS, dequantize_nf4
+
+        codes = [state[f"{name}.quantized.{key}"] for key in KEYS]
+        return dequantize_nf4(*codes, base.quantized.shape, torch.float32)
+    return state[f"{name}.weight"].float()
+
+
+def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """lora_A / lora_B of every adapted projection in an adapted model's state dict, on the CPU."""
+    return {k: v.detach().cpu().contiguous() for k, v in state.items() if ".lora_A." in k or ".lora_B." in k}
 
 
 def set_adapters(model: nn.Module, enabled: bool) -> None:

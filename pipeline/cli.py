@@ -185,20 +185,12 @@ def pretrain_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     `torchrun` (`torchrun ... -m kiln.pipeline.cli pretrain`) for several machines; `kiln train` is an alias.
     """
     from kiln.pipeline.config import load_sections
-    from kiln.pipeline.train import distributed
     from kiln.pipeline.train.params import ModelParams, TrainParams
     from kiln.pipeline.train.pretrain import pretrain
 
     train, model = load_sections((TrainParams, ModelParams), params, set_)
-    world = distributed.from_env()
-    if train.nproc_per_node > 1 and not distributed.launched():
-        raise typer.Exit(distributed.relaunch(train.nproc_per_node, sys.argv[1:]))
-    try:
-        metrics = pretrain(model, train, shards, tokenizer, out, checkpoints, size, resume_from)
-    finally:
-        distributed.leave()
-    if world.main:
-        _print_metrics("pretrain", metrics)
+    _train_stage("pretrain", train, lambda: pretrain(model, train, shards, tokenizer, out, checkpoints, size,
+                                                     resume_from))
 
 
 @app.command("sft")
@@ -211,8 +203,8 @@ def sft_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 resume_from: ResumeOpt = None):
     """Supervised fine-tuning on chat examples: the built-in task or a dataset (stage `sft`).
 
-    Reads the `sft` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
-    mean sft.
+    Reads the `sft` section, and `train` for the device, precision, kernels, Adam settings and processes (as
+    pretrain's); bare `--set` keys mean sft.
     """
     from kiln.pipeline.config import load_sections
     from kiln.pipeline.post.params import SFTParams
@@ -220,7 +212,8 @@ def sft_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.train.params import TrainParams
 
     sft_params, train = load_sections((SFTParams, TrainParams), params, set_)
-    _print_metrics("sft", sft(sft_params, train, base, tokenizer, corpus, out, checkpoints, resume_from=resume_from))
+    _train_stage("sft", train, lambda: sft(sft_params, train, base, tokenizer, corpus, out, checkpoints,
+                                           resume_from=resume_from))
 
 
 @app.command("dpo")
@@ -234,8 +227,8 @@ def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 resume_from: ResumeOpt = None):
     """Direct preference optimisation from the SFT model on preference pairs (stage `dpo`).
 
-    Reads the `dpo` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
-    mean dpo.
+    Reads the `dpo` section, and `train` for the device, precision, kernels, Adam settings and processes (as
+    pretrain's); bare `--set` keys mean dpo.
     """
     from kiln.pipeline.config import load_sections
     from kiln.pipeline.post.dpo import dpo
@@ -243,8 +236,8 @@ def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.train.params import TrainParams
 
     dpo_params, train = load_sections((DPOParams, TrainParams), params, set_)
-    _print_metrics("dpo", dpo(dpo_params, train, sft_model, tokenizer, corpus, out, checkpoints,
-                              resume_from=resume_from))
+    _train_stage("dpo", train, lambda: dpo(dpo_params, train, sft_model, tokenizer, corpus, out, checkpoints,
+                                           resume_from=resume_from))
 
 
 @app.command("grpo")
@@ -258,8 +251,8 @@ def grpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                  resume_from: ResumeOpt = None):
     """Reinforcement learning from verifiable rewards (GRPO) on prompts with answers (stage `grpo`).
 
-    Reads the `grpo` section, and `train` for the device, precision, kernels and Adam settings; bare `--set` keys
-    mean grpo.
+    Reads the `grpo` section, and `train` for the device, precision, kernels, Adam settings and processes (as
+    pretrain's); bare `--set` keys mean grpo.
     """
     from kiln.pipeline.config import load_sections
     from kiln.pipeline.post.grpo import grpo
@@ -268,8 +261,8 @@ def grpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 
     grpo_params, train = load_sections((GRPOParams, TrainParams), params, set_)
     start = layout.MODELS / grpo_params.init if start is None else start
-    _print_metrics("grpo", grpo(grpo_params, train, start, tokenizer, corpus, out, checkpoints,
-                                resume_from=resume_from))
+    _train_stage("grpo", train, lambda: grpo(grpo_params, train, start, tokenizer, corpus, out, checkpoints,
+                                             resume_from=resume_from))
 
 
 @app.command("evaluate")
@@ -562,7 +555,7 @@ def bench_adapters(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 @reports_errors
 def bench_kernels(ops: Annotated[str | None, typer.Option(
                       help="Comma-separated subset: rms_norm, swiglu, rope, cross_entropy, linear_cross_entropy, "
-                           "flash_attention (default: all).")] = None,
+                           "flash_attention, nf4_dequantize (default: all).")] = None,
                   size: Annotated[str, typer.Option(
                       help="full: the whole shape grid; quick: fewer shapes (a GPU minute or two); smoke: tiny "
                            "shapes that also run on CPU through Triton's interpreter (checks the command, times "
@@ -638,6 +631,21 @@ def _is_utf8(data: bytes) -> bool:
         return True
     except UnicodeDecodeError:
         return False
+
+
+def _train_stage(stage: str, train, run) -> None:
+    """Run a training stage's `run()`: with `train.nproc_per_node` > 1 and no launcher around this process, under
+    torchrun on this machine instead; the process group is left however it ends, and rank 0 alone prints."""
+    from kiln.pipeline.train import distributed
+
+    if train.nproc_per_node > 1 and not distributed.launched():
+        raise typer.Exit(distributed.relaunch(train.nproc_per_node, sys.argv[1:]))
+    try:
+        metrics = run()
+    finally:
+        distributed.leave()
+    if distributed.from_env().main:
+        _print_metrics(stage, metrics)
 
 
 def _print_metrics(stage: str, metrics: dict) -> None:

@@ -5,15 +5,20 @@ windows drawn and the updates made are the same; only float summation order diff
 """
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 from safetensors.torch import load_file
+from test_lora import sft_args
+from test_posttrain import questions, save_base
 from test_train import cli_project, kiln, run
 
 from kiln.pipeline.train.curves import metric_files, read_metric
+
+from conftest import write_jsonl, write_params
 
 SHAPE = {"batch_tokens": 256, "max_steps": 8, "checkpoint_every": 4, "log_every": 1}  # 2 micro-steps per step
 
@@ -92,3 +97,102 @@ def test_fsdp_matches_one_process_and_resumes_on_one(tiny, single, tmp_path):
     again = load_file(tmp_path / "base" / "model.safetensors")
     for name, tensor in straight.items():
         assert (tensor - again[name]).abs().max() <= 1e-6, name
+
+
+def sft_losses(root):
+    return read_metric(metric_files(root / "metrics/sft")["loss"])
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_qlora_sft_on_two_processes_matches_one_with_the_nf4_codes_sharded(tiny, tmp_path, monkeypatch, parallel):
+    """The same optimizer steps (8 examples each: 2 micro-batches of 4, or on each of two ranks 2 of 2); FSDP
+    holds half of every frozen NF4 tensor on each rank, which the run reports."""
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "sft.jsonl", questions())
+    save_base(tiny.tokenizer, tmp_path / "base")
+    setting = {"adapter": "qlora", "lora_rank": 4, "batch_examples": 8}
+    one = kiln(tmp_path, *sft_args(tiny, tmp_path, "one", batch_size=4, **setting))
+    assert one.returncode == 0, one.output
+    curve = sft_losses(tmp_path)
+    two = kiln(tmp_path, *sft_args(tiny, tmp_path, "two", batch_size=2, **setting), "--set",
+               f"train.parallel={parallel}", "--set", "train.nproc_per_node=2")
+    assert two.returncode == 0, two.output
+    assert f"x 2 processes ({parallel})" in two.output
+    assert [s for s, _ in sft_losses(tmp_path)] == [s for s, _ in curve] == list(range(1, 7))
+    for (_, a), (_, b) in zip(curve, sft_losses(tmp_path)):
+        assert b == pytest.approx(a, abs=1e-5)
+    # Weights to 1e-4: Adam divides each gradient by its running scale, so where a gradient is tiny the other
+    # summation order moves the update by more than the loss (measured: 3e-5 at most after 6 steps at lr 1e-2).
+    for name in ("model.safetensors", "adapter.safetensors"):
+        a, b = load_file(tmp_path / "one" / name), load_file(tmp_path / "two" / name)
+        assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-4 for k in a), name
+    if parallel == "fsdp":
+        held = re.search(r"frozen weights: ([\d,]+) of ([\d,]+) bytes on each rank", two.output)
+        assert held, two.output
+        mine, whole = (int(g.replace(",", "")) for g in held.groups())
+        assert whole > 0 and whole / 2 <= mine < 0.52 * whole, held.group(0)  # rank 0 takes an odd last row
+
+
+def test_lora_dpo_under_fsdp_matches_one_process_and_resumes_on_one(tiny, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"Name number {i}?", "chosen": q["messages"][1]["content"],
+                                             "rejected": "nobody"} for i, q in enumerate(questions())])
+    save_base(tiny.tokenizer, tmp_path / "sft")
+    dpo = {"data": "pairs.jsonl", "max_steps": 4, "batch_examples": 4, "lr": 1e-2, "min_lr": 1e-3,
+           "warmup_steps": 0, "eval_every": 2, "checkpoint_every": 2, "log_every": 1, "val_examples": 2,
+           "adapter": "lora", "lora_rank": 4, "sft_weight": 0.0}  # its NLL term is per micro-batch, as TRL's
+
+    def args(out, **more):
+        write_params(tmp_path / "params.yaml", {"dpo": {**dpo, **more}, "train": {"device": "cpu"}})
+        return ["dpo", "--sft", "sft", "--tokenizer", str(tiny.tokenizer), "--corpus", str(tiny.corpus), "--out",
+                out, "--checkpoints", f"ckpt-{out}"]
+
+    def curve():
+        return read_metric(metric_files(tmp_path / "metrics/dpo")["loss"])
+
+    one = kiln(tmp_path, *args("one", batch_size=2))
+    assert one.returncode == 0, one.output
+    single = curve()
+    sharded = args("two", batch_size=1)
+    two = torchrun(tmp_path, *sharded, "--set", "train.parallel=fsdp")
+    assert two.returncode == 0, two.output
+    assert "x 2 processes (fsdp)" in two.output
+    for (_, a), (_, b) in zip(single, curve(), strict=True):
+        assert b == pytest.approx(a, abs=1e-5)
+    straight = load_file(tmp_path / "two/adapter.safetensors")
+
+    shutil.rmtree(sorted((tmp_path / "ckpt-two").glob("*/step_*"))[-1])
+    resumed = kiln(tmp_path, *args("two", batch_size=2))  # one process, the same global micro-batch of 2 pairs
+    assert resumed.returncode == 0 and "(step 2)" in resumed.output, resumed.output
+    again = load_file(tmp_path / "two/adapter.safetensors")
+    assert all((straight[k] - again[k]).abs().max() < 1e-4 for k in straight)
+
+
+def test_grpo_under_fsdp_samples_and_trains_as_one_process(tiny, tmp_path, monkeypatch):
+    """Every rank samples the whole rollout batch (the same seed and weights: the same completions) and trains
+    on its half of the rows: rewards equal, losses to 1e-5, the KL reference a whole copy on each rank."""
+    from test_grpo import REWARDS, grpo_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Say x, {i} times.", "answer": "x"} for i in range(40)])
+    save_base(tiny.tokenizer, tmp_path / "start")
+    setting = {"max_steps": 4, "eval_every": 2, "checkpoint_every": 2, "log_every": 1, "beta": 0.04}
+
+    def curves():
+        files = metric_files(tmp_path / "metrics/grpo")
+        return {k: read_metric(files[k]) for k in ("loss", "reward", "kl")}
+
+    one = kiln(tmp_path, *grpo_args(tiny, tmp_path, "one", **setting))
+    assert one.returncode == 0, one.output
+    single = curves()
+    # kiln starts torchrun itself: the launcher must not read grpo's --start as its --start-method
+    two = kiln(tmp_path, *grpo_args(tiny, tmp_path, "two", batch_size=8, **setting), "--set", "train.parallel=fsdp",
+               "--set", "train.nproc_per_node=2")
+    assert two.returncode == 0, two.output
+    assert "x 2 processes (fsdp)" in two.output
+    for key, curve in curves().items():
+        assert [s for s, _ in curve] == [s for s, _ in single[key]] == [1, 2, 3, 4], key
+        for (_, a), (_, b) in zip(single[key], curve):
+            # kl is a mean of micro-batch means, and the micro-batches are other rows on two ranks
+            assert b == (pytest.approx(a, rel=0.05) if key == "kl" else pytest.approx(a, abs=1e-5)), key

@@ -174,7 +174,7 @@ def test_peft_loads_the_exported_adapter_to_the_same_logits(tiny, tmp_path, arch
     spec = {"adapter": "lora", "rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": targets}
     save_model(merged_state_dict(adapted), config, tmp_path / "kiln",
                {"tokenizer_sha256": sha256_file(tiny.tokenizer), "adapter": spec},
-               adapter=adapter_state_dict(adapted))
+               adapter=adapter_state_dict(adapted.state_dict()))
     from typer.testing import CliRunner
 
     done = CliRunner().invoke(app, ["convert", "to-hf", str(tmp_path / "kiln"), str(tmp_path / "hf"),

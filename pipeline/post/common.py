@@ -28,6 +28,8 @@ from kiln.pipeline.post.corpus_task import TaskItem, prompt_items, task_items
 from kiln.pipeline.post.params import PostTrainParams
 from kiln.pipeline.progress import console
 from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.train import distributed
+from kiln.pipeline.train.distributed import World
 from kiln.pipeline.train.loop import autocast, prepare_device
 from kiln.pipeline.train.params import TrainParams
 
@@ -48,6 +50,7 @@ class Start:
     data: ChatData
 
     adapter: dict
+    world: World
 
     def identity(self) -> dict:
         """The start of a run's fingerprint: the starting weights and, when not full, the adapter on them."""
@@ -61,21 +64,26 @@ class Start:
         return self.model.flops_per_token(self.model.config.max_seq_len)
 
     def save(self, out_dir: Path) -> None:
-        """The model as a plain kiln model folder (adapters merged in); with an adapter, the adapter beside it."""
+        """The model as a plain kiln model folder (adapters merged in); with an adapter, the adapter beside it.
+        Under torchrun every rank calls it (FSDP gathers the shards) and rank 0 alone writes."""
+        state = distributed.full_state_dict(self.model)
+        if not self.world.main:
+            return
         adapted = self.adapter["adapter"] != "full"
-        save_model(merged_state_dict(self.model) if adapted else self.model, self.model.config, out_dir, {
+        save_model(merged_state_dict(self.model, state) if adapted else state, self.model.config, out_dir, {
             "tokenizer_sha256": self.tokenizer_sha256, "chat_format": "chatml",
             "init": {"model": str(self.model_dir), "sha256": self.sha256},
             **({"adapter": self.adapter} if adapted else {})},
-            adapter=adapter_state_dict(self.model) if adapted else None)
+            adapter=adapter_state_dict(state) if adapted else None)
 
 
 def start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokenizer_path: Path,
           corpus_dir: Path) -> Start:
     """Load the model a stage starts from, refusing a tokenizer other than the one it was trained with, and
     the stage's data rendered for its context length."""
-    torch.manual_seed(params.seed)
-    device = prepare_device(train)
+    torch.manual_seed(params.seed)  # every rank draws the same adapter init
+    world = distributed.from_env()
+    device = prepare_device(train, world)
     try:
         model, meta = load_model(model_dir, device)
     except ValueError as e:
@@ -92,7 +100,8 @@ def start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokenize
     except ValueError as e:
         raise UserError(f"params: {params.SECTION}.{e}") from None
     return Start(model, Path(model_dir), want, sha256_file(Path(model_dir) / "model.safetensors"),
-                 params.loop_params(train, seq_len), chat, load_chat_data(params, chat, seq_len, corpus_dir), spec)
+                 params.loop_params(train, seq_len), chat, load_chat_data(params, chat, seq_len, corpus_dir), spec,
+                 world)
 
 
 def to_rows(rendered: list[Rendered], seq_len: int, pad: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,17 +139,20 @@ def held_out(keys: list[str], n_val: int) -> tuple[list[int], list[int]]:
 class ExampleBatches:
     """Micro-batches of examples (rows of `tensors`), reshuffled every epoch, forever.
 
-    Micro-batch k holds positions [kB, (k+1)B) of the stream "permutation of epoch 0, then of epoch 1, ...",
-    each permutation seeded by (seed, epoch): its state is k alone, so a resumed run sees the batches an
-    uninterrupted one would. With `per_token`, tensors are (x, y, row weights) and each micro-batch also
-    carries (weighted targets in its whole optimizer step) / accum, so that weighted summed losses divided by it
-    are the step's weighted mean over target tokens exactly, however they fall across micro-batches.
+    Global micro-batch k holds positions [kBW, (k+1)BW) of the stream "permutation of epoch 0, then of epoch 1,
+    ...", each permutation seeded by (seed, epoch), for B = batch_size examples on each of W = world_size ranks;
+    rank r takes [kBW + rB, kBW + (r+1)B). Its state is k alone, so a resumed run sees the batches an
+    uninterrupted one would, and an optimizer step's examples are the same whatever B and W (only how they are
+    split changes). With `per_token`, tensors are (x, y, row weights) and each micro-batch also carries
+    (weighted targets in its whole optimizer step, every rank's) / (accum x W), so that weighted summed losses
+    divided by it, averaged over ranks as DDP and FSDP average gradients, are the step's weighted mean over
+    target tokens exactly, however they fall across micro-batches and ranks.
     """
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], batch_size: int, accum: int, seed: int,
-                 per_token: bool = False):
+                 per_token: bool = False, rank: int = 0, world_size: int = 1):
         self.tensors, self.batch_size, self.accum, self.seed = tensors, batch_size, accum, seed
-        self.per_token, self.n = per_token, len(tensors[0])
+        self.per_token, self.n, self.rank, self.world_size = per_token, len(tensors[0]), rank, world_size
         if per_token:
             x, y, weights = tensors
             self.targets = (y != IGNORE).sum(dim=1).double() * weights.double()
@@ -160,21 +172,26 @@ class ExampleBatches:
         return torch.from_numpy(out)
 
     def __next__(self) -> list[torch.Tensor]:
-        k, B = self.step, self.batch_size
+        k, B, W = self.step, self.batch_size, self.world_size
         self.step += 1
-        batch = [t[self._indices(k * B, B)] for t in self.tensors]
+        batch = [t[self._indices(k * B * W + self.rank * B, B)] for t in self.tensors]
         if self.per_token:
-            first = k // self.accum * self.accum * B
-            batch.append(self.targets[self._indices(first, self.accum * B)].sum() / self.accum)
+            first = k // self.accum * self.accum * B * W
+            batch.append(self.targets[self._indices(first, self.accum * B * W)].sum() / (self.accum * W))
         return batch
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed, "batch_size": self.batch_size, "examples": self.n}
+        # batch_size is the global micro-batch: a run resumes on any split of it into ranks
+        return {"step": self.step, "seed": self.seed, "batch_size": self.batch_size * self.world_size,
+                "examples": self.n}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size), ("examples", self.n)):
+        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size * self.world_size),
+                          ("examples", self.n)):
             if state.get(key) != mine:
-                raise UserError(f"resume state: example batches {key}={state.get(key)!r}, this run has {mine!r}")
+                what = " (batch_size x processes)" if key == "batch_size" else ""
+                raise UserError(f"resume state: example batches {key}{what}={state.get(key)!r}, this run has "
+                                f"{mine!r}")
         self.step = int(state["step"])
 
 

@@ -32,6 +32,7 @@ from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, answer_logps
 from kiln.pipeline.post.params import DPOParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
 from kiln.pipeline.progress import console
+from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Panel, plot_png
 from kiln.pipeline.train.lm import CADENCE
@@ -98,9 +99,10 @@ def pair_metrics(params: DPOParams, rows: PairRows, pc: torch.Tensor, pr: torch.
 def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_path: Path, corpus_dir: Path,
         out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR,
         resume_from: Path | None = None) -> dict:
-    recover(out_dir)  # what a killed write of the model left
     s = start(params, train_params, sft_dir, tokenizer_path, corpus_dir)
-    model, loop, chat, data, seq_len = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len
+    model, loop, chat, data, seq_len, world = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len, s.world
+    if world.main:  # rank 0 alone writes, so it alone repairs what a killed write of the model left
+        recover(out_dir)
     train_rows = pair_rows(data.train, chat, seq_len, "dpo train")
     val_rows = pair_rows(data.val, chat, seq_len, "dpo held-out")
     for rows in (train_rows, val_rows):  # the reference, once: the model is still the SFT model here
@@ -134,15 +136,18 @@ def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_p
                    "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
     micro = 2 * params.batch_size * seq_len
     run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=loss_fn,
-              batches=ExampleBatches(tensors, params.batch_size, accumulation_steps(loop, micro), params.seed),
-              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints,
-                                                         resume_from=resume_from, command="kiln dpo"),
-              curves_dir=curves_dir, flops_per_token=s.flops_per_token(), name="dpo")
+              batches=ExampleBatches(tensors, params.batch_size, accumulation_steps(loop, micro, world.size),
+                                     params.seed, rank=world.rank, world_size=world.size),
+              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints, world,
+                                                         resume_from, "kiln dpo"),
+              curves_dir=curves_dir, flops_per_token=s.flops_per_token(), name="dpo", world=world)
     console.print(f"dpo: {len(train_rows):,} train and {len(val_rows):,} held-out pairs, {params.loss} loss, "
-                  f"beta {params.beta}, {loop.max_steps} steps x {params.batch_examples} pairs, from {sft_dir}",
-                  highlight=False)
+                  f"beta {params.beta}, {loop.max_steps} steps x {params.batch_examples} pairs, from {sft_dir}"
+                  f"{distributed.spread(world, loop.parallel)}", highlight=False)
     result = train(model, run)
     s.save(out_dir)
+    if not world.main:
+        return result
     metrics = {**result, "pairs": len(train_rows), "val_pairs": len(val_rows),
                "sft": {k: round(v, 5) for k, v in before.items() if not k.startswith(("train/rewards", "val/rewards"))}}
     plot_png(curves_dir, curves_dir / "curves.png", PANELS, f"dpo: {len(train_rows):,} pairs, {result['steps']} steps")

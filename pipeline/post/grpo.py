@@ -47,8 +47,10 @@ from kiln.pipeline.post.grpo_loss import group_advantages, policy_loss
 from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.post.rewards import NamedReward, make_reward, score
 from kiln.pipeline.progress import console
+from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Panel, plot_png
+from kiln.pipeline.train.distributed import SINGLE, World
 from kiln.pipeline.train.lm import CADENCE
 from kiln.pipeline.train.loop import Run, accumulation_steps, autocast, train
 from kiln.pipeline.train.params import TrainParams
@@ -103,13 +105,18 @@ class Rollouts:
 
     Micro-batch k belongs to optimizer step k // accum; step s trains on rollout batch s // epochs, sampled when
     its first micro-batch is asked for. A micro-batch is (x, y, advantages, old log-probs, reference log-probs,
-    completion tokens of the whole step / accum): with that last one the loop's mean over micro-batches is the
-    dapo loss over the step exactly (post/grpo_loss.py, `aggregate`)."""
+    completion tokens of the whole step / (accum x processes)): with that last one the loop's mean over
+    micro-batches and ranks is the dapo loss over the step exactly (post/grpo_loss.py, `aggregate`).
+
+    Under torchrun every rank samples and scores the whole rollout batch, with the same seed and the same
+    weights, so they all hold the same batch (and an FSDP model's collective forwards stay in step); rank r
+    trains on rows [(kW + r)B, (kW + r + 1)B) of it. The sampling is repeated, not split: what is shared is
+    the backward and the optimizer step."""
 
     def __init__(self, model: torch.nn.Module, prompts: Prompts, params: GRPOParams, chat: ChatFormat,
-                 reward: NamedReward, precision: str, accum: int):
+                 reward: NamedReward, precision: str, accum: int, world: World = SINGLE):
         self.model, self.prompts, self.params, self.chat, self.reward = model, prompts, params, chat, reward
-        self.precision, self.accum, self.step = precision, accum, 0
+        self.precision, self.accum, self.world, self.step = precision, accum, world, 0
         self.per_rollout = params.batch_examples // params.group_size
         self.order = ExampleBatches((torch.arange(len(prompts)),), self.per_rollout, 1, params.seed)
         # The reference is the starting model: with adapters, the policy with them switched off (no second copy);
@@ -133,9 +140,9 @@ class Rollouts:
         if index != self.batch_index:
             self.batch, self.batch_index = self._rollout(index, opt_step + 1), index
         self.step += 1
-        B = self.params.batch_size
+        B, first = self.params.batch_size, micro * self.world.size + self.world.rank
         x, y, advantages, old, ref, per_micro = self.batch
-        rows = slice(micro * B, (micro + 1) * B)
+        rows = slice(first * B, (first + 1) * B)
         width = int((y[rows] != IGNORE).any(dim=0).nonzero().max()) + 1  # trailing all-padding columns dropped
         old, ref = (t[rows, :width] if t.numel() else t for t in (old, ref))
         return [x[rows, :width], y[rows, :width], advantages[rows], old, ref, per_micro]
@@ -176,7 +183,7 @@ class Rollouts:
         self.rollout_stats.append(self.current)
         self.seconds += time.perf_counter() - started
         self.tokens += n_tokens
-        return [x, y, advantages, old, ref, torch.tensor(n_tokens / self.accum)]
+        return [x, y, advantages, old, ref, torch.tensor(n_tokens / (self.accum * self.world.size))]
 
     @torch.no_grad()
     def _score(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -212,16 +219,23 @@ class Rollouts:
         sampled since)."""
         rollouts, losses = self.rollout_stats or [self.current], self.loss_stats
         self.rollout_stats, self.loss_stats = [], []
-        return {k: float(np.mean([s[k] for s in stats])) for stats in (rollouts, losses) if stats for k in stats[0]}
+        out = {k: float(np.mean([s[k] for s in stats])) for stats in (rollouts, losses) if stats for k in stats[0]}
+        if losses:  # each rank's own rows: averaged over ranks (the rollouts' are the same on every rank)
+            keys = list(losses[0])
+            means = distributed.mean(torch.tensor([out[k] for k in keys], dtype=torch.float64,
+                                                  device=next(self.model.parameters()).device))
+            out |= dict(zip(keys, means.tolist()))
+        return out
 
     def state_dict(self) -> dict:
         # The sampling totals travel with the run, so that a resumed run reports the whole run's rollout speed.
-        return {"step": self.step, "seed": self.params.seed, "accum": self.accum, "prompts": len(self.prompts),
-                "rollout_seconds": self.seconds, "rollout_tokens": self.tokens}
+        return {"step": self.step, "seed": self.params.seed, "accum": self.accum, "processes": self.world.size,
+                "prompts": len(self.prompts), "rollout_seconds": self.seconds, "rollout_tokens": self.tokens}
 
     def load_state_dict(self, state: dict) -> None:
-        for key, mine in (("seed", self.params.seed), ("accum", self.accum), ("prompts", len(self.prompts))):
-            if state.get(key) != mine:
+        for key, mine in (("seed", self.params.seed), ("accum", self.accum), ("processes", self.world.size),
+                          ("prompts", len(self.prompts))):
+            if state.get(key, 1 if key == "processes" else None) != mine:  # checkpoints before torchrun: 1
                 raise UserError(f"resume state: rollouts {key}={state.get(key)!r}, this run has {mine!r}")
         step = int(state["step"])
         if step % (self.accum * self.params.epochs):
@@ -262,14 +276,16 @@ def greedy_rewards(model, prompts: Prompts, chat: ChatFormat, reward: NamedRewar
 def grpo(params: GRPOParams, train_params: TrainParams, start_dir: Path, tokenizer_path: Path, corpus_dir: Path,
          out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR,
          resume_from: Path | None = None) -> dict:
-    recover(out_dir)  # what a killed write of the model left
     reward = make_reward(params.reward, params.reward_pattern)  # a bad reward fails before the model loads
     s = start(params, train_params, start_dir, tokenizer_path, corpus_dir)
-    model, loop, chat, seq_len = s.model, s.loop, s.chat, s.model.config.max_seq_len
+    model, loop, chat, seq_len, world = s.model, s.loop, s.chat, s.model.config.max_seq_len, s.world
+    if world.main:  # rank 0 alone writes, so it alone repairs what a killed write of the model left
+        recover(out_dir)
     prompts = encode_prompts(s.data.train, chat, seq_len, params.max_new_tokens, "grpo train")
     val = encode_prompts(s.data.val, chat, seq_len, params.max_new_tokens, "grpo held-out")
     micro = params.batch_size * seq_len
-    rollouts = Rollouts(model, prompts, params, chat, reward, loop.precision, accumulation_steps(loop, micro))
+    rollouts = Rollouts(model, prompts, params, chat, reward, loop.precision,
+                        accumulation_steps(loop, micro, world.size), world)
 
     def evaluate(m) -> dict:
         if not len(val):
@@ -287,17 +303,20 @@ def grpo(params: GRPOParams, train_params: TrainParams, start_dir: Path, tokeniz
                    "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
     run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=rollouts.loss,
               batches=rollouts, evaluate=evaluate,
-              checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints, resume_from=resume_from,
-                                      command="kiln grpo"),
+              checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints, world, resume_from,
+                                      "kiln grpo"),
               # The loop counts every row as max_seq_len tokens; a rollout row is a prompt and a short completion,
               # and sampling takes a third of the time: an MFU from those counts would be fiction.
               curves_dir=curves_dir, flops_per_token=0.0, name="grpo",
-              log_metrics=rollouts.log_metrics, show=("reward",))
+              log_metrics=rollouts.log_metrics, show=("reward",), world=world)
     console.print(f"grpo: {len(prompts):,} train and {len(val):,} held-out prompts, {loop.max_steps} steps x "
                   f"{rollouts.per_rollout} prompts x {params.group_size} completions, {reward.label}, "
-                  f"{params.loss_type} loss, from {start_dir}", highlight=False)
+                  f"{params.loss_type} loss, from {start_dir}{distributed.spread(world, loop.parallel)}",
+                  highlight=False)
     result = train(model, run)
     s.save(out_dir)
+    if not world.main:
+        return result
     # The loop's tokens count every row as max_seq_len long; what GRPO moves is completions, counted here.
     metrics = {**{k: v for k, v in result.items() if k not in ("tokens", "tokens_per_s")},
                "prompts": len(prompts), "val_prompts": len(val), "start": {k: round(v, 5) for k, v in before.items()},

@@ -23,6 +23,7 @@ from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, fits, rows_s
 from kiln.pipeline.post.params import SFTParams
 from kiln.pipeline.progress import console
 from kiln.pipeline.text.corpus import iter_texts
+from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Panel, plot_png
 from kiln.pipeline.train.lm import CADENCE
@@ -79,9 +80,10 @@ def text_rows(corpus_dir: Path, chat: ChatFormat, seq_len: int, n: int, seed: in
 def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_path: Path, corpus_dir: Path,
         out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR,
         resume_from: Path | None = None) -> dict:
-    recover(out_dir)  # what a killed write of the model left
     s = start(params, train_params, base_dir, tokenizer_path, corpus_dir)
-    model, loop, chat, data, seq_len = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len
+    model, loop, chat, data, seq_len, world = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len, s.world
+    if world.main:  # rank 0 alone writes, so it alone repairs what a killed write of the model left
+        recover(out_dir)
     x, y = rows_of(data.train, chat, seq_len, "sft train")
     n_text = round(len(x) * params.text_share / (1 - params.text_share))
     weights = torch.ones(len(x))
@@ -104,17 +106,20 @@ def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_
                    "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
     micro = params.batch_size * seq_len
     run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=masked_loss,
-              batches=ExampleBatches((x, y, weights), params.batch_size, accumulation_steps(loop, micro), params.seed,
-                                     per_token=True),
-              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints,
-                                                         resume_from=resume_from, command="kiln sft"),
-              curves_dir=curves_dir, flops_per_token=s.flops_per_token(), name="sft")
+              batches=ExampleBatches((x, y, weights), params.batch_size, accumulation_steps(loop, micro, world.size),
+                                     params.seed, per_token=True, rank=world.rank, world_size=world.size),
+              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints, world,
+                                                         resume_from, "kiln sft"),
+              curves_dir=curves_dir, flops_per_token=s.flops_per_token(), name="sft", world=world)
     examples = len(x) - n_text
     console.print(f"sft: {examples:,} train examples ({(y[:examples] != -100).float().sum(1).mean():.1f} answer "
                   f"tokens each on average) and {n_text:,} rows of corpus text, {len(val_x):,} held-out examples, "
-                  f"{loop.max_steps} steps x {params.batch_examples} rows, from {base_dir}", highlight=False)
+                  f"{loop.max_steps} steps x {params.batch_examples} rows, from {base_dir}"
+                  f"{distributed.spread(world, loop.parallel)}", highlight=False)
     result = train(model, run)
     s.save(out_dir)
+    if not world.main:
+        return result
     metrics = {**result, "examples": examples, "text_rows": n_text, "val_examples": len(val_x),
                "base": {k: round(v, 5) for k, v in before.items()}}
     plot_png(curves_dir, curves_dir / "curves.png", PANELS, f"sft: {len(x):,} examples, {result['steps']} steps")

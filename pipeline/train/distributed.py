@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +43,11 @@ class World:
 SINGLE = World()
 
 
+def spread(world: World, parallel: str) -> str:
+    """How a run is spread, for its first line: " x 2 processes (fsdp)", or "" for one process."""
+    return f" x {world.size} processes ({parallel})" if world.size > 1 else ""
+
+
 def launched() -> bool:
     """Whether this process was started by torchrun (or another launcher that sets its variables)."""
     return "WORLD_SIZE" in os.environ
@@ -59,11 +62,23 @@ def from_env() -> World:
 
 
 def relaunch(nproc: int, argv: list[str]) -> int:
-    """Run `kiln <argv>` under torchrun with `nproc` processes on this machine; return its exit code."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "kiln.pipeline.cli", *argv]
-    console.print(f"train.nproc_per_node={nproc}: running {' '.join(cmd[1:])}", highlight=False)
-    return subprocess.call(cmd)
+    """Run `kiln <argv>` under torchrun with `nproc` processes on this machine; return its exit code (a failed
+    rank's own, so a user error still exits 2)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    # The launcher parses only its own options: given kiln's too, argparse takes an abbreviation of one of its
+    # options for that option (`kiln grpo --start` is refused as ambiguous with --start-method).
+    args = parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "kiln.pipeline.cli"])
+    args.training_script_args = list(argv)
+    console.print(f"train.nproc_per_node={nproc}: running torchrun --standalone --nproc_per_node={nproc} -m "
+                  f"kiln.pipeline.cli {' '.join(argv)}", highlight=False)
+    try:
+        run(args)
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        return next((c for c in codes if c > 0), 1)
+    return 0
 
 
 def join(world: World, device: torch.device) -> torch.device:
@@ -104,6 +119,20 @@ def wrap(model: torch.nn.Module, parallel: str, dtype: torch.dtype, device: torc
     for block in model.blocks:
         fully_shard(block, mp_policy=policy)
     return fully_shard(model, mp_policy=policy)
+
+
+def frozen_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(bytes this rank holds, bytes in all) of the parameters that do not train, such as QLoRA's NF4 codes:
+    under FSDP a rank holds its shard of each."""
+    from torch.distributed.tensor import DTensor
+
+    mine = whole = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            mine += local.numel() * local.element_size()
+            whole += p.numel() * p.element_size()
+    return mine, whole
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -128,8 +128,8 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
         checkpoints=Checkpoints(checkpoint_dir, fingerprint, params.keep_checkpoints, world, resume_from, command),
         curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name=name, world=world,
     )
-    processes = f" x {world.size} processes ({params.parallel})" if world.size > 1 else ""
     console.print(f"{name}: {config.arch} {model.num_params() / 1e6:.3g}M params "
                   f"({model.num_params(embeddings=False) / 1e6:.3g}M non-embedding), {steps} steps x "
-                  f"{params.batch_tokens} tokens on {device}{processes} in {params.precision}", highlight=False)
+                  f"{params.batch_tokens} tokens on {device}{distributed.spread(world, params.parallel)} in "
+                  f"{params.precision}", highlight=False)
     return model, train(model, run)

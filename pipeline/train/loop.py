@@ -185,6 +185,9 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
     device = next(model.parameters()).device
     accum = accumulation_steps(params, run.micro_batch_tokens, world.size)
     model = distributed.wrap(model, params.parallel, PRECISIONS[params.precision], device)
+    if distributed.is_sharded(model) and (held := distributed.frozen_bytes(model))[1]:
+        console.print(f"{run.name}: FSDP shards the frozen weights: {held[0]:,} of {held[1]:,} bytes on each rank",
+                      highlight=False)
     optimizer = build_optimizer(model, params, device, zero1=params.zero1 and world.size > 1)
     scaler = torch.amp.GradScaler(device.type, enabled=params.precision == "fp16")
     step, seconds_before, loss = 0, 0.0, float("nan")

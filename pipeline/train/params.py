@@ -82,7 +82,8 @@ class TrainParams(Section):
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     log_every: int = 10
-    # Processes on this node: > 1 makes `kiln train` start itself under torchrun (one per GPU, or CPU processes).
+    # Processes on this node: > 1 makes `kiln pretrain` (sft, dpo, grpo) start itself under torchrun (one per GPU,
+    # or CPU processes).
     nproc_per_node: int = 1
     parallel: str = "ddp"  # ddp (replicated model) | fsdp (FSDP2: parameters, gradients, optimizer state sharded)
     zero1: bool = False  # ddp only: shard AdamW's state across processes (ZeroRedundancyOptimizer)
