@@ -1,0 +1,111 @@
+"""The paged KV cache's bookkeeping (PagedAttention, Kwon et al. 2023): which fixed-size blocks of cache
+memory each sequence's tokens live in, which are free, and which full blocks several requests share.
+
+A sequence holds a block table, its blocks in token order: token i lives in slot i % block_size of block
+table[i // block_size]. Blocks come from one pool and go back to it when their last user leaves, so the cache
+holds what running requests need (within one block each) instead of max_seq_len for every row.
+
+Prefix caching: a block whose block_size tokens are all computed gets a key, the hash of (its parent's key,
+its tokens), so equal keys mean equal whole prefixes (up to a 64-bit hash collision, as in vLLM's default).
+A new request walks its prompt's full blocks and takes every block already cached under the same key,
+sharing it (a reference count) instead of computing it again. Only full blocks are shared and a full block is
+never written again, so sharing needs no copy-on-write; a sequence's last, partly filled block is its own.
+Freed blocks keep their key and content and wait in the free list, oldest first: a later request can still
+find them there until the pool hands them out again (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class BlockPool:
+    """`num_blocks` blocks of `block_size` token slots: allocation, sharing by prefix, release."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: expected positive integers")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.refs = [0] * num_blocks
+        self.keys: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # key -> block holding that prefix
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # refs == 0, oldest first
+
+    def in_use(self) -> int:
+        """Blocks some sequence holds (a shared block counts once)."""
+        return self.num_blocks - len(self.free)
+
+    def available(self) -> int:
+        return len(self.free)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _take(self) -> int:
+        block, _ = self.free.popitem(last=False)
+        if (key := self.keys[block]) is not None:  # its old content is overwritten: forget the prefix
+            del self.cached[key]
+            self.keys[block] = None
+        self.refs[block] = 1
+        return block
+
+    def _share(self, block: int) -> None:
+        if self.refs[block] == 0:
+            del self.free[block]
+        self.refs[block] += 1
+
+    def prefix_keys(self, tokens: Sequence[int]) -> list[int]:
+        """The key of each full block of `tokens`, in order."""
+        keys, parent, B = [], 0, self.block_size
+        for start in range(0, len(tokens) - B + 1, B):
+            parent = hash((parent, tuple(tokens[start:start + B])))
+            keys.append(parent)
+        return keys
+
+    def allocate(self, tokens: Sequence[int], reserve: int) -> tuple[list[int], int] | None:
+        """A block table for a new sequence of `tokens` with room for `reserve` tokens in all, and how many of
+        its leading tokens are cached already (a multiple of block_size, never the whole prompt: its last
+        token must run to give the next one's logits). None, with nothing taken, when the pool is short."""
+        keys = self.prefix_keys(tokens[:len(tokens) - 1])
+        shared = []
+        for key in keys:
+            if (block := self.cached.get(key)) is None:
+                break
+            shared.append(block)
+        fresh = self.blocks_for(max(reserve, len(tokens))) - len(shared)
+        # a cached block taken from the free list is one fewer block for the fresh ones
+        reclaimed = sum(self.refs[b] == 0 for b in shared)
+        if fresh > self.available() - reclaimed:
+            return None
+        for block in shared:
+            self._share(block)
+        return shared + [self._take() for _ in range(fresh)], len(shared) * self.block_size
+
+    def grow(self, table: list[int], tokens: int) -> bool:
+        """Extend `table` to hold `tokens` tokens; False, with the table unchanged, when the pool is short."""
+        need = self.blocks_for(tokens) - len(table)
+        if need > self.available():
+            return False
+        table.extend(self._take() for _ in range(max(need, 0)))
+        return True
+
+    def commit(self, table: list[int], tokens: Sequence[int]) -> None:
+        """Register the full blocks of `table` whose KV for `tokens` (the sequence so far) is now computed, so
+        later requests can share them. A block already registered, or whose prefix another block holds, is
+        left as it is."""
+        for block, key in zip(table, self.prefix_keys(tokens)):
+            if self.keys[block] is None and key not in self.cached:
+                self.keys[block] = key
+                self.cached[key] = block
+
+    def release(self, table: list[int]) -> None:
+        """Give a finished or preempted sequence's blocks back. The tail goes to the free list first, so it is
+        reused before the prefix, which other requests are likelier to share."""
+        for block in reversed(table):
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.free[block] = None
+            elif self.refs[block] < 0:
+                raise RuntimeError(f"block {block} released more often than taken")
+        table.clear()
