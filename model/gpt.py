@@ -303,6 +303,9 @@ class Attention(nn.Module):
 
             y = flash_attention(q, k, v, causal=True, backend="triton")
             return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
+        if cache is not None and hasattr(cache, "attend"):  # a paged cache: it stores and attends itself
+            y = cache.attend(layer, q, k, v)
+            return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
         if cache is not None:
             k, v = cache.update(layer, pos, k, v)
         if self.n_kv_head != self.n_head:
@@ -438,6 +441,9 @@ class GPT(nn.Module):
         be predicted or sampled. With targets (B, T) int64: the cross-entropy in float32, ignoring -100;
         reduction "mean" (over non-ignored tokens), "sum", or "none" ((B, T), 0 where ignored).
         With a cache, keys/values of the new tokens are stored at [pos, pos+T) and attention covers [0, pos+T).
+        A paged cache (one with `attend`, the serving engine's) instead brings a flat batch of several
+        sequences' new tokens (B = 1): their positions, where to store them, what each attends to, and
+        `logit_rows`, the tokens whose logits are returned ((1, len(logit_rows), vocab_size)).
         `pad` (B,) int64 batches sequences of different lengths by left padding: row b's first pad[b] slots
         (of the cache, or of idx without one) are padding, never attended to, and its tokens' positions count
         from slot pad[b], so each row computes what it would alone.
@@ -447,6 +453,9 @@ class GPT(nn.Module):
         """
         c = self.config
         B, T = idx.shape
+        paged = cache is not None and hasattr(cache, "attend")
+        if paged:
+            return self._paged_forward(idx, cache)
         if pos + T > c.max_seq_len:
             raise ValueError(f"positions [{pos}, {pos + T}) exceed max_seq_len={c.max_seq_len}")
         if reduction not in REDUCTIONS:
@@ -479,6 +488,18 @@ class GPT(nn.Module):
         loss = F.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(B * T), ignore_index=-100,
                                reduction=reduction)
         return loss.view(B, T) if reduction == "none" else loss
+
+    def _paged_forward(self, idx: torch.Tensor, cache) -> torch.Tensor:
+        """The flat batch of a paged cache: per-token positions for the embeddings and RoPE, attention by the
+        cache, logits for the rows it asks for only (a prompt's other tokens need none)."""
+        at = cache.positions[None]
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(at)
+        rope = (self.rope_cos[at][:, None], self.rope_sin[at][:, None]) if self.config.arch == "llama" else None
+        for layer, block in enumerate(self.blocks):
+            x = block(x, rope, cache, layer, 0, (None, False))
+        return self.lm_head(self.norm(x[:, cache.logit_rows]))[..., :self.config.vocab_size]
 
     def _token_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float, stats: bool):
         weight = self.lm_head.weight[:self.config.vocab_size]  # the padding rows are never scored

@@ -1,0 +1,110 @@
+"""The paged KV cache's memory and the attention of one engine step over it.
+
+Memory: keys and values of every layer in one pool of blocks, (n_layer, num_blocks, block_size, n_kv_head,
+head_dim) each, allocated once; `blocks.BlockPool` decides which block belongs to whom. A step runs a flat
+batch: the new tokens of several sequences side by side in one (1, N) row, each sequence a segment with its
+block table, the position its new tokens start at and how many there are (one for a decode, a chunk of the
+prompt for a prefill). The model asks the cache for the tokens' positions (for RoPE and learned position
+embeddings) and hands it each layer's queries, keys and values (`attend`): the cache writes the new keys and
+values into their slots, then each segment attends to its own sequence's cached tokens, causally.
+
+Decode segments (one token) go to the paged decode kernel (`kernels/paged_attention.py`) in one launch; prefill
+segments gather their context from the blocks and run SDPA with the causal diagonal aligned bottom-right (the
+chunk's first query sees every token before it). Both read the pool through the block tables, so a prefix
+shared with another request is read where it lies.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kiln.kernels.paged_attention import paged_attention
+from kiln.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's share of a step: `count` new tokens at positions [start, start + count), in `table`."""
+
+    table: list[int]
+    start: int
+    count: int
+
+
+class PagedKVCache:
+    """Keys and values for `num_blocks` blocks of `block_size` tokens, every layer, and the step being run."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=None,
+                 backend: str = "auto"):
+        shape = (config.n_layer, num_blocks, block_size, config.n_kv_head, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.block_size, self.backend = block_size, backend
+        self.segments: list[Segment] = []
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def bytes_per_block(self) -> int:
+        return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    def begin(self, segments: list[Segment]) -> None:
+        """Set the step's segments: the model's next forward runs their new tokens, in this order."""
+        for s in segments:
+            if s.count < 1 or len(s.table) * self.block_size < s.start + s.count:
+                raise ValueError(f"segment at {s.start} + {s.count} tokens does not fit its {len(s.table)} blocks")
+        self.segments = segments
+        self.offsets = [0, *itertools.accumulate(s.count for s in segments)]
+        device = self.device
+        self.positions = torch.cat([torch.arange(s.start, s.start + s.count) for s in segments]).to(device)
+        slots = [torch.tensor(s.table)[torch.arange(s.start, s.start + s.count) // self.block_size] * self.block_size
+                 + torch.arange(s.start, s.start + s.count) % self.block_size for s in segments]
+        self.slots = torch.cat(slots).to(device)
+        decodes = [i for i, s in enumerate(segments) if s.count == 1]
+        self.decode_rows = torch.tensor([self._offset(i) for i in decodes], dtype=torch.long, device=device)
+        width = max((len(segments[i].table) for i in decodes), default=0)
+        self.decode_tables = torch.tensor([segments[i].table + [0] * (width - len(segments[i].table)) for i in decodes],
+                                          dtype=torch.int32, device=device).view(len(decodes), width)
+        self.decode_lens = torch.tensor([segments[i].start + 1 for i in decodes], dtype=torch.int32, device=device)
+        self.prefills = [i for i, s in enumerate(segments) if s.count > 1]
+        # each segment's last new token: the model returns logits for these rows only
+        self.logit_rows = torch.tensor([self._offset(i + 1) - 1 for i in range(len(segments))], device=device)
+
+    def _offset(self, i: int) -> int:
+        """Where segment i's tokens start in the flat batch."""
+        return self.offsets[i]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (1, H, N, D), k and v (1, H_kv, N, D) of the step's new tokens, rotated: store k and v, return the
+        attention output (1, H, N, D)."""
+        H, H_kv, D = q.size(1), k.size(1), q.size(3)
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        flat_k, flat_v = k_pool.view(-1, H_kv, D), v_pool.view(-1, H_kv, D)
+        flat_k[self.slots] = k[0].transpose(0, 1).to(flat_k.dtype)
+        flat_v[self.slots] = v[0].transpose(0, 1).to(flat_v.dtype)
+        out = torch.empty_like(q[0].transpose(0, 1))  # (N, H, D)
+        if len(self.decode_rows):
+            queries = q[0].transpose(0, 1)[self.decode_rows]
+            out[self.decode_rows] = paged_attention(queries, k_pool.to(q.dtype), v_pool.to(q.dtype),
+                                                    self.decode_tables, self.decode_lens,
+                                                    backend=self.backend).to(out.dtype)
+        for i in self.prefills:
+            s, first = self.segments[i], self._offset(i)
+            context = s.start + s.count
+            positions = torch.arange(context, device=self.device)
+            slots = torch.tensor(s.table, device=self.device)[positions // self.block_size] * self.block_size \
+                + positions % self.block_size
+            keys = flat_k[slots].transpose(0, 1)[None].to(q.dtype)  # (1, H_kv, context, D)
+            values = flat_v[slots].transpose(0, 1)[None].to(q.dtype)
+            if H != H_kv:
+                keys, values = keys.repeat_interleave(H // H_kv, dim=1), values.repeat_interleave(H // H_kv, dim=1)
+            # query i is token s.start + i: it sees every key up to and including itself
+            mask = positions[None, :] <= (s.start + torch.arange(s.count, device=self.device))[:, None]
+            y = F.scaled_dot_product_attention(q[:, :, first:first + s.count], keys, values, attn_mask=mask)
+            out[first:first + s.count] = y[0].transpose(0, 1)
+        return out.transpose(0, 1)[None]

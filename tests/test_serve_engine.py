@@ -1,0 +1,105 @@
+"""The continuous-batching engine against `generate`: greedy outputs token for token whatever the arrival
+times, prompt lengths, prefill chunk sizes, preemptions and shared prefixes; the blocks' books; per-request
+sampling that does not depend on the batch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kiln.model import GPT, ModelConfig, generate
+from kiln.pipeline.serve.engine import Engine, Request, Sampling
+
+VOCAB = 97
+
+
+def tiny(arch: str = "llama", seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    heads = {"llama": (4, 2), "gpt2": (4, 4)}[arch]
+    config = ModelConfig(vocab_size=VOCAB, n_layer=2, n_head=heads[0], n_kv_head=heads[1], d_model=32,
+                         max_seq_len=64, arch=arch)
+    return GPT(config).eval()
+
+
+def prompts(n: int, seed: int, shared: list[int] | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [(shared or []) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(n)]
+
+
+def run_arriving(engine: Engine, requests: list[Request], seed: int) -> None:
+    """Requests join at random steps while others run; check the block books after every step."""
+    rng = random.Random(seed)
+    pending = list(requests)
+    while pending or engine.has_work():
+        while pending and (not engine.has_work() or rng.random() < 0.3):
+            engine.add(pending.pop(0))
+        engine.step()
+        for r in engine.running:  # each holds blocks for what it has cached (its whole prompt once admitted)
+            assert len(r.table) == engine.pool.blocks_for(max(r.computed, len(r.prompt)))
+    assert engine.pool.in_use() == 0
+
+
+@pytest.mark.parametrize(("arch", "blocks", "block_size", "budget", "shared"), [
+    ("llama", 64, 4, 256, None),       # plenty of room: continuous batching alone
+    ("llama", 64, 4, 7, None),         # 7-token steps: prompts prefill in chunks beside the decodes
+    ("llama", 12, 4, 32, None),        # 12 blocks of 4 for 8 requests: preemption and recompute
+    ("gpt2", 40, 8, 16, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]),  # a shared system prompt
+])
+def test_greedy_engine_equals_generate_token_for_token(arch, blocks, block_size, budget, shared):
+    model = tiny(arch)
+    texts = prompts(8, seed=blocks + budget, shared=shared)
+    stop = 3
+    expected = [generate(model, [p], 12, temperature=0.0, stop_ids=[stop])[0] for p in texts]
+    engine = Engine(model, num_blocks=blocks, block_size=block_size, max_batch_tokens=budget)
+    requests = [Request(p, Sampling(max_tokens=12, stop_ids=(stop,)), id=str(i)) for i, p in enumerate(texts)]
+    run_arriving(engine, requests, seed=budget)
+    assert [r.output for r in requests] == expected
+    assert (engine.preemptions > 0) == (blocks == 12)
+    assert all(r.finish_reason == ("stop" if r.output[-1] == stop else "length") for r in requests)
+    if shared:  # requests that arrived after the system prompt was computed skipped its cached block
+        assert engine.prefill_tokens < sum(len(p) for p in texts)
+
+
+def test_prefix_caching_skips_the_shared_prompt():
+    model = tiny()
+    system = list(range(10, 42))  # 32 tokens: 8 blocks of 4
+    texts = [system + [50 + i, 60 + i] for i in range(4)]
+    counts = {}
+    for caching in (False, True):
+        engine = Engine(model, num_blocks=64, block_size=4, prefix_caching=caching)
+        first = engine.add(Request(texts[0], Sampling(max_tokens=3)))
+        engine.step()  # blocks are shared once their keys and values are computed
+        outs = [first] + engine.run([Request(p, Sampling(max_tokens=3)) for p in texts[1:]])
+        counts[caching] = engine.prefill_tokens
+        assert [r.output for r in outs] == [generate(model, [p], 3, temperature=0.0)[0] for p in texts]
+    # the first request computes the prompt; the other three only their last 2 tokens
+    assert counts[False] == 4 * 34 and counts[True] == 34 + 3 * 2
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    model = tiny()
+    texts = prompts(5, seed=3)
+    sampling = Sampling(max_tokens=10, temperature=1.0, top_k=20, top_p=0.9, seed=1234)
+    alone = Engine(model, num_blocks=64, block_size=4).run([Request(texts[0], sampling)])[0].output
+    together = Engine(model, num_blocks=64, block_size=4, max_batch_tokens=9).run(
+        [Request(p, sampling if i == 0 else Sampling(max_tokens=10, temperature=1.0, seed=i)) for i, p in
+         enumerate(texts)])
+    assert together[0].output == alone and len(alone) == 10
+
+
+def test_abort_gives_the_blocks_back_and_bad_requests_are_refused():
+    model = tiny()
+    engine = Engine(model, num_blocks=8, block_size=4)
+    request = engine.add(Request(list(range(1, 10)), Sampling(max_tokens=5)))
+    engine.step()
+    assert engine.pool.in_use() > 0
+    engine.abort(request)
+    assert engine.pool.in_use() == 0 and request.finish_reason == "abort" and not engine.has_work()
+    with pytest.raises(ValueError, match="context is 64 tokens"):
+        engine.add(Request(list(range(60)), Sampling(max_tokens=10)))
+    with pytest.raises(ValueError, match="8 blocks"):
+        engine.add(Request(list(range(30)), Sampling(max_tokens=10)))
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.add(Request([], Sampling(max_tokens=1)))
