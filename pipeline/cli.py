@@ -357,6 +357,28 @@ def chat_command(
         typer.echo()
 
 
+@app.command("serve")
+@reports_errors
+def serve_command(
+        model: Annotated[Path, typer.Option(help="A model folder (config.json + model.safetensors).")] =
+        layout.DPO_MODEL,
+        tokenizer: TokenizerOpt = layout.TOKENIZER,
+        host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto",
+        kv_blocks: Annotated[int | None, typer.Option(help="KV cache blocks (default: 16 full contexts).")] = None,
+        block_size: Annotated[int, typer.Option(help="Tokens per KV cache block.")] = 16,
+        max_batch_tokens: Annotated[int, typer.Option(help="Most tokens one engine step runs (decodes, then "
+                                                           "prefill chunks).")] = 256,
+        name: Annotated[str | None, typer.Option(help="The model's name in the API (default: the folder's).")] =
+        None):
+    """Serve a model over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on a
+    continuous-batching engine with a paged KV cache."""
+    from kiln.pipeline.serve.server import serve
+
+    serve(model, tokenizer, host, port, device, kv_blocks, block_size, max_batch_tokens, name)
+
+
 @scaling_app.command("sweep")
 @reports_errors
 def scaling_sweep_command(

@@ -88,6 +88,7 @@ class Engine:
         self.prefill_tokens = 0  # computed, over the engine's life: what prefix caching saves shows here
         self.last_stats = StepStats()
         self.preemptions = 0
+        self.aborted = 0
 
     def add(self, request: Request) -> Request:
         """Queue a request (checked: it must fit the model's context and, alone, the pool)."""
@@ -114,6 +115,7 @@ class Engine:
             self.running.remove(request)
             self.pool.release(request.table)
         request.finish_reason = request.finish_reason or "abort"
+        self.aborted += 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

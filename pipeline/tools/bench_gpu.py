@@ -52,7 +52,8 @@ TOY = ["model.n_layer=1", "model.n_head=2", "model.n_kv_head=2", "model.d_model=
 
 TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/test_kernel_rope.py",
          "tests/test_kernel_cross_entropy.py", "tests/test_kernel_linear_cross_entropy.py",
-         "tests/test_kernel_flash_attention.py", "tests/test_model.py"]
+         "tests/test_kernel_flash_attention.py", "tests/test_kernel_nf4.py", "tests/test_kernel_paged_attention.py",
+         "tests/test_model.py"]
 
 # Seconds each step may take, per size: quick fits one 10-minute device call; full needs two or three
 # (`--steps`), the split the README gives.

@@ -1,0 +1,439 @@
+"""`kiln serve`: the OpenAI HTTP API (completions, chat completions, models, health) on the engine.
+
+One thread owns the engine and the model: it takes new requests and aborts from a queue, steps while anything
+runs, and hands each request's new tokens to the asyncio side (`loop.call_soon_threadsafe`), where every HTTP
+request waits on its own queue. So every client's tokens come from the same batched steps, and the event loop
+stays free to accept connections while the model computes (torch releases the GIL inside its kernels).
+
+Text: a completion's prompt starts a document, as every pretraining document follows `<|endoftext|>`; a chat
+is rendered with the model's ChatML template (post/chat_format.py, what SFT taught). Tokens are decoded as they
+come, holding back a character split across tokens; `stop` strings end a completion where they begin (the
+string itself left out, as OpenAI does), and the engine request is aborted there. A client that disconnects
+mid-stream has its request aborted, so its blocks go back at once.
+
+Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a body that is not JSON
+or has a bad value (naming the field), a prompt longer than the context, or an option kiln does not support
+(n > 1, echo, logprobs, best_of); 404 for an unknown model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from starlette.requests import Request as HTTPRequest  # FastAPI reads handler annotations from module globals
+
+from kiln.pipeline.serve.engine import Engine, Request, Sampling
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+def error_body(message: str, param: str | None = None, kind: str = "invalid_request_error",
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class EngineThread:
+    """The engine, stepped on a thread of its own; `submit` and `abort` may be called from any thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.inbox: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
+        self.failure: BaseException | None = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, request: Request, on_token) -> None:
+        """Queue `request`; `on_token(request, token)` is called on the engine thread for each new token, and
+        once more with token None when it has finished (or failed: `request.finish_reason` says which)."""
+        self.inbox.put(("add", request, on_token))
+
+    def abort(self, request: Request) -> None:
+        self.inbox.put(("abort", request, None))
+
+    def _run(self) -> None:
+        listeners: dict[int, object] = {}
+        while True:
+            commands = [self.inbox.get()] if not self.engine.has_work() else []
+            while True:
+                try:
+                    commands.append(self.inbox.get_nowait())
+                except queue.Empty:
+                    break
+            for kind, request, on_token in commands:
+                if kind == "add":
+                    try:
+                        self.engine.add(request)
+                    except ValueError as e:
+                        request.finish_reason = f"error: {e}"
+                        on_token(request, None)
+                        continue
+                    listeners[id(request)] = on_token
+                elif id(request) in listeners:
+                    self.engine.abort(request)
+                    listeners.pop(id(request))(request, None)
+            if not self.engine.has_work():
+                continue
+            try:
+                events = self.engine.step()
+            except BaseException as e:  # a bug: every waiting client hears of it rather than hanging
+                self.failure = e
+                for key, on_token in list(listeners.items()):
+                    on_token(None, None)
+                    listeners.pop(key)
+                raise
+            for request, token in events:
+                on_token = listeners.get(id(request))
+                if on_token is None:
+                    continue
+                on_token(request, token)
+                if request.finish_reason:
+                    listeners.pop(id(request))(request, None)
+
+
+@dataclass
+class Job:
+    """One HTTP request's generation: its engine request, the text so far and where it ends."""
+
+    request: Request
+    stops: list[str]
+    decode: object  # ids -> text
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    ids: list[int] = field(default_factory=list)  # generated so far, as this side received them
+    text: str = ""  # released so far
+    finish_reason: str | None = None
+
+    def advance(self, last: bool = False) -> str:
+        """The new text to release for the tokens so far; sets finish_reason "stop" when a stop string appears.
+        Until the `last` call, text that may still change is held back: a character whose bytes are not all
+        there yet, and an ending that may be the start of a stop string."""
+        text = self.decode(self.ids)
+        for stop in self.stops:
+            at = text.find(stop)
+            if at >= 0:
+                self.finish_reason = "stop"
+                text = text[:at]
+        if self.finish_reason is None and not last:
+            if text.endswith("\ufffd"):
+                return ""
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            held = next((n for n in range(hold, 0, -1) if any(s.startswith(text[-n:]) for s in self.stops)), 0)
+            text = text[:len(text) - held]
+        new = text[len(self.text):]
+        self.text += new
+        return new
+
+
+class Service:
+    """What the HTTP handlers need: the model's name and limits, the tokenizer and chat format, the engine."""
+
+    def __init__(self, name: str, engine: Engine, tokenizer, chat, eot: int):
+        self.name, self.engine, self.tokenizer, self.chat, self.eot = name, engine, tokenizer, chat, eot
+        self.context = engine.model.config.max_seq_len
+        self.worker = EngineThread(engine)
+        self.created = int(time.time())
+
+    def sampling(self, body: dict, prompt_tokens: int, stop_ids: tuple[int, ...], default_max: int | None) -> Sampling:
+        n = body.get("n", 1)
+        if n != 1:
+            raise BadRequest(f"n={n!r}: kiln serves one choice per request (n=1)", "n")
+        for unsupported in ("echo", "best_of", "logprobs", "top_logprobs"):
+            if body.get(unsupported) not in (None, False, 1 if unsupported == "best_of" else None):
+                raise BadRequest(f"{unsupported}: not supported by kiln serve", unsupported)
+        room = self.context + 1 - prompt_tokens
+        if room < 1:
+            raise BadRequest(f"prompt: {prompt_tokens} tokens; this model's maximum context length is "
+                             f"{self.context} tokens", "prompt" if "prompt" in body else "messages",
+                             code="context_length_exceeded")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        max_tokens = number(max_tokens, "max_tokens", int, low=1) if max_tokens is not None else (default_max or room)
+        if max_tokens > room:
+            raise BadRequest(f"max_tokens={max_tokens}: the prompt's {prompt_tokens} tokens leave room for {room} "
+                             f"in this model's {self.context}-token context", "max_tokens",
+                             code="context_length_exceeded")
+        temperature = number(body.get("temperature", 1.0), "temperature", float, low=0.0, high=2.0)
+        top_p = number(body.get("top_p", 1.0), "top_p", float, low=0.0, high=1.0, open_low=True)
+        seed = body.get("seed")
+        if seed is not None:
+            seed = number(seed, "seed", int)
+        top_k = body.get("top_k")  # vLLM's extension, accepted through extra_body
+        if top_k is not None and top_k != -1:
+            top_k = number(top_k, "top_k", int, low=1)
+        return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p < 1 else None,
+                        top_k=None if top_k in (None, -1) else top_k, seed=seed, stop_ids=stop_ids)
+
+    def stops(self, body: dict) -> list[str]:
+        stop = body.get("stop")
+        if stop is None:
+            return []
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
+            raise BadRequest("stop: expected a non-empty string or a list of up to 4 of them", "stop")
+        return stops
+
+    def completion_prompt(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            if not all(0 <= t < self.tokenizer.get_vocab_size() for t in prompt):
+                raise BadRequest("prompt: token ids out of the vocabulary", "prompt")
+            return [self.eot, *prompt]
+        if not isinstance(prompt, str):
+            raise BadRequest("prompt: expected a string (or one string, or a list of token ids)", "prompt")
+        return [self.eot, *self.tokenizer.encode(prompt).ids]
+
+    def chat_prompt(self, body: dict) -> list[int]:
+        if self.chat is None:
+            raise BadRequest(f"model {self.name!r}: its tokenizer has no chat tokens; use /v1/completions", "model")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages: expected a non-empty list of {role, content}", "messages")
+        turns = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
+                raise BadRequest(f"messages[{i}].role: expected system, user or assistant", f"messages[{i}].role")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: text only
+                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                    raise BadRequest(f"messages[{i}].content: only text parts are supported", f"messages[{i}]")
+                content = "".join(p.get("text", "") for p in content)
+            if not isinstance(content, str):
+                raise BadRequest(f"messages[{i}].content: expected a string", f"messages[{i}].content")
+            turns.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        return self.chat.prompt(turns)
+
+    def start_job(self, ids: list[int], sampling: Sampling, stops: list[str], decode) -> Job:
+        loop = asyncio.get_running_loop()
+        job = Job(Request(ids, sampling, id=uuid.uuid4().hex), stops, decode)
+
+        def on_token(request, token):
+            loop.call_soon_threadsafe(job.queue.put_nowait, (request, token))
+
+        self.worker.submit(job.request, on_token)
+        return job
+
+    async def tokens(self, job: Job):
+        """The job's new text pieces as tokens arrive, until it finishes; sets job.finish_reason."""
+        while True:
+            request, token = await job.queue.get()
+            if request is None:
+                raise RuntimeError(f"the engine failed: {self.worker.failure!r}")
+            if token is None:
+                reason = request.finish_reason or "length"
+                if reason.startswith("error: "):
+                    raise BadRequest(reason[len("error: "):])
+                if job.finish_reason is None and (piece := job.advance(last=True)):
+                    yield piece
+                job.finish_reason = job.finish_reason or ("length" if reason == "length" else "stop")
+                return
+            if job.finish_reason is not None:
+                continue  # a stop string ended it; the abort is on its way
+            job.ids.append(token)
+            piece = job.advance()
+            if job.finish_reason is not None:
+                self.worker.abort(request)
+            if piece:
+                yield piece
+
+
+def number(value, name: str, kind: type, low: float | None = None, high: float | None = None,
+           open_low: bool = False):
+    """`value` as `kind`, within [low, high] ((low, high] with open_low), or a BadRequest naming the field."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or
+                                                                                float(value).is_integer())
+    if ok:
+        value = kind(value)
+        ok = value == value and abs(value) != float("inf")
+        if low is not None:
+            ok = ok and (value > low if open_low else value >= low)
+        if high is not None:
+            ok = ok and value <= high
+    if not ok:
+        bounds = "" if low is None else f" in {'(' if open_low else '['}{low}, {high if high is not None else 'inf'}]"
+        raise BadRequest(f"{name}={value!r}: expected {'an integer' if kind is int else 'a number'}{bounds}", name)
+    return value
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def create_app(service: Service):
+    """The FastAPI app: /health, /v1/models, /v1/completions, /v1/chat/completions."""
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_):
+        service.worker.start()
+        yield
+
+    app = FastAPI(title="kiln serve", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(_, e: BadRequest):
+        kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return JSONResponse(error_body(e.message, e.param, kind, e.code), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, e: StarletteHTTPException):
+        return JSONResponse(error_body(str(e.detail), kind="invalid_request_error" if e.status_code < 500 else
+                                       "server_error"), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, e: RequestValidationError):
+        return JSONResponse(error_body(f"invalid request: {e.errors()[0].get('msg', e)}"), status_code=400)
+
+    @app.get("/health")
+    async def health():
+        engine = service.engine  # counters read across threads: a snapshot, not a transaction
+        return {"status": "ok", "running": len(engine.running), "waiting": len(engine.waiting),
+                "kv_blocks_in_use": engine.pool.in_use(), "kv_blocks": engine.pool.num_blocks,
+                "aborted": engine.aborted}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(service)]}
+
+    @app.get("/v1/models/{name}")
+    async def model(name: str):
+        if name != service.name:
+            raise BadRequest(f"model {name!r} does not exist (this server has {service.name!r})", "model", 404,
+                             "model_not_found")
+        return model_card(service)
+
+    async def parse(http: HTTPRequest) -> dict:
+        try:
+            body = json.loads(await http.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the request body: expected a JSON object")
+        if body.get("model") != service.name:
+            if not isinstance(body.get("model"), str):
+                raise BadRequest("model: expected the name of a model (GET /v1/models lists them)", "model")
+            raise BadRequest(f"model {body['model']!r} does not exist (this server has {service.name!r})", "model",
+                             404, "model_not_found")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequest("stream: expected true or false", "stream")
+        return body
+
+    async def respond(body: dict, job: Job, chat: bool):
+        created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + job.request.id
+        obj = "chat.completion" if chat else "text_completion"
+        prompt_tokens = len(job.request.prompt)
+
+        def usage():
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": len(job.ids),
+                    "total_tokens": prompt_tokens + len(job.ids)}
+
+        def chunk(piece: str | None, finish: str | None, role: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            return {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
+                    "model": service.name, "choices": [choice]}
+
+        if not body.get("stream"):
+            text = "".join([piece async for piece in service.tokens(job)])
+            choice = {"index": 0, "logprobs": None, "finish_reason": job.finish_reason}
+            choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            return JSONResponse({"id": rid, "object": obj, "created": created, "model": service.name,
+                                 "choices": [choice], "usage": usage()})
+
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+
+        async def events():
+            try:
+                if chat:
+                    yield sse(chunk(None, None, role=True))
+                async for piece in service.tokens(job):
+                    yield sse(chunk(piece, None))
+                yield sse(chunk(None, job.finish_reason))
+                if include_usage:
+                    yield sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
+                               "model": service.name, "choices": [], "usage": usage()})
+                yield sse("[DONE]")
+            finally:  # the client went away (the generator is closed) or the job ended: either way, stop it
+                if job.finish_reason is None:
+                    service.worker.abort(job.request)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(http: HTTPRequest):
+        body = await parse(http)
+        ids = service.completion_prompt(body)
+        sampling = service.sampling(body, len(ids), (service.eot,), default_max=16)
+        decode = lambda out: service.tokenizer.decode([t for t in out if t != service.eot])  # noqa: E731
+        return await respond(body, service.start_job(ids, sampling, service.stops(body), decode), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HTTPRequest):
+        body = await parse(http)
+        ids = service.chat_prompt(body)
+        chat = service.chat
+        sampling = service.sampling(body, len(ids), (chat.im_end, chat.eot), default_max=None)
+        return await respond(body, service.start_job(ids, sampling, service.stops(body), chat.parse_reply),
+                             chat=True)
+
+    return app
+
+
+def model_card(service: Service) -> dict:
+    return {"id": service.name, "object": "model", "created": service.created, "owned_by": "kiln",
+            "max_model_len": service.context}
+
+
+def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: str, kv_blocks: int | None,
+          block_size: int, max_batch_tokens: int, name: str | None = None) -> None:
+    """Load the model, build the engine and run the HTTP server until interrupted."""
+    import uvicorn
+
+    from kiln.pipeline.errors import UserError
+    from kiln.pipeline.evals.sampling import TextModel
+    from kiln.pipeline.post.chat_format import ChatFormat
+    from kiln.pipeline.progress import console
+    from kiln.pipeline.train.loop import pick_device
+
+    for option, value in (("--block-size", block_size), ("--max-batch-tokens", max_batch_tokens),
+                          ("--kv-blocks", kv_blocks if kv_blocks is not None else 1)):
+        if value < 1:
+            raise UserError(f"{option}={value}: expected a positive integer")
+    if not 0 <= port < 65536:
+        raise UserError(f"--port={port}: expected 0..65535")
+    lm = TextModel(model_dir, tokenizer_path, pick_device(device))
+    lm.model.eval()
+    context = lm.model.config.max_seq_len
+    # by default room for 16 requests that fill the whole context at once; shorter ones share it
+    kv_blocks = kv_blocks or 16 * -(-context // block_size)
+    engine = Engine(lm.model, kv_blocks, block_size, max_batch_tokens)
+    try:
+        chat = ChatFormat(lm.tokenizer)
+    except UserError:
+        chat = None
+    service = Service(name or Path(model_dir).name, engine, lm.tokenizer, chat, lm.eot)
+    megabytes = kv_blocks * engine.cache.bytes_per_block() / 1e6
+    console.print(f"kiln serve: model {service.name!r} ({context}-token context) on {engine.cache.device}, KV cache "
+                  f"{kv_blocks:,} blocks of {block_size} tokens ({megabytes:.1f} MB), steps of up to "
+                  f"{max_batch_tokens} tokens; http://{host}:{port}/v1", highlight=False)
+    uvicorn.run(create_app(service), host=host, port=port, log_level="warning")

@@ -1,0 +1,175 @@
+"""`kiln serve` as a client sees it: a real server process on 127.0.0.1 (a free port), driven by the `openai`
+Python client: completions and chat against greedy `generate`, streaming, 16 concurrent clients, a client that
+disconnects mid-stream, and every 4xx case."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx  # the HTTP client the openai package itself uses
+import openai
+import pytest
+import torch
+
+from kiln.model import GPT, ModelConfig, generate, load_model, save_model
+from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.text.tokens import EOT, load_tokenizer
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    """A random model with a 512-token context (long enough that a stream is still running when its client
+    leaves), served under the name "tiny"."""
+    root = tmp_path_factory.mktemp("serve")
+    torch.manual_seed(0)
+    vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
+    config = ModelConfig(vocab_size=vocab, n_layer=2, n_head=4, n_kv_head=2, d_model=128, max_seq_len=512)
+    save_model(GPT(config), config, root / "tiny", {"tokenizer_sha256": sha256_file(tiny.tokenizer)})
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "kiln.pipeline.cli", "serve", "--model", str(root / "tiny"),
+                                "--tokenizer", str(tiny.tokenizer), "--port", str(port), "--device", "cpu",
+                                "--kv-blocks", "256", "--block-size", "8"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None, process.stdout.read()
+            time.sleep(0.1)
+        model, _ = load_model(root / "tiny")
+        yield base, openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0), model.eval()
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def tokenizer(tiny):
+    return load_tokenizer(tiny.tokenizer, ordinary=True)
+
+
+def greedy_text(tiny, model, prompt: str, n: int) -> str:
+    tok = tokenizer(tiny)
+    eot = tok.token_to_id(EOT)
+    out = generate(model, [[eot, *tok.encode(prompt).ids]], n, temperature=0.0, stop_ids=[eot])[0]
+    return tok.decode([t for t in out if t != eot])
+
+
+def test_models_and_health(server):
+    base, client, _ = server
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    health = httpx.get(f"{base}/health").json()
+    assert health["status"] == "ok" and health["kv_blocks"] == 256
+
+
+def test_completion_and_its_stream_are_greedy_generate(tiny, server):
+    _, client, model = server
+    done = client.completions.create(model="tiny", prompt="the king of", max_tokens=12, temperature=0)
+    assert done.choices[0].text == greedy_text(tiny, model, "the king of", 12)
+    assert done.choices[0].finish_reason in ("length", "stop") and done.usage.completion_tokens <= 12
+    pieces = list(client.completions.create(model="tiny", prompt="the king of", max_tokens=12, temperature=0,
+                                            stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == done.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == done.choices[0].finish_reason
+
+
+def test_chat_uses_the_template_and_streams_the_same_answer(tiny, server):
+    _, client, model = server
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "speak, queen"}]
+    chat = ChatFormat(tokenizer(tiny))
+    out = generate(model, [chat.prompt(messages)], 10, temperature=0.0, stop_ids=[chat.im_end, chat.eot])[0]
+    done = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    assert done.choices[0].message.role == "assistant"
+    assert done.choices[0].message.content == chat.parse_reply(out)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == done.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == done.usage.completion_tokens
+
+
+def test_stop_strings_end_the_text_where_they_begin(tiny, server):
+    _, client, model = server
+    full = greedy_text(tiny, model, "doc", 30)
+    cut = next(i for i in range(3, len(full)) if full[i] != " ")  # a stop string from inside the text
+    stop = full[cut:cut + 2]
+    done = client.completions.create(model="tiny", prompt="doc", max_tokens=30, temperature=0, stop=[stop])
+    assert done.choices[0].text == full[:full.index(stop)] and done.choices[0].finish_reason == "stop"
+
+
+def test_sixteen_concurrent_clients_get_what_each_would_alone(tiny, server):
+    _, client, model = server
+    prompts = [f"the {w} of" for w in ("king", "queen", "night", "day")] * 4
+
+    def ask(prompt):
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, prompts))
+    assert answers == [greedy_text(tiny, model, p, 8) for p in prompts]
+    seeded = [client.completions.create(model="tiny", prompt="O", max_tokens=8, temperature=1.0, seed=7)
+              .choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
+    base, _, _ = server
+    before = httpx.get(f"{base}/health").json()["aborted"]
+    body = {"model": "tiny", "prompt": "the", "max_tokens": 500, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # one event, then hang up
+    for _ in range(100):
+        health = httpx.get(f"{base}/health").json()
+        if health["running"] == 0:
+            break
+        time.sleep(0.05)
+    assert health["aborted"] == before + 1 and health["running"] == 0 and health["kv_blocks_in_use"] == 0
+
+
+@pytest.mark.parametrize(("call", "error", "words"), [
+    (lambda c: c.completions.create(model="nope", prompt="a"), openai.NotFoundError, "does not exist"),
+    (lambda c: c.completions.create(model="tiny", prompt="a", temperature=-1), openai.BadRequestError,
+     "temperature"),
+    (lambda c: c.completions.create(model="tiny", prompt="a", top_p=0), openai.BadRequestError, "top_p"),
+    (lambda c: c.completions.create(model="tiny", prompt="a", max_tokens=0), openai.BadRequestError,
+     "max_tokens"),
+    (lambda c: c.completions.create(model="tiny", prompt="a", n=2), openai.BadRequestError, "n=2"),
+    (lambda c: c.completions.create(model="tiny", prompt="a " * 600), openai.BadRequestError, "context length"),
+    (lambda c: c.completions.create(model="tiny", prompt="a", max_tokens=600), openai.BadRequestError,
+     "max_tokens=600"),
+    (lambda c: c.chat.completions.create(model="tiny", messages=[{"role": "wizard", "content": "x"}]),
+     openai.BadRequestError, "role"),
+    (lambda c: c.chat.completions.create(model="tiny", messages=[]), openai.BadRequestError, "messages"),
+])
+def test_bad_requests_get_openai_errors(server, call, error, words):
+    _, client, _ = server
+    with pytest.raises(error) as raised:
+        call(client)
+    assert words in raised.value.message and raised.value.body["type"] in ("invalid_request_error",
+                                                                           "not_found_error")
+
+
+def test_a_body_that_is_not_json_is_a_400_in_openai_shape(server):
+    base, _, _ = server
+    response = httpx.post(f"{base}/v1/chat/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "not valid JSON" in response.json()["error"]["message"]
+    response = httpx.post(f"{base}/v1/completions", content=json.dumps([1, 2]))
+    assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
