@@ -22,10 +22,17 @@ from kiln.model.gpt import GPT, KVCache
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
                 top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token id per row of logits (B, V): greedy at temperature 0, else sampled from the softmax of
-    logits/temperature restricted to the top_k tokens, then to the smallest set holding top_p of the mass."""
+    """One token id per row of logits (B, V): greedy at temperature 0, else drawn from `sampling_probs`."""
     if temperature == 0:
         return logits.argmax(dim=-1)
+    probs = sampling_probs(logits, temperature, top_k, top_p)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                   top_p: float | None = None) -> torch.Tensor:
+    """The distribution a row of logits (B, V) is sampled from at temperature > 0: the softmax of
+    logits/temperature restricted to the top_k tokens, then to the smallest set holding top_p of the mass."""
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
@@ -37,8 +44,7 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | Non
         drop = probs.cumsum(dim=-1) - probs >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    return logits.softmax(dim=-1)
 
 
 def generate(model: GPT, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 1.0,

@@ -371,12 +371,15 @@ def serve_command(
         max_batch_tokens: Annotated[int, typer.Option(help="Most tokens one engine step runs (decodes, then "
                                                            "prefill chunks).")] = 256,
         name: Annotated[str | None, typer.Option(help="The model's name in the API (default: the folder's).")] =
-        None):
+        None,
+        draft: Annotated[Path | None, typer.Option(help="A smaller model with the same tokenizer for speculative "
+                                                        "decoding.")] = None,
+        speculate: Annotated[int, typer.Option(help="Tokens the draft proposes per step.")] = 4):
     """Serve a model over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on a
     continuous-batching engine with a paged KV cache."""
     from kiln.pipeline.serve.server import serve
 
-    serve(model, tokenizer, host, port, device, kv_blocks, block_size, max_batch_tokens, name)
+    serve(model, tokenizer, host, port, device, kv_blocks, block_size, max_batch_tokens, name, draft, speculate)
 
 
 @scaling_app.command("sweep")

@@ -18,8 +18,9 @@ VOCAB = 97
 def tiny(arch: str = "llama", seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     heads = {"llama": (4, 2), "gpt2": (4, 4)}[arch]
+    # llama untied: a random model whose head is its embedding mostly repeats its input, as would any draft
     config = ModelConfig(vocab_size=VOCAB, n_layer=2, n_head=heads[0], n_kv_head=heads[1], d_model=32,
-                         max_seq_len=64, arch=arch)
+                         max_seq_len=64, arch=arch, tie_embeddings=arch == "gpt2")
     return GPT(config).eval()
 
 
@@ -36,8 +37,8 @@ def run_arriving(engine: Engine, requests: list[Request], seed: int) -> None:
         while pending and (not engine.has_work() or rng.random() < 0.3):
             engine.add(pending.pop(0))
         engine.step()
-        for r in engine.running:  # each holds blocks for what it has cached (its whole prompt once admitted)
-            assert len(r.table) == engine.pool.blocks_for(max(r.computed, len(r.prompt)))
+        for r in engine.running:  # blocks for the tokens it has (cached, or to be fed next), no more
+            assert engine.pool.blocks_for(r.computed) <= len(r.table) <= engine.pool.blocks_for(len(r.tokens))
     assert engine.pool.in_use() == 0
 
 
@@ -103,3 +104,38 @@ def test_abort_gives_the_blocks_back_and_bad_requests_are_refused():
         engine.add(Request(list(range(30)), Sampling(max_tokens=10)))
     with pytest.raises(ValueError, match="at least one token"):
         engine.add(Request([], Sampling(max_tokens=1)))
+
+
+@pytest.mark.parametrize(("draft_seed", "speculate", "blocks"), [(0, 4, 64), (5, 3, 64), (5, 4, 14)])
+def test_speculative_greedy_equals_plain_greedy(draft_seed, speculate, blocks):
+    """A draft that is the model itself is always right; another random model is mostly wrong; in a small pool
+    the verify steps' extra blocks force preemptions. The output is the model's greedy output every time."""
+    model, draft = tiny(), tiny(seed=draft_seed)
+    texts = prompts(6, seed=11)
+    expected = [generate(model, [p], 16, temperature=0.0, stop_ids=[3])[0] for p in texts]
+    engine = Engine(model, num_blocks=blocks, block_size=4, max_batch_tokens=12, draft=draft, speculate=speculate)
+    requests = [Request(p, Sampling(max_tokens=16, stop_ids=(3,))) for p in texts]
+    run_arriving(engine, requests, seed=draft_seed)
+    assert [r.output for r in requests] == expected
+    rate = engine.accepted / engine.drafted
+    assert rate == 1.0 if draft_seed == 0 else rate < 0.2
+
+
+def test_speculative_sampling_is_reproducible_and_the_draft_must_match():
+    model, draft = tiny(), tiny(seed=5)
+    sampling = Sampling(max_tokens=12, temperature=0.8, top_p=0.9, seed=3)
+    runs = [Engine(model, num_blocks=64, block_size=4, draft=draft).run([Request([5, 6, 7], sampling)])[0].output
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 12
+    other = GPT(ModelConfig(vocab_size=VOCAB + 1, n_layer=1, n_head=2, n_kv_head=2, d_model=16, max_seq_len=64))
+    with pytest.raises(ValueError, match="same vocabulary"):
+        Engine(model, num_blocks=8, draft=other)
+
+
+def test_decode_through_the_triton_kernel_equals_generate():
+    """The engine's decode attention in the paged Triton kernel (Triton's interpreter on a CPU)."""
+    model = tiny()
+    texts = prompts(3, seed=2)
+    engine = Engine(model, num_blocks=32, block_size=4, backend="triton")
+    outs = engine.run([Request(p, Sampling(max_tokens=5)) for p in texts])
+    assert [r.output for r in outs] == [generate(model, [p], 5, temperature=0.0)[0] for p in texts]

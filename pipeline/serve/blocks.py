@@ -90,6 +90,14 @@ class BlockPool:
         table.extend(self._take() for _ in range(max(need, 0)))
         return True
 
+    def shrink(self, table: list[int], tokens: int) -> None:
+        """Give back the blocks of `table` past what `tokens` tokens need (room a rejected draft took)."""
+        keep = self.blocks_for(tokens)
+        if len(table) > keep:
+            tail = table[keep:]
+            del table[keep:]
+            self.release(tail)
+
     def commit(self, table: list[int], tokens: Sequence[int]) -> None:
         """Register the full blocks of `table` whose KV for `tokens` (the sequence so far) is now computed, so
         later requests can share them. A block already registered, or whose prefix another block holds, is

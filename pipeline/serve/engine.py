@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.model.generate import sample_next
+from kiln.model.generate import sampling_probs
 from kiln.pipeline.serve.blocks import BlockPool
 from kiln.pipeline.serve.kv_cache import PagedKVCache, Segment
+from kiln.pipeline.serve.speculative import accept, accept_greedy
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class Request:
     # the engine's
     table: list[int] = field(default_factory=list)
     computed: int = 0
+    draft_computed: int = 0  # the same in the draft model's cache (speculative decoding)
     order: int = 0
     generator: torch.Generator | None = None
 
@@ -74,14 +76,25 @@ class Engine:
     """`model` (a GPT in eval mode) serving requests from a pool of `num_blocks` blocks of `block_size` tokens."""
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, max_batch_tokens: int = 256,
-                 prefix_caching: bool = True, dtype: torch.dtype | None = None, backend: str = "auto"):
-        if max_batch_tokens < 1:
-            raise ValueError(f"max_batch_tokens={max_batch_tokens}: expected a positive integer")
+                 prefix_caching: bool = True, dtype: torch.dtype | None = None, backend: str = "auto",
+                 draft=None, speculate: int = 4):
+        if max_batch_tokens < 1 or speculate < 1:
+            raise ValueError(f"max_batch_tokens={max_batch_tokens}, speculate={speculate}: expected positive integers")
         self.model, self.max_batch_tokens, self.prefix_caching = model, max_batch_tokens, prefix_caching
         device = next(p.device for p in model.parameters())
         dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.pool = BlockPool(num_blocks, block_size)
         self.cache = PagedKVCache(model.config, num_blocks, block_size, device, dtype, backend)
+        # Speculative decoding: the draft keeps its own cache with the same block tables as the target's.
+        self.draft, self.speculate, self.draft_cache = draft, speculate, None
+        if draft is not None:
+            c, d = model.config, draft.config
+            if d.vocab_size != c.vocab_size or d.max_seq_len < c.max_seq_len:
+                raise ValueError(f"draft: vocabulary {d.vocab_size} and context {d.max_seq_len}; the model has "
+                                 f"{c.vocab_size} and {c.max_seq_len} (the draft needs the same vocabulary and at "
+                                 "least its context)")
+            self.draft_cache = PagedKVCache(d, num_blocks, block_size, device, dtype, backend)
+        self.drafted = self.accepted = 0  # draft tokens proposed and kept: the acceptance rate
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.counter = itertools.count()
@@ -124,7 +137,7 @@ class Engine:
         victim = max(self.running, key=lambda r: r.order)
         self.running.remove(victim)
         self.pool.release(victim.table)
-        victim.computed = 0
+        victim.computed = victim.draft_computed = 0
         self.waiting.appendleft(victim)
         return victim
 
@@ -135,6 +148,7 @@ class Engine:
         if got is None:
             return False
         request.table, request.computed = got
+        request.draft_computed = 0  # the draft's cache of a shared prefix may not be whole: it recomputes
         self.running.append(self.waiting.popleft())
         self.running.sort(key=lambda r: r.order)
         return True
@@ -142,10 +156,10 @@ class Engine:
     def _schedule(self, stats: StepStats) -> list[tuple[Request, int]]:
         """(request, tokens to feed) for this step, decodes first; blocks made ready for all of them."""
         batch: list[tuple[Request, int]] = []
-        for request in list(self.running):  # decodes: one token each, every step
+        for request in list(self.running):  # decodes: one token each (and the draft's), every step
             if request not in self.running or len(request.tokens) - request.computed != 1:
                 continue
-            while not self.pool.grow(request.table, len(request.tokens)):
+            while not self.pool.grow(request.table, len(request.tokens) + self._lookahead(request)):
                 stats.preempted += 1
                 if self._preempt() is request:
                     break
@@ -161,6 +175,62 @@ class Engine:
                 budget -= batch[-1][1]
         return batch
 
+    def _lookahead(self, request: Request) -> int:
+        """How many draft tokens this request's next decode verifies: `speculate`, fewer near its end."""
+        if self.draft is None:
+            return 0
+        room = min(request.sampling.max_tokens - len(request.output),
+                   self.model.config.max_seq_len + 1 - len(request.tokens))
+        return max(0, min(self.speculate, room - 1))
+
+    def _sample(self, request: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """A token from one row of logits with the request's sampling, and the distribution it came from
+        (None when greedy)."""
+        s = request.sampling
+        if s.temperature == 0:
+            return int(logits.argmax()), None
+        probs = sampling_probs(logits[None], s.temperature, s.top_k, s.top_p)[0]
+        return int(torch.multinomial(probs, 1, generator=request.generator)), probs
+
+    def _propose(self, requests: list[Request]) -> dict[int, tuple[list[int], list]]:
+        """Each request's draft tokens and the draft's distributions, from batched forwards of the draft: the
+        first catches its cache up to the request's last token, each next one feeds the token just drafted."""
+        drafts: dict[int, tuple[list[int], list]] = {id(r): ([], []) for r in requests}
+        active = list(requests)
+        for round_ in range(self.speculate):
+            active = [r for r in active if self._lookahead(r) > round_]
+            if not active:
+                break
+            segments, ids = [], []
+            for r in active:
+                fed = r.tokens + drafts[id(r)][0]
+                start = r.draft_computed if round_ == 0 else len(r.tokens) - 1 + round_
+                segments.append(Segment(r.table, start, len(fed) - 1 - start + 1))
+                ids += fed[start:]
+            self.draft_cache.begin(segments)
+            logits = self.draft(torch.tensor(ids, device=self.cache.device)[None], cache=self.draft_cache)[0]
+            for r, row in zip(active, logits):
+                token, probs = self._sample(r, row)
+                drafts[id(r)][0].append(token)
+                drafts[id(r)][1].append(probs)
+        return drafts
+
+    def _finish(self, request: Request, tokens: list[int], events: list) -> None:
+        """Append `tokens` until a stop id or max_tokens; release the request when it is done."""
+        s = request.sampling
+        for token in tokens:
+            request.output.append(token)
+            events.append((request, token))
+            if token in s.stop_ids:
+                request.finish_reason = "stop"
+            elif len(request.output) >= s.max_tokens:
+                request.finish_reason = "length"
+            if request.finish_reason:
+                break
+        if request.finish_reason:
+            self.running.remove(request)
+            self.pool.release(request.table)
+
     @torch.no_grad()
     def step(self) -> list[tuple[Request, int]]:
         """Run one step; return (request, new token) for each request that got a token (finished ones too)."""
@@ -170,34 +240,51 @@ class Engine:
             if self.waiting and not self.running:
                 raise RuntimeError("the pool cannot hold the first waiting request")  # add() prevents this
             return []
-        segments = [Segment(r.table, r.computed, n) for r, n in batch]
-        ids = torch.tensor([t for r, n in batch for t in r.tokens[r.computed:r.computed + n]],
-                           device=self.cache.device)[None]
+        speculating = [r for r, n in batch if len(r.tokens) - r.computed == 1 and self._lookahead(r)]  # decodes
+        drafts = self._propose(speculating) if speculating else {}
+        segments, ids = [], []
+        for r, n in batch:
+            drafted = drafts.get(id(r), ([], []))[0]
+            segments.append(Segment(r.table, r.computed, n + len(drafted), 1 + len(drafted)))
+            ids += r.tokens[r.computed:r.computed + n] + drafted
         self.cache.begin(segments)
-        logits = self.model(ids, cache=self.cache)[0]  # the last new token's of each segment
+        logits = self.model(torch.tensor(ids, device=self.cache.device)[None], cache=self.cache)[0]
+        rows = logits.split([s.logits for s in segments])
         events = []
-        for (request, n), row in zip(batch, logits):
+        for (request, n), row in zip(batch, rows):
             if n > 1 or request.computed < len(request.prompt):
                 stats.prefill_tokens += n
             else:
                 stats.decodes += 1
-            request.computed += n
             stats.tokens += n
+            if request.computed + n < len(request.tokens):
+                request.computed += n  # a prefill chunk short of the end: no token yet
+                if self.prefix_caching:
+                    self.pool.commit(request.table, request.tokens[:request.computed])
+                continue
+            drafted, draft_probs = drafts.get(id(request), ([], []))
+            if not drafted:
+                new = [self._sample(request, row[0])[0]]
+            elif request.sampling.temperature == 0:
+                new = accept_greedy(row, drafted)
+            else:
+                target = sampling_probs(row, request.sampling.temperature, request.sampling.top_k,
+                                        request.sampling.top_p)
+                new = accept(target, torch.stack(draft_probs), drafted, request.generator)
+            self.drafted += len(drafted)
+            self.accepted += len(new) - 1
+            last = len(request.tokens) - 1  # the position fed this step; the drafts were fed after it
+            self._finish(request, new, events)
+            # Every new token but the last is a kept draft, whose keys and values the target computed; the last
+            # is fed next step. The draft computed its cache up to the draft before the last it proposed.
+            request.computed = len(request.tokens) - 1
+            if drafted:
+                request.draft_computed = min(request.computed, last + len(drafted))
+            if request.finish_reason:
+                continue
+            self.pool.shrink(request.table, max(request.computed, len(request.prompt)))
             if self.prefix_caching:
                 self.pool.commit(request.table, request.tokens[:request.computed])
-            if request.computed < len(request.tokens):
-                continue  # a prefill chunk short of the end: no token yet
-            s = request.sampling
-            token = int(sample_next(row[None], s.temperature, s.top_k, s.top_p, request.generator)[0])
-            request.output.append(token)
-            events.append((request, token))
-            if token in s.stop_ids:
-                request.finish_reason = "stop"
-            elif len(request.output) >= s.max_tokens:
-                request.finish_reason = "length"
-            if request.finish_reason:
-                self.running.remove(request)
-                self.pool.release(request.table)
         self.prefill_tokens += stats.prefill_tokens
         self.preemptions += stats.preempted
         self.last_stats = stats

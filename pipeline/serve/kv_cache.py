@@ -28,11 +28,13 @@ from kiln.model import ModelConfig
 
 @dataclass(frozen=True)
 class Segment:
-    """One sequence's share of a step: `count` new tokens at positions [start, start + count), in `table`."""
+    """One sequence's share of a step: `count` new tokens at positions [start, start + count), in `table`, of
+    which the last `logits` get logits (more than one when a speculative draft is verified)."""
 
     table: list[int]
     start: int
     count: int
+    logits: int = 1
 
 
 class PagedKVCache:
@@ -56,7 +58,7 @@ class PagedKVCache:
     def begin(self, segments: list[Segment]) -> None:
         """Set the step's segments: the model's next forward runs their new tokens, in this order."""
         for s in segments:
-            if s.count < 1 or len(s.table) * self.block_size < s.start + s.count:
+            if s.count < 1 or not 1 <= s.logits <= s.count or len(s.table) * self.block_size < s.start + s.count:
                 raise ValueError(f"segment at {s.start} + {s.count} tokens does not fit its {len(s.table)} blocks")
         self.segments = segments
         self.offsets = [0, *itertools.accumulate(s.count for s in segments)]
@@ -72,8 +74,10 @@ class PagedKVCache:
                                           dtype=torch.int32, device=device).view(len(decodes), width)
         self.decode_lens = torch.tensor([segments[i].start + 1 for i in decodes], dtype=torch.int32, device=device)
         self.prefills = [i for i, s in enumerate(segments) if s.count > 1]
-        # each segment's last new token: the model returns logits for these rows only
-        self.logit_rows = torch.tensor([self._offset(i + 1) - 1 for i in range(len(segments))], device=device)
+        # each segment's last new tokens: the model returns logits for these rows only
+        self.logit_rows = torch.tensor([row for i, s in enumerate(segments)
+                                        for row in range(self._offset(i + 1) - s.logits, self._offset(i + 1))],
+                                       device=device)
 
     def _offset(self, i: int) -> int:
         """Where segment i's tokens start in the flat batch."""

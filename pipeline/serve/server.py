@@ -405,7 +405,8 @@ def model_card(service: Service) -> dict:
 
 
 def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: str, kv_blocks: int | None,
-          block_size: int, max_batch_tokens: int, name: str | None = None) -> None:
+          block_size: int, max_batch_tokens: int, name: str | None = None, draft_dir: Path | None = None,
+          speculate: int = 4) -> None:
     """Load the model, build the engine and run the HTTP server until interrupted."""
     import uvicorn
 
@@ -416,7 +417,7 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     from kiln.pipeline.train.loop import pick_device
 
     for option, value in (("--block-size", block_size), ("--max-batch-tokens", max_batch_tokens),
-                          ("--kv-blocks", kv_blocks if kv_blocks is not None else 1)):
+                          ("--kv-blocks", kv_blocks if kv_blocks is not None else 1), ("--speculate", speculate)):
         if value < 1:
             raise UserError(f"{option}={value}: expected a positive integer")
     if not 0 <= port < 65536:
@@ -426,7 +427,13 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     context = lm.model.config.max_seq_len
     # by default room for 16 requests that fill the whole context at once; shorter ones share it
     kv_blocks = kv_blocks or 16 * -(-context // block_size)
-    engine = Engine(lm.model, kv_blocks, block_size, max_batch_tokens)
+    draft = None
+    if draft_dir is not None:  # checked against the same tokenizer, so it speaks the same vocabulary
+        draft = TextModel(draft_dir, tokenizer_path, lm.model.tok_emb.weight.device).model.eval()
+    try:
+        engine = Engine(lm.model, kv_blocks, block_size, max_batch_tokens, draft=draft, speculate=speculate)
+    except ValueError as e:
+        raise UserError(f"--draft {draft_dir}: {e}") from None
     try:
         chat = ChatFormat(lm.tokenizer)
     except UserError:
@@ -435,5 +442,6 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     megabytes = kv_blocks * engine.cache.bytes_per_block() / 1e6
     console.print(f"kiln serve: model {service.name!r} ({context}-token context) on {engine.cache.device}, KV cache "
                   f"{kv_blocks:,} blocks of {block_size} tokens ({megabytes:.1f} MB), steps of up to "
-                  f"{max_batch_tokens} tokens; http://{host}:{port}/v1", highlight=False)
+                  f"{max_batch_tokens} tokens" + (f", {speculate} tokens drafted by {draft_dir}" if draft else "")
+                  + f"; http://{host}:{port}/v1", highlight=False)
     uvicorn.run(create_app(service), host=host, port=port, log_level="warning")
