@@ -65,21 +65,25 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, o_ptr,
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
               context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """The same attention in plain torch: each sequence's keys and values gathered from its blocks, then a
-    softmax over them, in q's dtype (float64 in the tests)."""
+    """The same attention in plain torch, every sequence at once: its keys and values gathered from its blocks
+    into a (sequences, longest context) batch, the slots past each context masked out, in q's dtype."""
     S, H, D = q.shape
     n_kv_head, block_size = k_cache.size(2), k_cache.size(1)
     scale = 1 / math.sqrt(D) if scale is None else scale
-    flat_k, flat_v = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-    out = torch.empty_like(q)
-    for s in range(S):
-        positions = torch.arange(int(context_lens[s]), device=q.device)
-        slots = block_tables[s, positions // block_size].long() * block_size + positions % block_size
-        k = flat_k[slots].to(q.dtype).repeat_interleave(H // n_kv_head, dim=1)  # (L, H, D)
-        v = flat_v[slots].to(q.dtype).repeat_interleave(H // n_kv_head, dim=1)
-        weights = (torch.einsum("hd,lhd->hl", q[s], k) * scale).softmax(dim=-1)
-        out[s] = torch.einsum("hl,lhd->hd", weights, v)
-    return out
+    longest = int(context_lens.max()) if S else 0
+    positions = torch.arange(longest, device=q.device)
+    blocks = block_tables.long().gather(1, (positions // block_size).clamp(max=block_tables.size(1) - 1)
+                                        .expand(S, -1))
+    slots = blocks * block_size + positions % block_size  # (S, longest)
+    k = k_cache.flatten(0, 1)[slots].to(q.dtype)  # (S, longest, H_kv, D)
+    v = v_cache.flatten(0, 1)[slots].to(q.dtype)
+    q = q.view(S, n_kv_head, H // n_kv_head, D)
+    scores = torch.einsum("sgrd,slgd->sgrl", q, k) * scale
+    live = positions[None, :] < context_lens.to(q.device).long()[:, None]  # (S, longest)
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    # a slot outside the context may hold anything, NaN included: zero its value, not only its weight
+    v = v.masked_fill(~live[:, :, None, None], 0)
+    return torch.einsum("sgrl,slgd->sgrd", scores.softmax(dim=-1), v).reshape(S, H, D)
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:

@@ -554,6 +554,32 @@ def bench_generate(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
         device, out)
 
 
+@bench_app.command("serve")
+@reports_errors
+def bench_serve(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+                model: Annotated[Path | None, typer.Option(
+                    help="A trained model folder (default: random weights in the `model` section's shape).")] = None,
+                draft: Annotated[Path | None, typer.Option(help="A draft model for the speculative row.")] = None,
+                vocab_size: Annotated[int, typer.Option(help="Vocabulary of the random model.")] = 4096,
+                requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 32,
+                rate: Annotated[float, typer.Option(help="Poisson arrivals per second (0: all at once).")] = 50.0,
+                batch: Annotated[int, typer.Option(help="Static batching's largest batch.")] = 16,
+                block_size: Annotated[int, typer.Option(help="Tokens per KV cache block.")] = 16,
+                max_batch_tokens: Annotated[int, typer.Option(help="Most tokens per engine step.")] = 256,
+                seed: Annotated[int, typer.Option(help="Workload and random weights.")] = 0,
+                device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+                out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                layout.BENCH / "serve.json"):
+    """Output tokens/s, time to first token and inter-token latency of the serving engine against static
+    batching, prefix caching, speculative decoding at batch 1 and transformers' generate, in one run."""
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.tools.bench_serve import bench_serve as run
+    from kiln.pipeline.train.params import ModelParams
+
+    config = load_section(ModelParams, params, set_).config(vocab_size)
+    run(config, model, draft, requests, rate, batch, block_size, max_batch_tokens, seed, device, out)
+
+
 @bench_app.command("adapters")
 @reports_errors
 def bench_adapters(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],

@@ -1,0 +1,246 @@
+"""`kiln bench serve`: the serving engine against static batching on the same requests, in one run.
+
+Workload: N requests whose prompt and output lengths are drawn uniformly (prompts 8 to half the context,
+outputs 4 to a quarter of it), arriving as a Poisson process at `--rate` requests per second; every output runs
+its full length (greedy, no stop tokens), so each variant computes the same tokens. Per variant: output tokens
+per second over the whole run (first arrival to last token), time to first token and inter-token latency
+(p50, p99, from each token's wall-clock time), and the KV cache held.
+
+- static: today's `kiln generate` path. Whatever has arrived when a batch starts (up to `--batch` requests) runs
+  as one left-padded batch for as many steps as its longest output; newcomers wait for the whole batch, and
+  the cache holds batch x (longest prompt + longest output) slots throughout.
+- engine: continuous batching over the paged cache (`pipeline/serve/engine.py`); arrivals join at the next
+  step, finished requests leave at once.
+- prefix caching: a second workload whose prompts all open with the same system prompt (half the context),
+  run by the engine with prefix caching off and on: the prefill tokens computed, and the speed.
+- speculative decoding at batch 1: requests one after another, with and without `--draft` (a model with the
+  same vocabulary), with the draft's acceptance rate.
+- transformers: `generate` of the model exported as `kiln convert to-hf` would (the same config and tensor
+  mapping), one request at a time, when transformers is installed.
+
+Weights are random unless `--model` names a trained folder (`--draft` then defaults to none): speed does not
+depend on them, but a draft's acceptance does, so speculative numbers mean something only for trained pairs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.table import Table
+
+from kiln.model import GPT, ModelConfig, load_model
+from kiln.model.generate import decode_steps, left_pad
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.outputs import write_json
+from kiln.pipeline.progress import console
+from kiln.pipeline.serve.engine import Engine, Request, Sampling
+from kiln.pipeline.tools.bench import machine
+
+
+@dataclass
+class Workload:
+    arrivals: list[float]  # seconds after the start
+    prompts: list[list[int]]
+    outputs: list[int]  # tokens each request generates
+
+
+def workload(n: int, rate: float, config: ModelConfig, seed: int, shared: int = 0) -> Workload:
+    """`n` requests at Poisson arrivals; `shared` > 0 opens every prompt with the same `shared` tokens."""
+    rng = np.random.default_rng(seed)
+    context = config.max_seq_len
+    system = rng.integers(config.vocab_size, size=shared).tolist()
+    prompts, outputs = [], []
+    for _ in range(n):
+        length = int(rng.integers(8, max(9, context // 2 + 1)))
+        prompts.append(system + rng.integers(config.vocab_size, size=length).tolist())
+        room = context + 1 - len(prompts[-1])
+        outputs.append(int(min(room, rng.integers(4, max(5, context // 4 + 1)))))
+    arrivals = np.cumsum(rng.exponential(1 / rate, size=n)).tolist() if rate > 0 else [0.0] * n
+    return Workload(arrivals, prompts, outputs)
+
+
+def percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def summarise(name: str, load: Workload, times: list[list[float]], start: float, extra: dict) -> dict:
+    """A row from each request's token times (seconds since `start`)."""
+    ttft = [t[0] - a for t, a in zip(times, load.arrivals)]
+    itl = [b - a for t in times for a, b in zip(t, t[1:])]
+    tokens = sum(len(t) for t in times)
+    span = max(t[-1] for t in times) - min(load.arrivals)
+    return {"variant": name, "requests": len(times), "output_tokens": tokens,
+            "output_tokens_per_s": round(tokens / span, 1), "seconds": round(span, 3),
+            "ttft_p50_ms": round(1e3 * percentile(ttft, 50), 2), "ttft_p99_ms": round(1e3 * percentile(ttft, 99), 2),
+            "itl_p50_ms": round(1e3 * percentile(itl, 50), 2), "itl_p99_ms": round(1e3 * percentile(itl, 99), 2),
+            **extra}
+
+
+def run_static(model: GPT, load: Workload, batch: int) -> dict:
+    """Arrival-order batches of whatever has arrived, each run to its longest output."""
+    device = next(model.parameters()).device
+    times: list[list[float]] = [[] for _ in load.prompts]
+    start, pending, peak_slots = time.perf_counter(), list(range(len(load.prompts))), 0
+    with torch.inference_mode():
+        while pending:
+            now = time.perf_counter() - start
+            if load.arrivals[pending[0]] > now:
+                time.sleep(load.arrivals[pending[0]] - now)
+                now = time.perf_counter() - start
+            group = [i for i in pending if load.arrivals[i] <= now][:batch]
+            pending = [i for i in pending if i not in group]
+            steps = max(load.outputs[i] for i in group)
+            x, pad = left_pad([load.prompts[i] for i in group], device)
+            peak_slots = max(peak_slots, len(group) * (x.size(1) + steps - 1))
+            for step, _ in enumerate(decode_steps(model, x, pad, steps, 0.0, None, None, [], None)):
+                stamp = time.perf_counter() - start
+                for i in group:
+                    if step < load.outputs[i]:
+                        times[i].append(stamp)
+    return summarise("static batching", load, times, start, {"kv_slots_peak": peak_slots})
+
+
+def run_engine(model: GPT, load: Workload, name: str, blocks: int, block_size: int, budget: int,
+               prefix_caching: bool = True, draft: GPT | None = None) -> dict:
+    """The engine, with requests added as their arrival time passes."""
+    engine = Engine(model, blocks, block_size, budget, prefix_caching=prefix_caching, draft=draft)
+    requests = [Request(p, Sampling(max_tokens=n)) for p, n in zip(load.prompts, load.outputs)]
+    index = {id(r): i for i, r in enumerate(requests)}
+    times: list[list[float]] = [[] for _ in requests]
+    start, added, peak_blocks, over = time.perf_counter(), 0, 0, 0
+    while added < len(requests) or engine.has_work():
+        now = time.perf_counter() - start
+        if not engine.has_work() and load.arrivals[added] > now:
+            time.sleep(load.arrivals[added] - now)
+            now = time.perf_counter() - start
+        while added < len(requests) and load.arrivals[added] <= now:
+            engine.add(requests[added])
+            added += 1
+        events = engine.step()
+        stamp = time.perf_counter() - start
+        for request, _ in events:
+            times[index[id(request)]].append(stamp)
+        peak_blocks = max(peak_blocks, engine.pool.in_use())
+        # KV held beyond one block per running sequence of the tokens it holds (0 is the goal)
+        held = sum(engine.pool.blocks_for(len(r.tokens)) for r in engine.running)
+        over = max(over, engine.pool.in_use() - held)
+    extra = {"kv_blocks_peak": peak_blocks, "kv_slots_peak": peak_blocks * block_size,
+             "kv_blocks_over_need": over, "prefill_tokens": engine.prefill_tokens,
+             "preemptions": engine.preemptions}
+    if draft is not None:
+        extra["acceptance_rate"] = round(engine.accepted / max(engine.drafted, 1), 4)
+    return summarise(name, load, times, start, extra)
+
+
+def run_transformers(model: GPT, load: Workload) -> dict:
+    """transformers' generate, one request at a time, on the model as `kiln convert to-hf` exports it."""
+    import transformers
+
+    from kiln.model.hf import hf_config, to_hf_tensors
+
+    config = model.config
+    hf = hf_config(config, {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
+    kind = transformers.LlamaForCausalLM if config.arch == "llama" else transformers.GPT2LMHeadModel
+    hf_model = kind(kind.config_class(**{k: v for k, v in hf.items() if k != "architectures"}))
+    hf_model.load_state_dict(to_hf_tensors(model.state_dict(), config), strict=False)
+    hf_model.eval().to(next(model.parameters()).device)
+    times: list[list[float]] = [[] for _ in load.prompts]
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i, (prompt, n) in enumerate(zip(load.prompts, load.outputs)):
+            now = time.perf_counter() - start
+            if load.arrivals[i] > now:
+                time.sleep(load.arrivals[i] - now)
+            ids = torch.tensor([prompt], device=hf_model.device)
+            hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            stamp = time.perf_counter() - start
+            times[i] = [stamp] * n  # generate returns all at once: every token counts as arriving at the end
+    return summarise("transformers generate (batch 1)", load, times, start, {})
+
+
+def bench_serve(config: ModelConfig, model_dir: Path | None, draft_dir: Path | None, requests: int, rate: float,
+                batch: int, block_size: int, budget: int, seed: int, device_name: str, out: Path) -> dict:
+    if requests < 1 or batch < 1 or block_size < 1 or budget < 1 or not rate >= 0 or math.isinf(rate):
+        raise UserError(f"--requests {requests}, --batch {batch}, --block-size {block_size}, --max-batch-tokens "
+                        f"{budget}, --rate {rate}: expected positive integers and a finite rate >= 0")
+    device = torch.device("cuda" if device_name == "auto" and torch.cuda.is_available() else
+                          "cpu" if device_name == "auto" else device_name)
+    if model_dir is not None:
+        model = load_model(model_dir, device)[0]
+    else:
+        torch.manual_seed(seed)
+        model = GPT(config).to(device)
+    model.eval()
+    draft = load_model(draft_dir, device)[0].eval() if draft_dir is not None else None
+    c = model.config
+    # as much cache as static batching holds at its largest: the engine gets no more memory than it
+    blocks = math.ceil(batch * (c.max_seq_len + c.max_seq_len // 4) / block_size)
+    mixed = workload(requests, rate, c, seed)
+    shared = workload(requests, rate, c, seed + 1, shared=c.max_seq_len // 2 - 8)
+    rows = [run_static(model, mixed, batch),
+            run_engine(model, mixed, "engine", blocks, block_size, budget)]
+    rows[1]["speedup_vs_static"] = round(rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"], 3)
+    for caching in (False, True):
+        rows.append(run_engine(model, shared, f"engine, shared prompt, prefix caching {'on' if caching else 'off'}",
+                               blocks, block_size, budget, prefix_caching=caching))
+    alone = workload(min(requests, 8), 0.0, c, seed + 2)
+    alone.arrivals = [0.0] * len(alone.prompts)
+    serial = [run_engine(model, subset(alone, i), "", blocks, block_size, budget) for i in range(len(alone.prompts))]
+    rows.append(merge(serial, "engine, batch 1"))
+    if draft is not None:
+        spec = [run_engine(model, subset(alone, i), "", blocks, block_size, budget, draft=draft)
+                for i in range(len(alone.prompts))]
+        rows.append(merge(spec, "engine, batch 1, speculative"))
+        rows[-1]["speedup_vs_batch_1"] = round(rows[-1]["output_tokens_per_s"] / rows[-2]["output_tokens_per_s"], 3)
+    missing = []
+    try:
+        rows.append(run_transformers(model, alone))
+    except ImportError as e:
+        missing.append(f"transformers: {e}")
+    result = {"benchmark": "serve", "device": str(device), "machine": machine(), "model": c.to_dict(),
+              "model_dir": None if model_dir is None else str(model_dir),
+              "draft_dir": None if draft_dir is None else str(draft_dir), "requests": requests, "rate": rate,
+              "batch": batch, "kv_blocks": blocks, "block_size": block_size, "max_batch_tokens": budget,
+              "results": rows, "missing": missing}
+    show(result)
+    write_json(out, result)
+    console.print(f"wrote {out}", highlight=False)
+    return result
+
+
+def subset(load: Workload, i: int) -> Workload:
+    return Workload([0.0], [load.prompts[i]], [load.outputs[i]])
+
+
+def merge(rows: list[dict], name: str) -> dict:
+    """One row for requests run one after another: tokens over the summed time, latencies averaged."""
+    tokens, seconds = sum(r["output_tokens"] for r in rows), sum(r["seconds"] for r in rows)
+    out = {"variant": name, "requests": len(rows), "output_tokens": tokens,
+           "output_tokens_per_s": round(tokens / seconds, 1), "seconds": round(seconds, 3)}
+    for key in ("ttft_p50_ms", "itl_p50_ms", "acceptance_rate"):
+        if key in rows[0]:
+            out[key] = round(statistics.mean(r[key] for r in rows), 4)
+    return out
+
+
+def show(result: dict) -> None:
+    table = Table(title=f"serving: {result['requests']} requests at {result['rate']}/s, "
+                        f"{result['model']['n_layer']}x{result['model']['d_model']}, {result['device']}")
+    for column in ("variant", "tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "KV slots peak", "notes"):
+        table.add_column(column)
+    for r in result["results"]:
+        notes = [f"{k}={r[k]}" for k in ("speedup_vs_static", "prefill_tokens", "kv_blocks_over_need",
+                                         "preemptions", "acceptance_rate", "speedup_vs_batch_1") if k in r]
+        table.add_row(r["variant"], f"{r['output_tokens_per_s']:,.1f}",
+                      f"{r.get('ttft_p50_ms', float('nan'))}/{r.get('ttft_p99_ms', '-')}",
+                      f"{r.get('itl_p50_ms', float('nan'))}/{r.get('itl_p99_ms', '-')}",
+                      str(r.get("kv_slots_peak", "-")), ", ".join(notes))
+    console.print(table)
+    for line in result["missing"]:
+        console.print(f"not run: {line}", highlight=False)

@@ -1,0 +1,29 @@
+"""`kiln bench serve` on a toy model: every variant computes the tokens the workload asks for, the engine holds
+no block it does not need, prefix caching computes fewer prefill tokens, and the speculative row reports its
+acceptance (a draft that is the model itself: all accepted)."""
+
+import json
+
+import torch
+
+from kiln.model import GPT, ModelConfig, save_model
+from kiln.pipeline.tools.bench_serve import bench_serve, workload
+
+
+def test_every_variant_serves_the_whole_workload(tmp_path):
+    config = ModelConfig(vocab_size=64, n_layer=1, n_head=2, n_kv_head=1, d_model=32, max_seq_len=48,
+                         tie_embeddings=False)
+    torch.manual_seed(0)
+    save_model(GPT(config), config, tmp_path / "model")
+    result = bench_serve(config, tmp_path / "model", tmp_path / "model", requests=6, rate=0.0, batch=2,
+                         block_size=4, budget=16, seed=0, device_name="cpu", out=tmp_path / "serve.json")
+    assert json.loads((tmp_path / "serve.json").read_text())["results"] == result["results"]
+    rows = {r["variant"]: r for r in result["results"]}
+    mixed, shared = workload(6, 0.0, config, 0), workload(6, 0.0, config, 1, shared=16)
+    for name in ("static batching", "engine"):
+        assert rows[name]["output_tokens"] == sum(mixed.outputs) and rows[name]["output_tokens_per_s"] > 0
+    assert rows["engine"]["kv_blocks_over_need"] == 0
+    off, on = (rows[f"engine, shared prompt, prefix caching {s}"] for s in ("off", "on"))
+    assert off["prefill_tokens"] == sum(len(p) for p in shared.prompts) > on["prefill_tokens"]
+    assert rows["engine, batch 1, speculative"]["acceptance_rate"] == 1.0
+    assert "transformers generate (batch 1)" in rows
