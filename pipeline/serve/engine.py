@@ -64,14 +64,6 @@ class Request:
         return self.prompt + self.output
 
 
-@dataclass
-class StepStats:
-    tokens: int = 0  # fed through the model this step
-    prefill_tokens: int = 0
-    decodes: int = 0
-    preempted: int = 0
-
-
 class Engine:
     """`model` (a GPT in eval mode) serving requests from a pool of `num_blocks` blocks of `block_size` tokens."""
 
@@ -99,7 +91,6 @@ class Engine:
         self.running: list[Request] = []
         self.counter = itertools.count()
         self.prefill_tokens = 0  # computed, over the engine's life: what prefix caching saves shows here
-        self.last_stats = StepStats()
         self.preemptions = 0
         self.aborted = 0
 
@@ -153,14 +144,14 @@ class Engine:
         self.running.sort(key=lambda r: r.order)
         return True
 
-    def _schedule(self, stats: StepStats) -> list[tuple[Request, int]]:
+    def _schedule(self) -> list[tuple[Request, int]]:
         """(request, tokens to feed) for this step, decodes first; blocks made ready for all of them."""
         batch: list[tuple[Request, int]] = []
         for request in list(self.running):  # decodes: one token each (and the draft's), every step
             if request not in self.running or len(request.tokens) - request.computed != 1:
                 continue
             while not self.pool.grow(request.table, len(request.tokens) + self._lookahead(request)):
-                stats.preempted += 1
+                self.preemptions += 1
                 if self._preempt() is request:
                     break
             else:
@@ -234,8 +225,7 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[tuple[Request, int]]:
         """Run one step; return (request, new token) for each request that got a token (finished ones too)."""
-        stats = StepStats()
-        batch = self._schedule(stats)
+        batch = self._schedule()
         if not batch:
             if self.waiting and not self.running:
                 raise RuntimeError("the pool cannot hold the first waiting request")  # add() prevents this
@@ -253,10 +243,7 @@ class Engine:
         events = []
         for (request, n), row in zip(batch, rows):
             if n > 1 or request.computed < len(request.prompt):
-                stats.prefill_tokens += n
-            else:
-                stats.decodes += 1
-            stats.tokens += n
+                self.prefill_tokens += n
             if request.computed + n < len(request.tokens):
                 request.computed += n  # a prefill chunk short of the end: no token yet
                 if self.prefix_caching:
@@ -285,9 +272,6 @@ class Engine:
             self.pool.shrink(request.table, max(request.computed, len(request.prompt)))
             if self.prefix_caching:
                 self.pool.commit(request.table, request.tokens[:request.computed])
-        self.prefill_tokens += stats.prefill_tokens
-        self.preemptions += stats.preempted
-        self.last_stats = stats
         return events
 
     def run(self, requests: list[Request]) -> list[Request]:
