@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -74,16 +75,17 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
     positions = torch.arange(longest, device=q.device)
     blocks = block_tables.long().gather(1, (positions // block_size).clamp(max=block_tables.size(1) - 1)
                                         .expand(S, -1))
-    slots = blocks * block_size + positions % block_size  # (S, longest)
-    k = k_cache.flatten(0, 1)[slots].to(q.dtype)  # (S, longest, H_kv, D)
-    v = v_cache.flatten(0, 1)[slots].to(q.dtype)
-    q = q.view(S, n_kv_head, H // n_kv_head, D)
-    scores = torch.einsum("sgrd,slgd->sgrl", q, k) * scale
     live = positions[None, :] < context_lens.to(q.device).long()[:, None]  # (S, longest)
-    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
-    # a slot outside the context may hold anything, NaN included: zero its value, not only its weight
-    v = v.masked_fill(~live[:, :, None, None], 0)
-    return torch.einsum("sgrl,slgd->sgrd", scores.softmax(dim=-1), v).reshape(S, H, D)
+    slots = blocks * block_size + positions % block_size  # (S, longest)
+    # past its context a row reads its first slot again (masked out below): a slot outside every context may
+    # hold anything, NaN included, and 0 x NaN would leak through the softmax's zero weight
+    slots = torch.where(live, slots, slots[:, :1])
+    k = k_cache.flatten(0, 1)[slots].to(q.dtype).transpose(1, 2)  # (S, H_kv, longest, D)
+    v = v_cache.flatten(0, 1)[slots].to(q.dtype).transpose(1, 2)
+    if H != n_kv_head:
+        k, v = k.repeat_interleave(H // n_kv_head, dim=1), v.repeat_interleave(H // n_kv_head, dim=1)
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=live[:, None, None, :], scale=scale)
+    return out[:, :, 0]
 
 
 def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:

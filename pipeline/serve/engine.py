@@ -45,7 +45,7 @@ class Sampling:
     stop_ids: tuple[int, ...] = ()
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: two with the same prompt and sampling are still two
 class Request:
     prompt: list[int]
     sampling: Sampling
