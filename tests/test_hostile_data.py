@@ -174,6 +174,18 @@ def test_any_field_replaced_or_dropped_gives_a_tokenizer_or_user_error(good_spec
         tokenizer_reader_verdict(path)
 
 
+@pytest.mark.parametrize("affix", ["continuing_subword_prefix", "end_of_word_suffix"])
+def test_a_subword_affix_longer_than_a_merge_is_refused_before_the_parser_panics(good_spec, tmp_path, affix):
+    """Found by the test above: a long continuing_subword_prefix made tokenizers' Rust code panic (pyo3's
+    PanicException, which `except Exception` does not catch)."""
+    spec = copy.deepcopy(good_spec)
+    spec["model"][affix] = "x" * 40
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps(spec), encoding="utf-8")
+    with pytest.raises(UserError, match=f"model.{affix}"):
+        load_tokenizer(path)
+
+
 # --- sources and corpus files ---------------------------------------------------------------------------------
 
 

@@ -49,7 +49,11 @@ def load_tokenizer(path: Path, ordinary: bool = False) -> Tokenizer:
     text = _check_spec(path, path.read_bytes())
     try:
         tok = Tokenizer.from_str(text)
-    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    # tokenizers raises a bare Exception on a malformed file, and a Rust panic is pyo3's PanicException, a
+    # BaseException: a file the checks above let through must still be refused as bad input, not crash
+    except BaseException as e:
         raise UserError(f"{path}: not a valid tokenizer.json ({str(e).strip().splitlines()[0]})") from None
     tok.encode_special_tokens = ordinary
     return tok
@@ -86,6 +90,10 @@ def _check_spec(path: Path, data: bytes) -> str:
         raise bad("model.vocab", "ids that are integers from 0 to 2**32 - 1")
     if not isinstance(model.get("merges"), list):
         raise bad("model.merges", "a list of merges")
+    for affix in ("continuing_subword_prefix", "end_of_word_suffix"):
+        # A byte-level BPE marks no subwords; one longer than a merge's piece panics the Rust parser.
+        if model.get(affix) not in (None, ""):
+            raise bad(f"model.{affix}", f"null or \"\" (a byte-level BPE has none), found {model[affix]!r}")
     if not isinstance(spec.get("pre_tokenizer"), dict | None):
         raise bad("pre_tokenizer", "an object or null")
     added = spec.get("added_tokens", [])
