@@ -61,14 +61,12 @@ class PagedKVCache:
             if s.count < 1 or not 1 <= s.logits <= s.count or len(s.table) * self.block_size < s.start + s.count:
                 raise ValueError(f"segment at {s.start} + {s.count} tokens does not fit its {len(s.table)} blocks")
         self.segments = segments
-        self.offsets = [0, *itertools.accumulate(s.count for s in segments)]
+        self.offsets = [0, *itertools.accumulate(s.count for s in segments)]  # where each starts in the flat batch
         device = self.device
         self.positions = torch.cat([torch.arange(s.start, s.start + s.count) for s in segments]).to(device)
-        slots = [torch.tensor(s.table)[torch.arange(s.start, s.start + s.count) // self.block_size] * self.block_size
-                 + torch.arange(s.start, s.start + s.count) % self.block_size for s in segments]
-        self.slots = torch.cat(slots).to(device)
+        self.slots = torch.cat([self._slots(s.table, s.start, s.start + s.count) for s in segments])
         decodes = [i for i, s in enumerate(segments) if s.count == 1]
-        self.decode_rows = torch.tensor([self._offset(i) for i in decodes], dtype=torch.long, device=device)
+        self.decode_rows = torch.tensor([self.offsets[i] for i in decodes], dtype=torch.long, device=device)
         width = max((len(segments[i].table) for i in decodes), default=0)
         self.decode_tables = torch.tensor([segments[i].table + [0] * (width - len(segments[i].table)) for i in decodes],
                                           dtype=torch.int32, device=device).view(len(decodes), width)
@@ -76,12 +74,14 @@ class PagedKVCache:
         self.prefills = [i for i, s in enumerate(segments) if s.count > 1]
         # each segment's last new tokens: the model returns logits for these rows only
         self.logit_rows = torch.tensor([row for i, s in enumerate(segments)
-                                        for row in range(self._offset(i + 1) - s.logits, self._offset(i + 1))],
+                                        for row in range(self.offsets[i + 1] - s.logits, self.offsets[i + 1])],
                                        device=device)
 
-    def _offset(self, i: int) -> int:
-        """Where segment i's tokens start in the flat batch."""
-        return self.offsets[i]
+    def _slots(self, table: list[int], start: int, stop: int) -> torch.Tensor:
+        """The pool slots (block x block_size + offset) of positions [start, stop) of a sequence in `table`."""
+        positions = torch.arange(start, stop, device=self.device)
+        return torch.tensor(table, device=self.device)[positions // self.block_size] * self.block_size \
+            + positions % self.block_size
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, H_kv, N, D) of the step's new tokens, rotated: store k and v, return the
@@ -98,11 +98,10 @@ class PagedKVCache:
                                                     self.decode_tables, self.decode_lens,
                                                     backend=self.backend).to(out.dtype)
         for i in self.prefills:
-            s, first = self.segments[i], self._offset(i)
+            s, first = self.segments[i], self.offsets[i]
             context = s.start + s.count
             positions = torch.arange(context, device=self.device)
-            slots = torch.tensor(s.table, device=self.device)[positions // self.block_size] * self.block_size \
-                + positions % self.block_size
+            slots = self._slots(s.table, 0, context)
             keys = flat_k[slots].transpose(0, 1)[None].to(q.dtype)  # (1, H_kv, context, D)
             values = flat_v[slots].transpose(0, 1)[None].to(q.dtype)
             if H != H_kv:

@@ -32,6 +32,10 @@ from starlette.requests import Request as HTTPRequest  # FastAPI reads handler a
 
 from kiln.pipeline.serve.engine import Engine, Request, Sampling
 
+# OpenAI options kiln does not implement, and the values of each that ask for nothing (clients send defaults)
+UNSUPPORTED = {"echo": (None, False), "best_of": (None, False, 1), "logprobs": (None, False),
+               "top_logprobs": (None, False)}
+
 
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
@@ -150,9 +154,9 @@ class Service:
         n = body.get("n", 1)
         if n != 1:
             raise BadRequest(f"n={n!r}: kiln serves one choice per request (n=1)", "n")
-        for unsupported in ("echo", "best_of", "logprobs", "top_logprobs"):
-            if body.get(unsupported) not in (None, False, 1 if unsupported == "best_of" else None):
-                raise BadRequest(f"{unsupported}: not supported by kiln serve", unsupported)
+        for key, harmless in UNSUPPORTED.items():
+            if body.get(key) not in harmless:
+                raise BadRequest(f"{key}: not supported by kiln serve", key)
         room = self.context + 1 - prompt_tokens
         if room < 1:
             raise BadRequest(f"prompt: {prompt_tokens} tokens; this model's maximum context length is "
