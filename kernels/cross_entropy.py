@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.backend import use_triton
+from kiln.kernels.backend import outside_compile, use_triton
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -176,6 +176,9 @@ class CrossEntropyFunction(torch.autograd.Function):
         return scale_rows_(grad, grad_out), None, None, None, None, None
 
 
+_cross_entropy = outside_compile(CrossEntropyFunction.apply)
+
+
 def reference(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, z_loss: float = 0.0,
               reduction: str = "mean") -> torch.Tensor:
     """−log_softmax(logits)[target] + z_loss·logsumexp(logits)², in at least fp32, 0 on ignored rows."""
@@ -200,5 +203,5 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int
     never read those logits again, in or outside autograd.
     """
     if use_triton(backend, logits):
-        return CrossEntropyFunction.apply(logits, targets, ignore_index, z_loss, reduction, inplace_grad)
+        return _cross_entropy(logits, targets, ignore_index, z_loss, reduction, inplace_grad)
     return reference(logits, targets, ignore_index, z_loss, reduction)

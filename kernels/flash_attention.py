@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.backend import interpreting, use_triton
+from kiln.kernels.backend import interpreting, outside_compile, use_triton
 
 # log2(e): scores are exponentiated with exp2, so they are kept in log2 units inside the kernels.
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -301,6 +301,9 @@ class FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+_flash_attention = outside_compile(FlashAttention.apply)
+
+
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
               scale: float | None = None) -> torch.Tensor:
     """Plain torch: softmax(q k^T * scale, causal mask) v, with k and v repeated per query head for GQA."""
@@ -339,5 +342,5 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     _check(q, k, v)
     scale = q.size(-1) ** -0.5 if scale is None else float(scale)
     if use_triton(backend, q, k, v):
-        return FlashAttention.apply(q, k, v, causal, scale)
+        return _flash_attention(q, k, v, causal, scale)
     return reference(q, k, v, causal, scale)

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kiln.kernels.backend import use_triton
+from kiln.kernels.backend import outside_compile, use_triton
 from kiln.kernels.cross_entropy import check_args, loss_and_grad_rows, loss_dtype, reduce, scale_rows_
 from kiln.kernels.cross_entropy import reference as ce_reference
 
@@ -116,6 +116,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return dh, dw, None, None, None, None, None
 
 
+_linear_cross_entropy = outside_compile(LinearCrossEntropyFunction.apply)
+
+
 def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
               z_loss: float = 0.0, reduction: str = "mean") -> torch.Tensor:
     """The full logits F.linear(hidden, weight), then the plain cross-entropy reference."""
@@ -132,5 +135,5 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     per chunk (default: equal chunks of at most 4·D rows). The torch backend is the plain reference.
     """
     if use_triton(backend, hidden, weight):
-        return LinearCrossEntropyFunction.apply(hidden, weight, targets, ignore_index, z_loss, reduction, chunk_size)
+        return _linear_cross_entropy(hidden, weight, targets, ignore_index, z_loss, reduction, chunk_size)
     return reference(hidden, weight, targets, ignore_index, z_loss, reduction)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.backend import use_triton
+from kiln.kernels.backend import outside_compile, use_triton
 
 # One program holds a whole row in registers (already spilling near this size); LLM hidden sizes (768-16384)
 # stay well below, and wider rows would need a loop over column blocks.
@@ -117,6 +117,9 @@ class RMSNormFunction(torch.autograd.Function):
         return dx.view(dy.shape), dweight, None
 
 
+_rms_norm = outside_compile(RMSNormFunction.apply)
+
+
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
     """torch.nn.RMSNorm(H, eps) with `weight`: computed in at least fp32, returned in x's dtype."""
     compute = torch.promote_types(x.dtype, torch.float32)
@@ -128,5 +131,5 @@ def reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, backend: str = "auto") -> torch.Tensor:
     """RMSNorm over the last dimension of x (any leading shape), scaled by `weight` of shape (H,)."""
     if use_triton(backend, x, weight):
-        return RMSNormFunction.apply(x, weight, eps)
+        return _rms_norm(x, weight, eps)
     return reference(x, weight, eps)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.backend import use_triton
+from kiln.kernels.backend import outside_compile, use_triton
 
 # Elements of one (rows, heads, half head) tile: big enough that a program's loads are wide and many are in
 # flight on an H100, small enough to stay in registers. Not tuned on a GPU yet.
@@ -108,6 +108,9 @@ class RoPEFunction(torch.autograd.Function):
         return dq, dk, None, None, None
 
 
+_rope = outside_compile(RoPEFunction.apply)
+
+
 def reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               pos: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain torch: the model's rotate_half rotation on (B, T, H, D), angles from table rows [pos, pos+T)."""
@@ -148,5 +151,5 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     _check(q, k, cos, sin, pos)
     if use_triton(backend, q, k, cos, sin):
         # The kernel steps through a table row with unit stride.
-        return RoPEFunction.apply(q, k, cos.contiguous(), sin.contiguous(), pos)
+        return _rope(q, k, cos.contiguous(), sin.contiguous(), pos)
     return reference(q, k, cos, sin, pos)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.backend import use_triton
+from kiln.kernels.backend import outside_compile, use_triton
 
 # Elements per program: large enough that each thread moves several 16-byte vectors, so launch and index
 # overhead vanish against the memory traffic.
@@ -76,6 +76,9 @@ class SwiGLUFunction(torch.autograd.Function):
         return dgate, dup
 
 
+_swiglu = outside_compile(SwiGLUFunction.apply)
+
+
 def reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) · up, computed in at least fp32 and returned in gate's dtype."""
     compute = torch.promote_types(gate.dtype, torch.float32)
@@ -86,5 +89,5 @@ def reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """silu(gate) · up elementwise, for gate and up of the same (any) shape."""
     if use_triton(backend, gate, up):
-        return SwiGLUFunction.apply(gate, up)
+        return _swiglu(gate, up)
     return reference(gate, up)
