@@ -33,6 +33,16 @@ torch.set_num_threads(1)
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
+@pytest.fixture(autouse=True)
+def _release_cuda_cache():
+    """On a GPU, `make gpu-check` runs the kernel tests in 8 workers: each keeps what its caching allocator
+    holds from its largest float64 reference (over 20 GB seen on an H100), so together they ran out of device
+    memory. Handing the cache back after every test keeps each worker at what its current test needs."""
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """Real-world fixtures in ../shared/data: beside the development checkout, absent from a bare clone (where

@@ -148,12 +148,12 @@ def test_round_trip_error_is_within_half_a_code_gap_of_the_block_absmax(shape, k
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_compiles_in_one_graph(backend):
-    codes = quantize_nf4(weight((4, 128), torch.float32, seed=4))
+    codes = quantize_nf4(weight((4, 128), torch.float32, seed=4).to(DEVICE))
 
     def linear(x):
         return x @ dequantize_nf4(*(codes[k] for k in KEYS), (4, 128), torch.float32, backend=backend).T
 
-    x = torch.randn(3, 128)
+    x = torch.randn(3, 128, device=DEVICE)
     explained = torch._dynamo.explain(linear)(x)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1

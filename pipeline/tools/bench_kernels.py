@@ -115,8 +115,8 @@ def cases(size: str, device: torch.device) -> list[Case]:
         angles = torch.arange(t, device=device, dtype=torch.float32)[:, None] * torch.rand(d // 2, device=device)
         qk = b_ * t * (heads + kv) * d * BF16
         out.append(Case("rope", f"{b_}x{t}x{heads}/{kv}x{d}",
-                        lambda b_=b_, t=t, heads=heads, kv=kv, d=d: [randn(b_, t, heads, d), randn(b_, t, kv, d),
-                                                                     angles.cos(), angles.sin()],
+                        lambda b_=b_, t=t, heads=heads, kv=kv, d=d, angles=angles: [
+                            randn(b_, t, heads, d), randn(b_, t, kv, d), angles.cos(), angles.sin()],
                         lambda x, b: rope(x[0], x[1], x[2], x[3], backend=b),
                         fwd_bytes=2 * qk, bwd_bytes=2 * qk, extra=liger.get("rope", {})))
     for rows, v in grid["cross_entropy"]:
