@@ -240,18 +240,21 @@ class Engine:
         self.cache.begin(segments)
         logits = self.model(torch.tensor(ids, device=self.cache.device)[None], cache=self.cache)[0]
         rows = logits.split([s.logits for s in segments])
+        best = logits.argmax(-1).tolist()  # every row's greedy token in one transfer, not one sync per request
+        ends = itertools.accumulate(s.logits for s in segments)
         events = []
-        for (request, n), row in zip(batch, rows):
+        for (request, n), row, end in zip(batch, rows, ends):
+            before = request.computed
             if n > 1 or request.computed < len(request.prompt):
                 self.prefill_tokens += n
             if request.computed + n < len(request.tokens):
                 request.computed += n  # a prefill chunk short of the end: no token yet
-                if self.prefix_caching:
-                    self.pool.commit(request.table, request.tokens[:request.computed])
+                self._commit(request, before)
                 continue
             drafted, draft_probs = drafts.get(id(request), ([], []))
             if not drafted:
-                new = [self._sample(request, row[0])[0]]
+                greedy = request.sampling.temperature == 0
+                new = [best[end - 1] if greedy else self._sample(request, row[0])[0]]
             elif request.sampling.temperature == 0:
                 new = accept_greedy(row, drafted)
             else:
@@ -270,9 +273,14 @@ class Engine:
             if request.finish_reason:
                 continue
             self.pool.shrink(request.table, max(request.computed, len(request.prompt)))
-            if self.prefix_caching:
-                self.pool.commit(request.table, request.tokens[:request.computed])
+            self._commit(request, before)
         return events
+
+    def _commit(self, request: Request, before: int) -> None:
+        """Offer the request's computed full blocks for sharing, when this step filled one: `commit` hashes the
+        whole sequence, a cost that grows with its length, so not on every step."""
+        if self.prefix_caching and request.computed // self.pool.block_size > before // self.pool.block_size:
+            self.pool.commit(request.table, request.tokens[:request.computed])
 
     def run(self, requests: list[Request]) -> list[Request]:
         """Add `requests` and step until every one has finished (tests, `kiln generate`)."""

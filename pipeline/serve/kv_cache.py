@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -62,25 +63,37 @@ class PagedKVCache:
                 raise ValueError(f"segment at {s.start} + {s.count} tokens does not fit its {len(s.table)} blocks")
         self.segments = segments
         self.offsets = [0, *itertools.accumulate(s.count for s in segments)]  # where each starts in the flat batch
-        device = self.device
-        self.positions = torch.cat([torch.arange(s.start, s.start + s.count) for s in segments]).to(device)
-        self.slots = torch.cat([self._slots(s.table, s.start, s.start + s.count) for s in segments])
+        # Every index the step needs is built on the host and crosses to the device once per tensor: on a GPU a
+        # small tensor per segment (or per layer) cost more than the model's arithmetic.
         decodes = [i for i, s in enumerate(segments) if s.count == 1]
-        self.decode_rows = torch.tensor([self.offsets[i] for i in decodes], dtype=torch.long, device=device)
         width = max((len(segments[i].table) for i in decodes), default=0)
-        self.decode_tables = torch.tensor([segments[i].table + [0] * (width - len(segments[i].table)) for i in decodes],
-                                          dtype=torch.int32, device=device).view(len(decodes), width)
-        self.decode_lens = torch.tensor([segments[i].start + 1 for i in decodes], dtype=torch.int32, device=device)
         self.prefills = [i for i, s in enumerate(segments) if s.count > 1]
-        # each segment's last new tokens: the model returns logits for these rows only
-        self.logit_rows = torch.tensor([row for i, s in enumerate(segments)
-                                        for row in range(self.offsets[i + 1] - s.logits, self.offsets[i + 1])],
-                                       device=device)
+        contexts = [self._slots(segments[i].table, 0, segments[i].start + segments[i].count) for i in self.prefills]
+        host = {
+            "positions": np.concatenate([np.arange(s.start, s.start + s.count) for s in segments]),
+            "slots": np.concatenate([self._slots(s.table, s.start, s.start + s.count) for s in segments]),
+            "decode_rows": np.array([self.offsets[i] for i in decodes], dtype=np.int64),
+            "decode_tables": np.array([segments[i].table + [0] * (width - len(segments[i].table)) for i in decodes],
+                                      dtype=np.int32).reshape(len(decodes), width),
+            "decode_lens": np.array([segments[i].start + 1 for i in decodes], dtype=np.int32),
+            # each segment's last new tokens: the model returns logits for these rows only
+            "logit_rows": np.array([row for i, s in enumerate(segments)
+                                    for row in range(self.offsets[i + 1] - s.logits, self.offsets[i + 1])],
+                                   dtype=np.int64),
+            "context_slots": np.concatenate([np.zeros(0, dtype=np.int64), *contexts]),
+        }
+        for name, array in host.items():
+            setattr(self, name, torch.from_numpy(array).to(self.device, non_blocking=True))
+        # each prefill's context slots and causal mask, shared by every layer: query i is token start + i and
+        # sees every key up to and including itself
+        self.prefill_slots = self.context_slots.split([len(c) for c in contexts])
+        self.prefill_masks = [self.positions[self.offsets[i]:self.offsets[i + 1], None] >= torch.arange(
+            len(c), device=self.device)[None, :] for i, c in zip(self.prefills, contexts)]
 
-    def _slots(self, table: list[int], start: int, stop: int) -> torch.Tensor:
+    def _slots(self, table: list[int], start: int, stop: int) -> np.ndarray:
         """The pool slots (block x block_size + offset) of positions [start, stop) of a sequence in `table`."""
-        positions = torch.arange(start, stop, device=self.device)
-        return torch.tensor(table, device=self.device)[positions // self.block_size] * self.block_size \
+        positions = np.arange(start, stop, dtype=np.int64)
+        return np.asarray(table, dtype=np.int64)[positions // self.block_size] * self.block_size \
             + positions % self.block_size
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -97,17 +110,12 @@ class PagedKVCache:
             out[self.decode_rows] = paged_attention(queries, k_pool.to(q.dtype), v_pool.to(q.dtype),
                                                     self.decode_tables, self.decode_lens,
                                                     backend=self.backend).to(out.dtype)
-        for i in self.prefills:
-            s, first = self.segments[i], self.offsets[i]
-            context = s.start + s.count
-            positions = torch.arange(context, device=self.device)
-            slots = self._slots(s.table, 0, context)
+        for i, slots, mask in zip(self.prefills, self.prefill_slots, self.prefill_masks):
+            first, count = self.offsets[i], self.segments[i].count
             keys = flat_k[slots].transpose(0, 1)[None].to(q.dtype)  # (1, H_kv, context, D)
             values = flat_v[slots].transpose(0, 1)[None].to(q.dtype)
             if H != H_kv:
                 keys, values = keys.repeat_interleave(H // H_kv, dim=1), values.repeat_interleave(H // H_kv, dim=1)
-            # query i is token s.start + i: it sees every key up to and including itself
-            mask = positions[None, :] <= (s.start + torch.arange(s.count, device=self.device))[:, None]
-            y = F.scaled_dot_product_attention(q[:, :, first:first + s.count], keys, values, attn_mask=mask)
-            out[first:first + s.count] = y[0].transpose(0, 1)
+            y = F.scaled_dot_product_attention(q[:, :, first:first + count], keys, values, attn_mask=mask)
+            out[first:first + count] = y[0].transpose(0, 1)
         return out.transpose(0, 1)[None]
