@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from kiln.pipeline.cli import app
-from kiln.pipeline.tools.bench_gpu import STEPS
+from kiln.pipeline.tools.bench_gpu import STEPS, headline
 from kiln.pipeline.tools.bench_kernels import OPS
 
 
@@ -101,3 +101,16 @@ def test_a_failing_or_hanging_step_is_recorded_and_the_rest_still_run(tmp_path, 
     status = {s["step"]: s["status"] for s in json.loads((out / "summary.json").read_text())["steps"]}
     assert status == {"tests": "exit 3", "kernels": "timed out after 2s", "train": "ok"}
     assert "ran" in (out / "train.log").read_text()
+
+
+def test_headline_picks_the_fastest_variant_of_both_train_files(tmp_path):
+    """compile + Triton is timed in a process of its own (train_compile_triton.json); it can be the best."""
+    rows = {"train.json": [("bf16-eager-torch", 1.0), ("bf16-compile-torch", 3.0)],
+            "train_compile_triton.json": [("bf16-compile-triton", 4.0)]}
+    for name, variants in rows.items():
+        results = [{"variant": v, "tokens_per_s": t, "mfu": t / 10} for v, t in variants]
+        (tmp_path / name).write_text(json.dumps({"results": results}))
+    assert headline(tmp_path) == {"best_train_variant": "bf16-compile-triton", "best_train_mfu": 0.4,
+                                  "best_train_tokens_per_s": 4.0}
+    (tmp_path / "train_compile_triton.json").unlink()  # it failed: the others still give the headline
+    assert headline(tmp_path)["best_train_variant"] == "bf16-compile-torch"
