@@ -83,7 +83,7 @@ class PagedKVCache:
             "context_slots": np.concatenate([np.zeros(0, dtype=np.int64), *contexts]),
         }
         for name, array in host.items():
-            setattr(self, name, torch.from_numpy(array).to(self.device, non_blocking=True))
+            setattr(self, name, torch.from_numpy(array).to(self.device))
         # each prefill's context slots and causal mask, shared by every layer: query i is token start + i and
         # sees every key up to and including itself
         self.prefill_slots = self.context_slots.split([len(c) for c in contexts])

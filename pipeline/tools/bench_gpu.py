@@ -48,7 +48,7 @@ STEPS = ("env", "tests", "kernels", "train", "pretrain", "generate")
 GPT2_124M = ["model.arch=gpt2", "model.n_layer=12", "model.n_head=12", "model.n_kv_head=12", "model.d_model=768",
              "model.max_seq_len=1024"]
 # The stage runs compile with torch's kernels, the best variant measured: on the first H100 run (2026-11-24)
-# inductor's tracing of kiln's kernels read out of bounds (kernels/BENCHMARKS.md). They now run outside the
+# inductor's tracing of kiln's kernels failed (kernels/BENCHMARKS.md). They now run outside the
 # graphs (kernels/backend.py), untimed on a GPU so far, so compile + Triton is timed last, in its own process.
 GPU_TRAIN = ["train.device=cuda", "train.precision=bf16", "train.compile=true", "train.kernels=torch"]
 TOY = ["model.n_layer=1", "model.n_head=2", "model.n_kv_head=2", "model.d_model=32", "model.max_seq_len=32"]
@@ -58,8 +58,8 @@ TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/
          "tests/test_kernel_flash_attention.py", "tests/test_kernel_nf4.py", "tests/test_kernel_paged_attention.py",
          "tests/test_model.py"]
 
-# Seconds each step may take, per size: quick fits one 10-minute device call; full needs two or three
-# (`--steps`), the split the README gives.
+# Seconds each step may take, per size. Quick's steps took ~9 minutes on an H100 in all, its limits allow ~16:
+# split it over two 10-minute device calls with `--steps`, and full over three or more.
 LIMITS = {"smoke": {"tests": 240, "kernels": 240, "train": 240, "pretrain": 300, "generate": 120},
           "quick": {"tests": 240, "kernels": 150, "train": 200, "pretrain": 200, "generate": 150},
           "full": {"tests": 420, "kernels": 540, "train": 480, "pretrain": 540, "generate": 180}}
