@@ -4,7 +4,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kiln.model import GPT, ModelConfig, save_model
+from kiln.model import GPT, ModelConfig, generate, save_model
 from kiln.pipeline.cli import app
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.sampling import Sampling, TextModel
@@ -57,6 +57,22 @@ def test_seeded_sampling_repeats_and_fills_the_context(tiny, model_dir):
     with pytest.raises(UserError, match="max_seq_len=24"):
         lm.complete(["doc"], Sampling(max_new_tokens=room + 1))
     lm.complete(["doc"], Sampling())  # by default the reply may use all of that room, and no more
+
+
+def test_prompts_run_as_engine_requests_of_their_own(tiny, model_dir):
+    """`kiln generate` runs on the serving engine: greedy output is batched `generate`'s for prompts of mixed
+    lengths, and a seeded prompt's sample depends on its own seed (seed + its index), not on its companions."""
+    lm = TextModel(model_dir, tiny.tokenizer)
+    prompts = ["doc", "doc 7: the king and the", "the"]
+    eot = lm.tokenizer.token_to_id(EOT)
+    ids = [[eot, *lm.tokenizer.encode(p).ids] for p in prompts]
+    want = generate(lm.model, ids, 8, temperature=0, stop_ids=[eot])
+    assert lm.complete(prompts, Sampling(max_new_tokens=8, temperature=0)) == \
+        [lm.tokenizer.decode([t for t in w if t != eot]) for w in want]
+    sampled = Sampling(max_new_tokens=10, temperature=1.5, seed=5)
+    together = lm.complete(["doc", "the"], sampled)
+    assert together[0] == lm.complete(["doc"], sampled)[0]
+    assert together[1] == lm.complete(["the"], Sampling(max_new_tokens=10, temperature=1.5, seed=6))[0]
 
 
 @pytest.mark.parametrize("args, message", [

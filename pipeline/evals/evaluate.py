@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from kiln.model import generate, load_config
+from kiln.model import load_config
 from kiln.pipeline import layout
 from kiln.pipeline.config import Section, coerce
 from kiln.pipeline.errors import UserError
@@ -243,9 +243,9 @@ def samples_markdown(name: str, model_dir: Path, lm: TextModel, prompts: list[st
         context = lm.model.config.max_seq_len
         ids = [chat.prompt([{"role": "user", "content": p}])[-(context - 1):] for p in prompts]
         new = min(sampling.max_new_tokens, context + 1 - max(map(len, ids)))
-        raw = generate(lm.model, ids, new, temperature=sampling.temperature, top_k=sampling.top_k,
-                       top_p=sampling.top_p, stop_ids=[chat.im_end, chat.eot], seed=sampling.seed)
-        outs = [chat.parse_reply(r) for r in raw]
+        requests = [sampling.request(p, new, [chat.im_end, chat.eot], i) for i, p in enumerate(ids)]
+        lm.engine(requests).run(requests)
+        outs = [chat.parse_reply(r.output) for r in requests]
     for i, (prompt, out) in enumerate(zip(prompts, outs), 1):
         lines += [f"## {i}", "", "Prompt:", "", "```text", prompt, "```", "", "Output:", "", "```text", out, "```", ""]
     return "\n".join(lines)

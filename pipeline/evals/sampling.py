@@ -1,7 +1,13 @@
-"""Text in, text out: a model folder plus the tokenizer it was trained with (`kiln generate`, eval samples).
+"""Text in, text out: a model folder plus the tokenizer it was trained with (`kiln generate`, `kiln chat`, eval
+samples), run on the serving engine (`pipeline/serve/engine.py`), as `kiln serve` is.
 
 The model folder records the sha256 of its tokenizer; a different tokenizer would decode the ids into other
 text without any error, so the two are checked against each other before anything runs.
+
+On the engine each prompt is a request of its own: prompts of any lengths run side by side without padding,
+each finished one leaves the batch at once, and a request's sampled tokens depend on its own seed only (prompt
+i gets `seed + i`), never on which other prompts share its steps. Greedy output is `generate`'s, token for
+token (tests/test_serve_engine.py).
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from pathlib import Path
 
 import torch
 
-from kiln.model import generate, load_model, stream
+from kiln.model import load_model
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.serve.engine import Engine, Request
+from kiln.pipeline.serve.engine import Sampling as RequestSampling
 from kiln.pipeline.text.corpus import SURROGATE
 from kiln.pipeline.text.tokens import EOT, load_tokenizer
 
@@ -34,6 +42,12 @@ class Sampling:
         """The command-line tools' sampling: every option left unset takes this class's default."""
         given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
         return cls(max_new_tokens, seed=seed, **{k: v for k, v in given.items() if v is not None})
+
+    def request(self, ids: list[int], max_tokens: int, stop_ids: list[int], index: int = 0) -> Request:
+        """A request of `ids` for the engine, sampled with these settings; the `index`th of a call."""
+        seed = None if self.seed is None else self.seed + index
+        return Request(ids, RequestSampling(max_tokens, self.temperature, self.top_k, self.top_p, seed,
+                                            tuple(stop_ids)))
 
     def check(self) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
@@ -79,9 +93,14 @@ class TextModel:
         if longest + new - 1 > context:
             raise UserError(f"--prompt: {longest - 1} tokens + --max-new-tokens={new} do not fit the model's "
                             f"max_seq_len={context}")
-        outs = generate(self.model, ids, new, temperature=sampling.temperature,
-                        top_k=sampling.top_k, top_p=sampling.top_p, stop_ids=[self.eot], seed=sampling.seed)
-        return [self.tokenizer.decode([t for t in out if t != self.eot]) for out in outs]
+        requests = [sampling.request(p, new, [self.eot], i) for i, p in enumerate(ids)]
+        self.engine(requests).run(requests)
+        return [self.tokenizer.decode([t for t in r.output if t != self.eot]) for r in requests]
+
+    def engine(self, requests: list[Request], block_size: int = 16) -> Engine:
+        """An engine whose cache holds every one of `requests` at its longest at once: nothing is preempted."""
+        need = sum(-(-(len(r.prompt) + r.sampling.max_tokens) // block_size) for r in requests)
+        return Engine(self.model.eval(), need, block_size)
 
 
 class ChatSession:
@@ -109,13 +128,16 @@ class ChatSession:
             raise UserError(f"message: {len(ids)} tokens with the chat markers; the model's context is {context}")
         new, shown = [], ""
         s = self.sampling
-        for token in stream(self.lm.model, ids, min(room, context + 1 - len(ids)), temperature=s.temperature,
-                            top_k=s.top_k, top_p=s.top_p, stop_ids=[self.chat.im_end, self.chat.eot], seed=s.seed):
-            new.append(token)
-            text_so_far = self.chat.parse_reply(new)
-            if not text_so_far.endswith("\ufffd"):  # a character split across tokens waits for its last byte
-                yield text_so_far[len(shown):]
-                shown = text_so_far
+        request = s.request(ids, min(room, context + 1 - len(ids)), [self.chat.im_end, self.chat.eot])
+        engine = self.lm.engine([request])
+        engine.add(request)
+        while engine.has_work():
+            for _, token in engine.step():
+                new.append(token)
+                text_so_far = self.chat.parse_reply(new)
+                if not text_so_far.endswith("\ufffd"):  # a character split across tokens waits for its last byte
+                    yield text_so_far[len(shown):]
+                    shown = text_so_far
         answer = self.chat.parse_reply(new)
         if answer != shown:
             yield answer[len(shown):]
