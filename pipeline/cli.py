@@ -566,6 +566,9 @@ def bench_serve(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 batch: Annotated[int, typer.Option(help="Static batching's largest batch.")] = 16,
                 block_size: Annotated[int, typer.Option(help="Tokens per KV cache block.")] = 16,
                 max_batch_tokens: Annotated[int, typer.Option(help="Most tokens per engine step.")] = 256,
+                output_lengths: Annotated[str, typer.Option(help="geometric (long-tailed, mean an eighth of "
+                                                                 "the context) | uniform.")] = "geometric",
+                speculate: Annotated[int, typer.Option(help="Tokens the draft proposes per step.")] = 4,
                 seed: Annotated[int, typer.Option(help="Workload and random weights.")] = 0,
                 device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
@@ -577,7 +580,8 @@ def bench_serve(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.train.params import ModelParams
 
     config = load_section(ModelParams, params, set_).config(vocab_size)
-    run(config, model, draft, requests, rate, batch, block_size, max_batch_tokens, seed, device, out)
+    run(config, model, draft, requests, rate, batch, block_size, max_batch_tokens, seed, device, out, output_lengths,
+        speculate)
 
 
 @bench_app.command("adapters")

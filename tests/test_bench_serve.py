@@ -23,7 +23,22 @@ def test_every_variant_serves_the_whole_workload(tmp_path):
     for name in ("static batching", "engine"):
         assert rows[name]["output_tokens"] == sum(mixed.outputs) and rows[name]["output_tokens_per_s"] > 0
     assert rows["engine"]["kv_blocks_over_need"] == 0
+    assert rows["static batching"]["kv_slots_peak"] <= 2 * 48  # a batch's padded rows fit one context each
     off, on = (rows[f"engine, shared prompt, prefix caching {s}"] for s in ("off", "on"))
     assert off["prefill_tokens"] == sum(len(p) for p in shared.prompts) > on["prefill_tokens"]
-    assert rows["engine, batch 1, speculative"]["acceptance_rate"] == 1.0
+    assert on["prefill_drop"] == round(1 - on["prefill_tokens"] / off["prefill_tokens"], 4)
+    assert on["shared_whole_block_share"] == round(6 * 16 / sum(len(p) for p in shared.prompts), 4)
+    assert rows["engine, batch 1, speculative"]["acceptance_rate"] == 1.0  # greedy: the draft is the model
+    # sampled: p / q = 1 keeps every draft token too
+    assert rows["engine, batch 1, speculative, temperature 1"]["acceptance_rate"] == 1.0
     assert "transformers generate (batch 1)" in rows
+
+
+def test_output_lengths_are_long_tailed_or_uniform_and_fit_the_context():
+    config = ModelConfig(vocab_size=64, n_layer=1, n_head=2, d_model=32, max_seq_len=256)
+    geometric, uniform = workload(4000, 10.0, config, 0), workload(4000, 10.0, config, 0, output_lengths="uniform")
+    for load in (geometric, uniform):
+        assert all(1 <= n <= 257 - len(p) and 8 <= len(p) <= 128 for p, n in zip(load.prompts, load.outputs))
+    assert 4 <= min(uniform.outputs) and max(uniform.outputs) <= 64
+    # geometric, mean 256 / 8 = 32 where the prompt leaves room: about 1 in e^3 = 5 % of answers run past 3x it
+    assert 30 < sum(geometric.outputs) / 4000 < 34 and 0.03 < sum(n > 96 for n in geometric.outputs) / 4000 < 0.07

@@ -63,6 +63,10 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
+    @property
+    def length(self) -> int:  # len(tokens), without building the list: the scheduler asks every step
+        return len(self.prompt) + len(self.output)
+
 
 class Engine:
     """`model` (a GPT in eval mode) serving requests from a pool of `num_blocks` blocks of `block_size` tokens."""
@@ -148,9 +152,9 @@ class Engine:
         """(request, tokens to feed) for this step, decodes first; blocks made ready for all of them."""
         batch: list[tuple[Request, int]] = []
         for request in list(self.running):  # decodes: one token each (and the draft's), every step
-            if request not in self.running or len(request.tokens) - request.computed != 1:
+            if request not in self.running or request.length - request.computed != 1:
                 continue
-            while not self.pool.grow(request.table, len(request.tokens) + self._lookahead(request)):
+            while not self.pool.grow(request.table, request.length + self._lookahead(request)):
                 self.preemptions += 1
                 if self._preempt() is request:
                     break
@@ -160,7 +164,7 @@ class Engine:
         while self.waiting and budget > 0 and self._admit():
             pass
         for request in self.running:  # prefills, oldest first, within the budget
-            left = len(request.tokens) - request.computed
+            left = request.length - request.computed
             if left > 1 and budget > 0:
                 batch.append((request, min(left, budget)))
                 budget -= batch[-1][1]
@@ -171,7 +175,7 @@ class Engine:
         if self.draft is None:
             return 0
         room = min(request.sampling.max_tokens - len(request.output),
-                   self.model.config.max_seq_len + 1 - len(request.tokens))
+                   self.model.config.max_seq_len + 1 - request.length)
         return max(0, min(self.speculate, room - 1))
 
     def _sample(self, request: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
@@ -195,7 +199,7 @@ class Engine:
             segments, ids = [], []
             for r in active:
                 fed = r.tokens + drafts[id(r)][0]
-                start = r.draft_computed if round_ == 0 else len(r.tokens) - 1 + round_
+                start = r.draft_computed if round_ == 0 else r.length - 1 + round_
                 segments.append(Segment(r.table, start, len(fed) - 1 - start + 1))
                 ids += fed[start:]
             self.draft_cache.begin(segments)
@@ -230,7 +234,7 @@ class Engine:
             if self.waiting and not self.running:
                 raise RuntimeError("the pool cannot hold the first waiting request")  # add() prevents this
             return []
-        speculating = [r for r, n in batch if len(r.tokens) - r.computed == 1 and self._lookahead(r)]  # decodes
+        speculating = [r for r, n in batch if r.length - r.computed == 1 and self._lookahead(r)]  # decodes
         drafts = self._propose(speculating) if speculating else {}
         segments, ids = [], []
         for r, n in batch:
@@ -247,7 +251,7 @@ class Engine:
             before = request.computed
             if n > 1 or request.computed < len(request.prompt):
                 self.prefill_tokens += n
-            if request.computed + n < len(request.tokens):
+            if request.computed + n < request.length:
                 request.computed += n  # a prefill chunk short of the end: no token yet
                 self._commit(request, before)
                 continue
@@ -263,11 +267,11 @@ class Engine:
                 new = accept(target, torch.stack(draft_probs), drafted, request.generator)
             self.drafted += len(drafted)
             self.accepted += len(new) - 1
-            last = len(request.tokens) - 1  # the position fed this step; the drafts were fed after it
+            last = request.length - 1  # the position fed this step; the drafts were fed after it
             self._finish(request, new, events)
             # Every new token but the last is a kept draft, whose keys and values the target computed; the last
             # is fed next step. The draft computed its cache up to the draft before the last it proposed.
-            request.computed = len(request.tokens) - 1
+            request.computed = request.length - 1
             if drafted:
                 request.draft_computed = min(request.computed, last + len(drafted))
             if request.finish_reason:

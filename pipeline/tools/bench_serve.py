@@ -1,20 +1,26 @@
 """`kiln bench serve`: the serving engine against static batching on the same requests, in one run.
 
-Workload: N requests whose prompt and output lengths are drawn uniformly (prompts 8 to half the context,
-outputs 4 to a quarter of it), arriving as a Poisson process at `--rate` requests per second; every output runs
-its full length (greedy, no stop tokens), so each variant computes the same tokens. Per variant: output tokens
-per second over the whole run (first arrival to last token), time to first token and inter-token latency
-(p50, p99, from each token's wall-clock time), and the KV cache held.
+Workload: N requests arriving as a Poisson process at `--rate` requests per second (0: all at once), prompt
+lengths uniform from 8 to half the context, output lengths geometric with a mean of an eighth of the context
+(`--output-lengths geometric`, capped by the room the prompt leaves) or uniform from 4 to a quarter of it
+(`uniform`). Geometric is what a model that ends its answer with a fixed chance at every token produces, and
+it has the long tail of real chat traffic (a few answers many times the mean), which is what batching
+strategies differ on; uniform is the kinder case for static batching. Every output runs its drawn length
+(greedy, no stop tokens), so each variant computes the same tokens. Per variant: output tokens per second over
+the whole run (first arrival to last token), time to first token and inter-token latency (p50, p99, from each
+token's wall-clock time), and the KV cache held.
 
-- static: today's `kiln generate` path. Whatever has arrived when a batch starts (up to `--batch` requests) runs
-  as one left-padded batch for as many steps as its longest output; newcomers wait for the whole batch, and
-  the cache holds batch x (longest prompt + longest output) slots throughout.
+- static: `model/generate.py`'s batched path (what `kiln generate` ran before the engine). Whatever has arrived
+  when a batch starts (up to `--batch` requests, and only while the longest prompt plus the longest output fit
+  the context) runs as one left-padded batch for as many steps as its longest output; newcomers wait for the
+  whole batch, and the cache holds batch x (longest prompt + longest output) slots throughout.
 - engine: continuous batching over the paged cache (`pipeline/serve/engine.py`); arrivals join at the next
   step, finished requests leave at once.
 - prefix caching: a second workload whose prompts all open with the same system prompt (half the context),
   run by the engine with prefix caching off and on: the prefill tokens computed, and the speed.
-- speculative decoding at batch 1: requests one after another, with and without `--draft` (a model with the
-  same vocabulary), with the draft's acceptance rate.
+- batch 1: 8 requests one after another, each answering at length (half a context, or the room its prompt
+  leaves); with `--draft` (a model with the same vocabulary) also with speculative decoding (`--speculate`
+  tokens a step), with the draft's acceptance rate.
 - transformers: `generate` of the model exported as `kiln convert to-hf` would (the same config and tensor
   mapping), one request at a time, when transformers is installed.
 
@@ -50,7 +56,11 @@ class Workload:
     outputs: list[int]  # tokens each request generates
 
 
-def workload(n: int, rate: float, config: ModelConfig, seed: int, shared: int = 0) -> Workload:
+OUTPUT_LENGTHS = ("geometric", "uniform")
+
+
+def workload(n: int, rate: float, config: ModelConfig, seed: int, shared: int = 0,
+             output_lengths: str = "geometric") -> Workload:
     """`n` requests at Poisson arrivals; `shared` > 0 opens every prompt with the same `shared` tokens."""
     rng = np.random.default_rng(seed)
     context = config.max_seq_len
@@ -60,7 +70,9 @@ def workload(n: int, rate: float, config: ModelConfig, seed: int, shared: int = 
         length = int(rng.integers(8, max(9, context // 2 + 1)))
         prompts.append(system + rng.integers(config.vocab_size, size=length).tolist())
         room = context + 1 - len(prompts[-1])
-        outputs.append(int(min(room, rng.integers(4, max(5, context // 4 + 1)))))
+        drawn = rng.geometric(1 / max(2, context // 8)) if output_lengths == "geometric" else \
+            rng.integers(4, max(5, context // 4 + 1))
+        outputs.append(int(min(room, drawn)))
     arrivals = np.cumsum(rng.exponential(1 / rate, size=n)).tolist() if rate > 0 else [0.0] * n
     return Workload(arrivals, prompts, outputs)
 
@@ -87,14 +99,21 @@ def run_static(model: GPT, load: Workload, batch: int) -> dict:
     device = next(model.parameters()).device
     times: list[list[float]] = [[] for _ in load.prompts]
     start, pending, peak_slots = time.perf_counter(), list(range(len(load.prompts))), 0
+    context = model.config.max_seq_len
     with torch.inference_mode():
         while pending:
             now = time.perf_counter() - start
             if load.arrivals[pending[0]] > now:
                 time.sleep(load.arrivals[pending[0]] - now)
                 now = time.perf_counter() - start
-            group = [i for i in pending if load.arrivals[i] <= now][:batch]
-            pending = [i for i in pending if i not in group]
+            group = []  # what has arrived, in order, while the batch's padded prompt + longest output fit
+            for i in pending:
+                members = group + [i]
+                fits = max(len(load.prompts[j]) for j in members) + max(load.outputs[j] for j in members) - 1 <= context
+                if len(group) == batch or load.arrivals[i] > now or not fits:
+                    break
+                group.append(i)
+            pending = pending[len(group):]
             steps = max(load.outputs[i] for i in group)
             x, pad = left_pad([load.prompts[i] for i in group], device)
             peak_slots = max(peak_slots, len(group) * (x.size(1) + steps - 1))
@@ -107,10 +126,13 @@ def run_static(model: GPT, load: Workload, batch: int) -> dict:
 
 
 def run_engine(model: GPT, load: Workload, name: str, blocks: int, block_size: int, budget: int,
-               prefix_caching: bool = True, draft: GPT | None = None) -> dict:
-    """The engine, with requests added as their arrival time passes."""
-    engine = Engine(model, blocks, block_size, budget, prefix_caching=prefix_caching, draft=draft)
-    requests = [Request(p, Sampling(max_tokens=n)) for p, n in zip(load.prompts, load.outputs)]
+               prefix_caching: bool = True, draft: GPT | None = None, speculate: int = 4, temperature: float = 0.0,
+               seed: int = 0) -> dict:
+    """The engine, with requests added as their arrival time passes (request i sampled with seed + i)."""
+    engine = Engine(model, blocks, block_size, budget, prefix_caching=prefix_caching, draft=draft,
+                    speculate=speculate)
+    requests = [Request(p, Sampling(max_tokens=n, temperature=temperature, seed=seed + i))
+                for i, (p, n) in enumerate(zip(load.prompts, load.outputs))]
     index = {id(r): i for i, r in enumerate(requests)}
     times: list[list[float]] = [[] for _ in requests]
     start, added, peak_blocks, over = time.perf_counter(), 0, 0, 0
@@ -128,7 +150,7 @@ def run_engine(model: GPT, load: Workload, name: str, blocks: int, block_size: i
             times[index[id(request)]].append(stamp)
         peak_blocks = max(peak_blocks, engine.pool.in_use())
         # KV held beyond one block per running sequence of the tokens it holds (0 is the goal)
-        held = sum(engine.pool.blocks_for(len(r.tokens)) for r in engine.running)
+        held = sum(engine.pool.blocks_for(r.length) for r in engine.running)
         over = max(over, engine.pool.in_use() - held)
     extra = {"kv_blocks_peak": peak_blocks, "kv_slots_peak": peak_blocks * block_size,
              "kv_blocks_over_need": over, "prefill_tokens": engine.prefill_tokens,
@@ -165,10 +187,15 @@ def run_transformers(model: GPT, load: Workload) -> dict:
 
 
 def bench_serve(config: ModelConfig, model_dir: Path | None, draft_dir: Path | None, requests: int, rate: float,
-                batch: int, block_size: int, budget: int, seed: int, device_name: str, out: Path) -> dict:
-    if requests < 1 or batch < 1 or block_size < 1 or budget < 1 or not rate >= 0 or math.isinf(rate):
+                batch: int, block_size: int, budget: int, seed: int, device_name: str, out: Path,
+                output_lengths: str = "geometric", speculate: int = 4) -> dict:
+    if requests < 1 or batch < 1 or block_size < 1 or budget < 1 or speculate < 1 or not rate >= 0 or \
+            math.isinf(rate):
         raise UserError(f"--requests {requests}, --batch {batch}, --block-size {block_size}, --max-batch-tokens "
-                        f"{budget}, --rate {rate}: expected positive integers and a finite rate >= 0")
+                        f"{budget}, --speculate {speculate}, --rate {rate}: expected positive integers and a "
+                        "finite rate >= 0")
+    if output_lengths not in OUTPUT_LENGTHS:
+        raise UserError(f"--output-lengths {output_lengths}: expected one of {', '.join(OUTPUT_LENGTHS)}")
     device = torch.device("cuda" if device_name == "auto" and torch.cuda.is_available() else
                           "cpu" if device_name == "auto" else device_name)
     if model_dir is not None:
@@ -179,25 +206,40 @@ def bench_serve(config: ModelConfig, model_dir: Path | None, draft_dir: Path | N
     model.eval()
     draft = load_model(draft_dir, device)[0].eval() if draft_dir is not None else None
     c = model.config
-    # as much cache as static batching holds at its largest: the engine gets no more memory than it
-    blocks = math.ceil(batch * (c.max_seq_len + c.max_seq_len // 4) / block_size)
-    mixed = workload(requests, rate, c, seed)
-    shared = workload(requests, rate, c, seed + 1, shared=c.max_seq_len // 2 - 8)
+    # as much cache as static batching may hold at its largest (a full context per row): the engine gets no more
+    blocks = math.ceil(batch * c.max_seq_len / block_size)
+    mixed = workload(requests, rate, c, seed, output_lengths=output_lengths)
+    system = c.max_seq_len // 2 - 8  # a shared system prompt of about half the context
+    shared = workload(requests, rate, c, seed + 1, shared=system, output_lengths=output_lengths)
     rows = [run_static(model, mixed, batch),
             run_engine(model, mixed, "engine", blocks, block_size, budget)]
     rows[1]["speedup_vs_static"] = round(rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"], 3)
     for caching in (False, True):
         rows.append(run_engine(model, shared, f"engine, shared prompt, prefix caching {'on' if caching else 'off'}",
                                blocks, block_size, budget, prefix_caching=caching))
+    # what caching can save: the shared prompt's whole blocks (a block is shared only when full), as a share of
+    # the prompt tokens
+    prompt_tokens = sum(map(len, shared.prompts))
+    rows[-1]["prefill_drop"] = round(1 - rows[-1]["prefill_tokens"] / rows[-2]["prefill_tokens"], 4)
+    rows[-1]["shared_share"] = round(len(shared.prompts) * system / prompt_tokens, 4)
+    rows[-1]["shared_whole_block_share"] = round(len(shared.prompts) * (system // block_size * block_size)
+                                                 / prompt_tokens, 4)
+    # batch 1: a few requests one after another, each answering at length (half a context, or the room its
+    # prompt leaves), where decoding, what speculation speeds up, dominates over the prompt
     alone = workload(min(requests, 8), 0.0, c, seed + 2)
-    alone.arrivals = [0.0] * len(alone.prompts)
-    serial = [run_engine(model, subset(alone, i), "", blocks, block_size, budget) for i in range(len(alone.prompts))]
-    rows.append(merge(serial, "engine, batch 1"))
-    if draft is not None:
-        spec = [run_engine(model, subset(alone, i), "", blocks, block_size, budget, draft=draft)
-                for i in range(len(alone.prompts))]
-        rows.append(merge(spec, "engine, batch 1, speculative"))
-        rows[-1]["speedup_vs_batch_1"] = round(rows[-1]["output_tokens_per_s"] / rows[-2]["output_tokens_per_s"], 3)
+    alone.outputs = [min(c.max_seq_len // 2, c.max_seq_len + 1 - len(p)) for p in alone.prompts]
+    # Speculation is measured greedy and sampled at temperature 1: greedy keeps a draft token only when it is the
+    # model's argmax, sampling keeps it with probability min(1, p/q), so the two accept at different rates.
+    helpers = [("", None)] + ([(", speculative", draft)] if draft is not None else [])
+    for temperature in (0.0, 1.0) if draft is not None else (0.0,):
+        how = "" if temperature == 0 else f", temperature {temperature:g}"
+        for name, helper in helpers:
+            runs = [run_engine(model, subset(alone, i), "", blocks, block_size, budget, draft=helper,
+                               speculate=speculate, temperature=temperature, seed=i) for i in range(len(alone.prompts))]
+            rows.append(merge(runs, f"engine, batch 1{name}{how}"))
+        if draft is not None:
+            rows[-1]["speedup_vs_batch_1"] = round(rows[-1]["output_tokens_per_s"] / rows[-2]["output_tokens_per_s"],
+                                                   3)
     missing = []
     try:
         rows.append(run_transformers(model, alone))
@@ -206,7 +248,8 @@ def bench_serve(config: ModelConfig, model_dir: Path | None, draft_dir: Path | N
     result = {"benchmark": "serve", "device": str(device), "machine": machine(), "model": c.to_dict(),
               "model_dir": None if model_dir is None else str(model_dir),
               "draft_dir": None if draft_dir is None else str(draft_dir), "requests": requests, "rate": rate,
-              "batch": batch, "kv_blocks": blocks, "block_size": block_size, "max_batch_tokens": budget,
+              "output_lengths": output_lengths, "speculate": speculate, "batch": batch, "kv_blocks": blocks,
+              "block_size": block_size, "max_batch_tokens": budget,
               "results": rows, "missing": missing}
     show(result)
     write_json(out, result)
@@ -235,8 +278,9 @@ def show(result: dict) -> None:
     for column in ("variant", "tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "KV slots peak", "notes"):
         table.add_column(column)
     for r in result["results"]:
-        notes = [f"{k}={r[k]}" for k in ("speedup_vs_static", "prefill_tokens", "kv_blocks_over_need",
-                                         "preemptions", "acceptance_rate", "speedup_vs_batch_1") if k in r]
+        notes = [f"{k}={r[k]}" for k in ("speedup_vs_static", "prefill_tokens", "prefill_drop",
+                                         "shared_whole_block_share", "kv_blocks_over_need", "preemptions",
+                                         "acceptance_rate", "speedup_vs_batch_1") if k in r]
         table.add_row(r["variant"], f"{r['output_tokens_per_s']:,.1f}",
                       f"{r.get('ttft_p50_ms', float('nan'))}/{r.get('ttft_p99_ms', '-')}",
                       f"{r.get('itl_p50_ms', float('nan'))}/{r.get('itl_p99_ms', '-')}",
