@@ -77,6 +77,11 @@ def test_prefix_caching_skips_the_shared_prompt():
         assert [r.output for r in outs] == [generate(model, [p], 3, temperature=0.0)[0] for p in texts]
     # the first request computes the prompt; the other three only their last 2 tokens
     assert counts[False] == 4 * 34 and counts[True] == 34 + 3 * 2
+    # all four at once, in 8-token steps: the others wait while the first computes the prompt, then share it
+    engine = Engine(model, num_blocks=64, block_size=4, max_batch_tokens=8)
+    outs = engine.run([Request(p, Sampling(max_tokens=3)) for p in texts])
+    assert engine.prefill_tokens == 34 + 3 * 2
+    assert [r.output for r in outs] == [generate(model, [p], 3, temperature=0.0)[0] for p in texts]
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch():

@@ -11,6 +11,8 @@ finished requests go, so their blocks serve new requests in the very next step.
 
 Blocks: a request admitted from the queue gets blocks for its whole prompt at once (`blocks.BlockPool`,
 sharing any cached prefix, whose tokens it then skips), and one more block whenever decoding fills the last.
+A request whose next uncached prompt block is being prefilled by a running request waits for it to be cached
+rather than compute it a second time.
 When the pool cannot give that block, the newest running request is preempted: its blocks go back and it
 rejoins the front of the queue with its tokens so far, to be recomputed (its shared prefix most likely still
 cached). A request is never refused for memory it could have once others finish; one that could never fit
@@ -139,6 +141,8 @@ class Engine:
     def _admit(self) -> bool:
         request = self.waiting[0]
         tokens = request.tokens
+        if self.prefix_caching and self._prefix_in_flight(tokens):
+            return False
         got = self.pool.allocate(tokens if self.prefix_caching else [], reserve=len(tokens))
         if got is None:
             return False
@@ -147,6 +151,18 @@ class Engine:
         self.running.append(self.waiting.popleft())
         self.running.sort(key=lambda r: r.order)
         return True
+
+    def _prefix_in_flight(self, tokens: list[int]) -> bool:
+        """Whether the first full block of `tokens` not yet cached is one a running request is prefilling now: the
+        request then waits a step or two for it to be cached instead of computing the same keys and values again
+        (requests that share a system prompt and arrive together would all compute it otherwise)."""
+        keys = self.pool.prefix_keys(tokens[:len(tokens) - 1])
+        needed = next((key for key in keys if key not in self.pool.cached), None)
+        if needed is None:
+            return False
+        B = self.pool.block_size
+        return any(needed in self.pool.prefix_keys(r.prompt[:len(r.prompt) - 1])[r.computed // B:]
+                   for r in self.running if r.computed < len(r.prompt))
 
     def _schedule(self) -> list[tuple[Request, int]]:
         """(request, tokens to feed) for this step, decodes first; blocks made ready for all of them."""
