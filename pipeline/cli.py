@@ -34,6 +34,8 @@ app.add_typer(scaling_app, name="scaling")
 convert_app = typer.Typer(help="Hugging Face interop: GPT-2 and Llama checkpoints in, transformers folders out.",
                           no_args_is_help=True)
 app.add_typer(convert_app, name="convert")
+debug_app = typer.Typer(help="Checks that a model can learn at all.", no_args_is_help=True)
+app.add_typer(debug_app, name="debug")
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to read.")]
 SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
@@ -552,6 +554,28 @@ def bench_generate(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
         raise typer.BadParameter(f"{batch_sizes!r}: expected comma-separated integers", param_hint="--batch-sizes")
     run(load_section(ModelParams, params, set_), model, vocab_size, sizes, prompt_len, new_tokens, repeats, dtype,
         device, out)
+
+
+@debug_app.command("overfit")
+@reports_errors
+def debug_overfit(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+                  shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = layout.SHARDS,
+                  tokenizer: TokenizerOpt = layout.TOKENIZER,
+                  steps: Annotated[int, typer.Option(help="Most steps to take.")] = 300,
+                  target: Annotated[float, typer.Option(help="The loss (nats/token) that counts as learned.")] = 0.1,
+                  lr: Annotated[float | None, typer.Option(help="The learning rate (default: train.lr; 0 shows "
+                                                                "what a model that cannot learn looks like).")] = None,
+                  out: Annotated[Path | None, typer.Option(help="Also write the curve and verdict as JSON.")] = None):
+    """Train the configured model on one batch until its loss is near zero: exit 0 when it gets there, 1 when
+    it cannot (a bug, or a learning rate that cannot work). Reads the `model` and `train` sections (`--set`:
+    bare keys mean train)."""
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.tools.overfit import overfit
+    from kiln.pipeline.train.params import ModelParams, TrainParams
+
+    train, model = load_sections((TrainParams, ModelParams), params, set_)
+    if not overfit(model, train, shards, tokenizer, steps, target, lr, out).learned:
+        raise typer.Exit(1)
 
 
 @bench_app.command("serve")
