@@ -3,7 +3,8 @@
 `arch="llama"` is the modern recipe (pre-norm RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention,
 no biases); `arch="gpt2"` is the 2019 one (LayerNorm, GELU MLP, learned positions, biases, tied embeddings).
 They differ in four small places, each a plain `if` on the config, so a reader can diff them by eye and an
-ablation is one config field.
+ablation is one config field. `norm` swaps the normalisation alone: the arch's own (auto), RMSNorm, LayerNorm,
+or Dynamic Tanh (Zhu et al. 2025, "Transformers without Normalization").
 
 The same `forward` serves training (full sequences, causal SDPA, loss) and generation (a few new tokens
 appended to a preallocated `KVCache`). It has no Python branches on tensor values, so `torch.compile` traces
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass, fields, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 # Only the backend switch at import: the kernel modules import Triton, which macOS and Windows lack, so each is
 # imported where a fused path is taken (and Triton is there).
@@ -30,6 +32,7 @@ from kiln.kernels.backend import BACKENDS, use_triton
 from kiln.model.logprobs import TokenStats, token_logprobs
 
 ARCHS = ("llama", "gpt2")
+NORMS = ("auto", "rmsnorm", "layernorm", "dyt")
 REDUCTIONS = ("mean", "sum", "none")
 # fp32 weights; training adds their gradients and AdamW's two moments (activations come on top, by batch).
 BYTES_PER_PARAM = {"for its weights": 4, "to train": 16}
@@ -54,6 +57,14 @@ class ModelConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = True  # gpt2 always ties
     dropout: float = 0.0
+    norm: str = "auto"          # auto (llama: rmsnorm, gpt2: layernorm) | rmsnorm | layernorm | dyt
+
+    @property
+    def norm_kind(self) -> str:
+        """The normalisation actually built: `norm` with auto resolved by the architecture."""
+        if self.norm != "auto":
+            return self.norm
+        return "rmsnorm" if self.arch == "llama" else "layernorm"
 
     @property
     def padded_vocab_size(self) -> int:
@@ -94,6 +105,8 @@ class ModelConfig:
             raise ValueError(f"d_ff: must be >= 0 (0 = derive from d_model), got {self.d_ff}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch: {self.arch!r} is not one of {', '.join(ARCHS)}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm: {self.norm!r} is not one of {', '.join(NORMS)}")
         if self.d_model % self.n_head:
             raise ValueError(f"n_head: {self.n_head} does not divide d_model={self.d_model}")
         if self.n_head % self.n_kv_head:
@@ -112,7 +125,7 @@ class ModelConfig:
         instant for any size (the scaling sweep sizes models by it, the memory check below refuses by it)."""
         d, inner, kv, f = self.d_model, self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.ffn_dim
         gpt2 = self.arch == "gpt2"
-        norm = 2 * d if gpt2 else d  # LayerNorm has a bias, RMSNorm only a gain
+        norm = {"rmsnorm": d, "layernorm": 2 * d, "dyt": 2 * d + 1}[self.norm_kind]  # gain, bias, DyT's alpha
         attn = 2 * d * inner + 2 * d * kv + (inner + 2 * kv + d if gpt2 else 0)
         mlp = 2 * d * f + (f + d if gpt2 else d * f)  # gpt2: up + down with biases; llama: gate, up, down
         n = self.n_layer * (attn + mlp + 2 * norm) + norm
@@ -358,10 +371,39 @@ class RMSNorm(nn.RMSNorm):
         return super().forward(x)
 
 
+class DyT(nn.Module):
+    """Dynamic Tanh (Zhu et al. 2025): weight * tanh(alpha * x) + bias, with alpha one learnable scalar.
+
+    Layer norms in trained transformers map their inputs through an S-shaped curve, tanh-like for the outliers;
+    DyT is that curve without the per-token statistics, so it needs no reduction over the channels. alpha starts
+    at the paper's default 0.5 (which it tunes per model for LLMs), the affine at the identity, as a norm's.
+    """
+
+    ALPHA_INIT = 0.5
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.empty(1))
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.bias = nn.Parameter(torch.empty(dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.constant_(self.alpha, self.ALPHA_INIT)
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.alpha * x) * self.weight + self.bias
+
+
 def make_norm(config: ModelConfig) -> nn.Module:
-    if config.arch == "llama":
+    kind = config.norm_kind
+    if kind == "rmsnorm":
         return RMSNorm(config.d_model, eps=config.norm_eps)
-    return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+    if kind == "layernorm":
+        return nn.LayerNorm(config.d_model, eps=config.norm_eps)
+    return DyT(config.d_model)
 
 
 class Block(nn.Module):
@@ -383,6 +425,7 @@ class GPT(nn.Module):
     # Output projections that write into the residual stream; see init_weights.
     RESIDUAL_PROJECTIONS = ("attn.o_proj.weight", "mlp.down_proj.weight")
     backend = "torch"
+    checkpointing = False  # set by set_checkpointing
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -413,6 +456,12 @@ class GPT(nn.Module):
                 module.backend = backend
         return self
 
+    def set_checkpointing(self, on: bool) -> GPT:
+        """Activation checkpointing: in training, each block keeps only its input for the backward and runs its
+        forward again there, trading a second forward of the blocks for their activations' memory."""
+        self.checkpointing = on
+        return self
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """GPT-2's init: N(0, 0.02) for every matrix and embedding, zero biases, unit norm weights.
@@ -426,7 +475,7 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
-            if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            if isinstance(module, (nn.LayerNorm, nn.RMSNorm, DyT)):
                 module.reset_parameters()
         for name, p in self.named_parameters():
             if name.endswith(self.RESIDUAL_PROJECTIONS):
@@ -472,8 +521,12 @@ class GPT(nn.Module):
             rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]) if pad is None else \
                 (self.rope_cos[at][:, None], self.rope_sin[at][:, None])
         mask = attention_mask(pos, T, pad, idx.device)
+        recompute = self.checkpointing and cache is None and torch.is_grad_enabled()
         for layer, block in enumerate(self.blocks):
-            x = block(x, rope, cache, layer, pos, mask)
+            if recompute:  # non-reentrant: the RNG state is replayed, so dropout masks match the first forward
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, cache, layer, pos, mask, use_reentrant=False)
+            else:
+                x = block(x, rope, cache, layer, pos, mask)
         h = self.norm(x)
         if targets is not None and stats:
             return TokenStats(*(t.view(B, T) for t in self._token_logprobs(h, targets, temperature, True)))

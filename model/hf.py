@@ -67,8 +67,17 @@ GPT2_LAYER = {
 }
 
 
+def check_convertible(config: ModelConfig) -> None:
+    """HF's Llama has RMSNorm and its GPT-2 LayerNorm, nothing else: another `norm` has no HF equivalent."""
+    own = ModelConfig(vocab_size=1, arch=config.arch).norm_kind
+    if config.norm_kind != own:
+        raise ValueError(f"model.norm={config.norm}: HF's {config.arch} model has only {own}, so a {config.arch} "
+                         f"model with {config.norm_kind} has no HF equivalent")
+
+
 def rules(config: ModelConfig) -> list[Rule]:
     """Every tensor of the HF checkpoint for `config`, with the kiln tensors it is made of."""
+    check_convertible(config)
     if config.arch == "llama":
         out = [Rule(EMBEDDING["llama"], ("tok_emb.weight",), vocab_rows=True),
                Rule("model.norm.weight", ("norm.weight",))]
@@ -248,6 +257,7 @@ def _gpt2_values(hf: dict, where: str) -> dict:
 def hf_config(config: ModelConfig, special: dict[str, int | None]) -> dict:
     """The HF config.json for a kiln config. Written in the pre-5 spelling (torch_dtype, rope_theta), which
     transformers 4 needs and 5 still reads. `special`: bos/eos/pad token ids."""
+    check_convertible(config)
     common = {"vocab_size": config.vocab_size, "tie_word_embeddings": config.tie_embeddings,
               **special, "torch_dtype": "float32", "use_cache": True}
     if config.arch == "llama":

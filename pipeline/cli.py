@@ -36,6 +36,8 @@ convert_app = typer.Typer(help="Hugging Face interop: GPT-2 and Llama checkpoint
 app.add_typer(convert_app, name="convert")
 debug_app = typer.Typer(help="Checks that a model can learn at all.", no_args_is_help=True)
 app.add_typer(debug_app, name="debug")
+plan_app = typer.Typer(help="What a configuration will need, before it runs.", no_args_is_help=True)
+app.add_typer(plan_app, name="plan")
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to read.")]
 SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
@@ -510,6 +512,11 @@ def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 = "auto",
                 kernels: Annotated[str, typer.Option(help="auto | triton | torch, as train.kernels, for variants "
                                                           "that name none.")] = "torch",
+                profile: Annotated[Path | None, typer.Option(
+                    help="A folder for a torch.profiler trace of 3 more steps per variant (Chrome/Perfetto JSON); "
+                         "prints each variant's top operators by self time.")] = None,
+                checkpointing: Annotated[bool, typer.Option(
+                    help="Recompute each block in the backward (train.activation_checkpointing).")] = False,
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                 layout.BENCH / "train.json"):
     """Training-step tokens/s and MFU, fp32 vs bf16, eager vs torch.compile, torch vs Triton kernels, in one run.
@@ -523,7 +530,7 @@ def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.train.params import ModelParams
 
     run(load_section(ModelParams, params, set_), parse_variants(variants, kernels), vocab_size, batch_size, seq_len,
-        steps, warmup, device, out)
+        steps, warmup, device, out, profile, checkpointing)
 
 
 @bench_app.command("generate")
@@ -576,6 +583,38 @@ def debug_overfit(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     train, model = load_sections((TrainParams, ModelParams), params, set_)
     if not overfit(model, train, shards, tokenizer, steps, target, lr, out).learned:
         raise typer.Exit(1)
+
+
+@plan_app.command("memory")
+@reports_errors
+def plan_memory(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+                batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch (default: "
+                                                                     "train.batch_size).")] = None,
+                seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default: model.max_seq_len).")]
+                = None,
+                vocab_size: Annotated[int | None, typer.Option(help="Vocabulary (default: tokenizer.vocab_size).")]
+                = None,
+                device_gb: Annotated[float | None, typer.Option(help="Device memory in GB for the largest micro-batch "
+                                                                     "(default: this machine's free memory, its "
+                                                                     "GPU's if it has one).")] = None,
+                measure: Annotated[bool, typer.Option(help="Also train 2 steps on this CPU and print the measured "
+                                                           "peak of tensor bytes beside the estimate.")] = False,
+                out: Annotated[Path | None, typer.Option(help="Also write the plan as JSON.")] = None):
+    """Bytes of weights, gradients, AdamW state, activations (per token and layer, with train.precision,
+    train.kernels and train.activation_checkpointing) and KV cache for the `model` and `train` sections, and the
+    largest micro-batch that fits. `--set`: bare keys mean train; train.kernels auto counts as triton."""
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.text.tokenizer import TokenizerParams
+    from kiln.pipeline.tools.plan_memory import plan_memory as run
+    from kiln.pipeline.train.params import ModelParams, TrainParams
+
+    train, model, tokenizer = load_sections((TrainParams, ModelParams, TokenizerParams), params, set_)
+    vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
+    if vocab_size < 1:
+        raise UserError(f"--vocab-size {vocab_size}: expected a positive integer")
+    run(model.config(vocab_size), train.precision, train.kernels, train.activation_checkpointing,
+        train.batch_size if batch_size is None else batch_size, model.max_seq_len if seq_len is None else seq_len,
+        device_gb, measure, out)
 
 
 @bench_app.command("serve")

@@ -88,3 +88,21 @@ def test_imports_without_the_data_stack(monkeypatch):
     for module in ("kiln.pipeline.tools.bench_train", "kiln.pipeline.tools.bench_kernels", "kiln.pipeline.tools.bench_generate", "kiln.pipeline.tools.bench_gpu",
                    "kiln.pipeline.cli"):
         importlib.import_module(module)
+
+
+def test_profile_writes_a_trace_per_variant_and_the_top_operators(tmp_path, params):
+    out, traces = tmp_path / "train.json", tmp_path / "traces"
+    result = CliRunner().invoke(app, ["bench", "train", "--params", str(params), "--variants", "fp32-eager", *ARGS,
+                                      "--checkpointing", "--profile", str(traces), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    row = json.loads(out.read_text())["results"][0]
+    trace = json.loads((traces / "fp32-eager-torch.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert "aten::mm" in names and row["trace"] == str(traces / "fp32-eager-torch.json")
+    ops = [op["op"] for op in row["top_ops"]]
+    assert "aten::mm" in ops and 0 < sum(op["share"] for op in row["top_ops"]) <= 1
+    # checkpointing recomputes every block: the forward's matmuls run twice, so more mm calls than without
+    assert "top operators by self CPU time" in result.output and json.loads(out.read_text())["activation_checkpointing"]
+    mm = next(op for op in row["top_ops"] if op["op"] == "aten::mm")
+    # 1 block: q, k, v, o, gate, up, down (7) + the head, forward 8, backward 2 each (16), recompute 7
+    assert mm["calls_per_step"] == 8 + 16 + 7

@@ -95,8 +95,9 @@ def start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokenize
     chat = ChatFormat(load_tokenizer(tokenizer_path, ordinary=True))
     spec = params.adapter_spec()
     try:
-        apply_adapter(model.set_kernels(train.kernels), spec["adapter"], params.lora_rank, params.lora_alpha,
-                      params.lora_dropout, params.lora_targets)
+        model.set_kernels(train.kernels).set_checkpointing(train.activation_checkpointing)
+        apply_adapter(model, spec["adapter"], params.lora_rank, params.lora_alpha, params.lora_dropout,
+                      params.lora_targets)
     except ValueError as e:
         raise UserError(f"params: {params.SECTION}.{e}") from None
     return Start(model, Path(model_dir), want, sha256_file(Path(model_dir) / "model.safetensors"),

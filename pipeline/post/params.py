@@ -85,6 +85,7 @@ class PostTrainParams(Section):
         """The one loop's params: this section's schedule and batch over `train`'s engine settings."""
         return build_section(TrainParams, {
             **dataclasses.asdict(train), "max_steps": self.max_steps, "tokens": None, "seed": self.seed,
+            "batch_ramp_tokens": 0,  # pretraining's: post-training starts from a trained model
             "batch_size": self.batch_size * self.SEQUENCES,
             "batch_tokens": self.batch_examples * self.SEQUENCES * seq_len,
             "lr": self.lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,

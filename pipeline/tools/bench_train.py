@@ -78,12 +78,38 @@ def synchronize(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
+PROFILED_STEPS = 3
+TOP_OPS = 12
+
+
+def profile_steps(one, device: torch.device, trace: Path) -> list[dict]:
+    """Run a few more steps under torch.profiler, write their trace (Chrome/Perfetto JSON) to `trace`, and return
+    the operators that took the most self time on the device that did the work (CUDA kernels, else the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
+            one()
+        synchronize(device)
+    trace.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(trace))
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:TOP_OPS]
+    total = sum(getattr(e, key) for e in prof.key_averages()) or 1.0
+    return [{"op": e.key, "self_ms_per_step": round(getattr(e, key) / 1e3 / PROFILED_STEPS, 3),
+             "share": round(getattr(e, key) / total, 4), "calls_per_step": e.count // PROFILED_STEPS}
+            for e in events]
+
+
 def time_variant(template: GPT, precision: str, compiled: bool, kernels: str, device: torch.device,
-                 batch_size: int, seq_len: int, steps: int, warmup: int, progress: Progress) -> dict:
+                 batch_size: int, seq_len: int, steps: int, warmup: int, progress: Progress,
+                 trace: Path | None = None, checkpointing: bool = False) -> dict:
     setup_precision(device, precision)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = copy.deepcopy(template).set_kernels(kernels).to(device)
+    model = copy.deepcopy(template).set_kernels(kernels).set_checkpointing(checkpointing).to(device)
     params = dataclasses.replace(OPTIM, precision=precision, compile=compiled, kernels=kernels)
     optimizer = build_optimizer(model, params, device)
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
@@ -110,17 +136,23 @@ def time_variant(template: GPT, precision: str, compiled: bool, kernels: str, de
         one()
     synchronize(device)
     seconds = time.perf_counter() - start
+    top = profile_steps(one, device, trace) if trace is not None else None
     if compiled:
         torch._dynamo.reset()  # drop the graphs, and the model they hold, before the next variant
     peak_memory = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     tokens_per_s = batch_size * seq_len * steps / seconds
     return {"step_ms": round(seconds / steps * 1e3, 3), "tokens_per_s": round(tokens_per_s, 1),
             "compile_seconds": round(first, 2) if compiled else None,
-            "peak_memory_gb": None if peak_memory is None else round(peak_memory, 3)}
+            "peak_memory_gb": None if peak_memory is None else round(peak_memory, 3),
+            **({"trace": str(trace), "top_ops": top} if trace is not None else {})}
 
 
 def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]], vocab_size: int, batch_size: int,
-                seq_len: int | None, steps: int, warmup: int, device_name: str, out: Path) -> dict:
+                seq_len: int | None, steps: int, warmup: int, device_name: str, out: Path,
+                profile: Path | None = None, checkpointing: bool = False) -> dict:
+    """`profile`: a folder for one trace per variant, of PROFILED_STEPS steps after the timed ones (so the
+    profiler's overhead is not in the timings), and a table of each variant's top operators by self time.
+    `checkpointing`: every variant recomputes its blocks in the backward (train.activation_checkpointing)."""
     for option, value in (("--vocab-size", vocab_size), ("--batch-size", batch_size), ("--steps", steps),
                           ("--warmup", warmup)):
         if value < 1:
@@ -138,13 +170,15 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
     num_params, flops_per_token = template.num_params(), template.flops_per_token(seq_len)
     device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()["processor"]
     rows = []
-    with Progress("bench train", unit="steps", total=len(variants) * (warmup + steps)) as progress:
+    profiled = PROFILED_STEPS if profile is not None else 0
+    with Progress("bench train", unit="steps", total=len(variants) * (warmup + steps + profiled)) as progress:
         for precision, compiled, kernels in variants:
             name = f"{precision}-{MODES[compiled]}-{kernels}"
             progress.advance(0, variant=name)
             rows.append({"variant": name, "precision": precision, "compile": compiled, "kernels": kernels,
                          **time_variant(template, precision, compiled, kernels, device, batch_size, seq_len, steps,
-                                        warmup, progress)})
+                                        warmup, progress, profile / f"{name}.json" if profile else None,
+                                        checkpointing)})
     for row in rows:
         peak, _ = peak_flops(device, row["precision"])
         row["peak_flops"] = peak
@@ -154,6 +188,7 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
     table = Table(title=f"training step: {config.arch} {config.n_layer}x{config.d_model}, "
                         f"{num_params / 1e6:.2f}M params, vocab {vocab_size}, batch {batch_size}x{seq_len}, "
                         f"{steps} timed steps after {warmup}, {device.type} ({device_label})"
+                        + (", activation checkpointing" if checkpointing else "")
                         + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""))
     for col in ("variant", "step ms", "tokens/s", "MFU", "speedup", "compile s", *(["peak GB"] if cuda else [])):
         table.add_column(col)
@@ -163,10 +198,19 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
                       "-" if row["compile_seconds"] is None else f"{row['compile_seconds']:.1f}",
                       *([f"{row['peak_memory_gb']:.2f}"] if cuda else []))
     console.print(table)
+    for row in rows if profile is not None else ():
+        ops = Table(title=f"{row['variant']}: top operators by self {'CUDA' if cuda else 'CPU'} time, "
+                          f"{PROFILED_STEPS} steps (trace: {row['trace']}, opens in ui.perfetto.dev)")
+        for col in ("operator", "ms/step", "share", "calls/step"):
+            ops.add_column(col)
+        for op in row["top_ops"]:
+            ops.add_row(op["op"], f"{op['self_ms_per_step']:.2f}", f"{op['share']:.1%}", str(op["calls_per_step"]))
+        console.print(ops)
     result = {"benchmark": "train", "device": device.type, "device_name": device_label,
               "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": machine(),
               "model": config.to_dict(), "params": num_params, "flops_per_token": flops_per_token,
               "batch_size": batch_size, "seq_len": seq_len, "steps": steps, "warmup": warmup,
+              "activation_checkpointing": checkpointing,
               "baseline": rows[0]["variant"], "results": rows}
     write_json(out, result)
     console.print(f"wrote {out}", highlight=False)

@@ -22,12 +22,15 @@ from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.distributed import SINGLE, World
 from kiln.pipeline.train.loop import Run, autocast, prepare_device, train
 from kiln.pipeline.train.params import TrainParams
+from kiln.pipeline.train.ramp import BatchRamp
 
 # Params that change the cadence of logging and saving, or only how the same math is computed (device,
-# compile, kernels, how the global batch is split into micro-batches and processes), not what is trained: not
-# part of the run's identity, so a run may resume across them.
+# compile, kernels, recomputing activations, how the global batch is split into micro-batches and processes),
+# not what is trained: not part of the run's identity, so a run may resume across them.
 CADENCE = ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "log_every", "device", "compile",
-           "kernels", "batch_size", "nproc_per_node", "parallel", "zero1")
+           "kernels", "batch_size", "nproc_per_node", "parallel", "zero1", "activation_checkpointing")
+# ... except that a batch ramp grows the batch a pass at a time, so there the split sets each step's batch.
+RAMP_SHAPE = ("batch_size", "nproc_per_node")
 
 
 def lm_loss(model, batch):
@@ -90,14 +93,19 @@ class LMData:
                    ShardSet(shards_dir, "val", tokenizer_sha256=sha), byte_lengths(tokenizer_path), sha)
 
 
-def total_steps(params: TrainParams) -> int:
-    return params.max_steps if params.max_steps is not None else max(1, params.tokens // params.batch_tokens)
+def total_steps(params: TrainParams, per_pass: int) -> int:
+    """train.max_steps, or the steps of train.tokens (through the batch ramp, if any; `per_pass`: the tokens
+    of one micro-batch on every process)."""
+    if params.max_steps is not None:
+        return params.max_steps
+    return BatchRamp(params.batch_tokens, per_pass, params.batch_ramp_tokens).steps_for(params.tokens)
 
 
 def lm_fingerprint(config: ModelConfig, params: TrainParams, tokenizer_sha256: str) -> dict:
     """What makes two runs the same run: checkpoints of another fingerprint are another run's."""
+    keep = RAMP_SHAPE if params.batch_ramp_tokens else ()
     return {"model": config.to_dict(), "tokenizer_sha256": tokenizer_sha256,
-            "train": {k: v for k, v in dataclasses.asdict(params).items() if k not in CADENCE}}
+            "train": {k: v for k, v in dataclasses.asdict(params).items() if k not in CADENCE or k in keep}}
 
 
 def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_dir: Path, curves_dir: Path,
@@ -116,8 +124,8 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
         config.check_fits(device, "to train" if world.size == 1 else "for its weights")
     except ValueError as e:
         raise UserError(f"model.{e}") from None
-    model = GPT(config).to(device).set_kernels(params.kernels)
-    steps = total_steps(params)
+    model = GPT(config).to(device).set_kernels(params.kernels).set_checkpointing(params.activation_checkpointing)
+    steps = total_steps(params, params.batch_size * seq_len * world.size)
     fingerprint = lm_fingerprint(config, params, data.tokenizer_sha256)
     run = Run(
         params=params, total_steps=steps, micro_batch_tokens=params.batch_size * seq_len, loss_fn=lm_loss,

@@ -30,6 +30,7 @@ from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Curves
 from kiln.pipeline.train.distributed import SINGLE, World
 from kiln.pipeline.train.params import TrainParams
+from kiln.pipeline.train.ramp import BatchRamp
 from kiln.pipeline.train.throughput import peak_flops
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -149,17 +150,19 @@ class Step:
         self.model, self.forward, self.optimizer, self.scaler = model, forward, optimizer, scaler
         self.loss_fn, self.accum, self.params, self.device = loss_fn, accum, params, device
 
-    def __call__(self, batches: Iterator, lr: float,
-                 on_bad_loss: Callable[[float], None]) -> tuple[float, torch.Tensor]:
-        """(loss, gradient norm); `on_bad_loss(loss)` raises when the loss is not finite."""
+    def __call__(self, batches: Iterator, lr: float, on_bad_loss: Callable[[float], None],
+                 accum: int | None = None) -> tuple[float, torch.Tensor]:
+        """(loss, gradient norm) of a step of `accum` micro-batches (default: the full batch's); `on_bad_loss(loss)`
+        raises when the loss is not finite."""
+        accum = accum or self.accum
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total = torch.zeros((), device=self.device)
-        for micro in range(self.accum):
+        for micro in range(accum):
             batch = [t.to(self.device, non_blocking=True) for t in next(batches)]
-            with distributed.gradient_sync(self.model, sync=micro == self.accum - 1):
+            with distributed.gradient_sync(self.model, sync=micro == accum - 1):
                 with autocast(self.device, self.params.precision):
-                    micro_loss = self.loss_fn(self.forward, batch) / self.accum
+                    micro_loss = self.loss_fn(self.forward, batch) / accum
                 self.scaler.scale(micro_loss).backward()
             total += micro_loss.detach()
         loss = distributed.mean(total).item()
@@ -210,17 +213,17 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
 
     curves = Curves(run.curves_dir, step, write=world.main)
     peak = peak_flops(device, params.precision)[0] if run.flops_per_token else None
-    tokens_per_step = params.batch_tokens
+    ramp = BatchRamp(params.batch_tokens, run.micro_batch_tokens * world.size, params.batch_ramp_tokens)
     last_eval: dict = {}
     timer_tokens, timer_start = 0, time.perf_counter()
     start = time.perf_counter()
     model.train()
     with Progress(run.name, unit="steps", total=run.total_steps, start=step) as progress:
         while step < run.total_steps:
-            lr = lr_at(step, run.total_steps, params)
-            loss, norm = take_step(run.batches, lr, stop)
+            lr = lr_at(step, run.total_steps, params) * ramp.lr_scale(step)
+            loss, norm = take_step(run.batches, lr, stop, ramp.accumulation(step))
+            timer_tokens += ramp.tokens(step)
             step += 1
-            timer_tokens += tokens_per_step
             if step % params.log_every == 0 or step == run.total_steps:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -229,7 +232,9 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
                 grad_norm = distributed.whole(norm).item()
                 extra = run.log_metrics() if run.log_metrics else {}
                 curves.add(step, {"loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
-                                  "tokens_per_s": round(tps, 1), **{k: round(v, 5) for k, v in extra.items()}})
+                                  "tokens_per_s": round(tps, 1),
+                                  **({"batch_tokens": ramp.tokens(step - 1)} if params.batch_ramp_tokens else {}),
+                                  **{k: round(v, 5) for k, v in extra.items()}})
                 if peak and device.type == "cpu" and run.flops_per_token * tps > peak * world.size:
                     # above 100%: a measured CPU peak can only be too low (the machine was busy), measure again
                     peak, _ = peak_flops(device, params.precision)
@@ -251,7 +256,7 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
         last_eval = evaluate(run, model, step)
     curves.end()
     seconds = seconds_before + time.perf_counter() - start
-    tokens = step * tokens_per_step
+    tokens = ramp.seen(step)
     tps = tokens / seconds if seconds else 0.0
     result = {"train_loss": round(loss, 5), **{k: round(v, 5) for k, v in last_eval.items()}, "steps": step,
               "tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tps, 1)}

@@ -36,6 +36,7 @@ class ModelParams(Section):
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     dropout: float = 0.0
+    norm: str = "auto"  # auto (llama: rmsnorm, gpt2: layernorm) | rmsnorm | layernorm | dyt
 
     def config(self, vocab_size: int, **shape) -> ModelConfig:
         """The model package's config for this section, with `shape` (n_layer=..., ...) overriding it."""
@@ -87,6 +88,9 @@ class TrainParams(Section):
     nproc_per_node: int = 1
     parallel: str = "ddp"  # ddp (replicated model) | fsdp (FSDP2: parameters, gradients, optimizer state sharded)
     zero1: bool = False  # ddp only: shard AdamW's state across processes (ZeroRedundancyOptimizer)
+    # the global batch grows from one micro-batch per process to batch_tokens over this many tokens (0: off)
+    batch_ramp_tokens: int = 0
+    activation_checkpointing: bool = False  # recompute each block in the backward instead of keeping its activations
 
     def check(self) -> None:
         if self.parallel not in ("ddp", "fsdp"):
@@ -116,7 +120,7 @@ class TrainParams(Section):
             raise self.bad("lr", "a positive number")
         if not 0 <= self.min_lr <= self.lr:
             raise self.bad("min_lr", f"a number in [0, lr={self.lr:g}]")
-        for name in ("warmup_steps", "weight_decay", "grad_clip"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "batch_ramp_tokens"):
             if getattr(self, name) < 0:
                 raise self.bad(name, "a number >= 0")
         if not 0 < self.decay_fraction <= 1:

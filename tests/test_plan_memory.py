@@ -1,0 +1,103 @@
+"""`kiln plan memory` against what a run allocates and what autograd saves."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from kiln.model import GPT, ModelConfig
+from kiln.pipeline.cli import app
+from kiln.pipeline.tools.plan_memory import Shape, measure_cpu_peak, plan
+
+
+def layer_saved_bytes(config: ModelConfig, tokens_rows: int, precision: str, kernels: str) -> int:
+    """Bytes autograd saves for one block: a 2-layer model's saved tensors less a 1-layer one's, each storage once,
+    parameters left out."""
+    def saved(n_layer):
+        torch.manual_seed(0)
+        model = GPT(ModelConfig(**{**config.to_dict(), "n_layer": n_layer})).set_kernels(kernels)
+        params = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        x = torch.randint(0, config.vocab_size, (tokens_rows, config.max_seq_len))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            model(x, x)
+        return sum(v for k, v in seen.items() if k not in params)
+
+    return saved(2) - saved(1)
+
+
+SHAPES = [dict(vocab_size=256, n_head=4, n_kv_head=4, d_model=64, max_seq_len=32),
+          dict(vocab_size=256, n_head=8, n_kv_head=2, d_model=64, max_seq_len=32),
+          dict(vocab_size=256, n_head=2, n_kv_head=2, d_model=96, d_ff=100, max_seq_len=16)]
+
+
+@pytest.mark.parametrize("arch,precision,shape", [
+    (arch, precision, shape) for arch in ("llama", "gpt2") for precision in ("fp32", "bf16") for shape in SHAPES
+    if arch == "llama" or shape["n_kv_head"] == shape["n_head"]])  # gpt2 has no grouped-query attention
+def test_per_layer_activations_are_what_autograd_saves(arch, precision, shape):
+    config = ModelConfig(n_layer=1, arch=arch, **shape)
+    s = Shape(config, precision)
+    rows = 2
+    want = s.layer_bytes_per_token() * rows * config.max_seq_len + s.layer_constant_bytes()
+    assert layer_saved_bytes(config, rows, precision, "torch") == want
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_per_layer_activations_with_the_fused_kernels(precision, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    config = ModelConfig(n_layer=1, **SHAPES[1])
+    s = Shape(config, precision, fused=True)
+    want = s.layer_bytes_per_token() * 2 * config.max_seq_len + s.layer_constant_bytes()
+    assert layer_saved_bytes(config, 2, precision, "triton") == want
+
+
+@pytest.mark.parametrize("kw,batch,precision,checkpointing", [
+    (dict(vocab_size=1024, n_layer=4, n_head=4, n_kv_head=4, d_model=128, max_seq_len=128), 16, "fp32", False),
+    (dict(vocab_size=1024, n_layer=4, n_head=4, n_kv_head=4, d_model=128, max_seq_len=128), 16, "fp32", True),
+    (dict(vocab_size=4096, n_layer=3, n_head=6, n_kv_head=2, d_model=192, max_seq_len=128), 8, "bf16", False),
+    (dict(vocab_size=2048, n_layer=4, n_head=4, n_kv_head=4, d_model=128, max_seq_len=128, arch="gpt2"), 8, "fp32",
+     True),
+])
+def test_the_plan_is_within_a_tenth_of_the_measured_peak(kw, batch, precision, checkpointing):
+    shape = Shape(ModelConfig(**kw), precision, checkpointing=checkpointing)
+    estimate = plan(shape, batch, kw["max_seq_len"], None)["total_bytes"]
+    measured = measure_cpu_peak(shape, batch, kw["max_seq_len"])
+    assert abs(estimate / measured - 1) < 0.10, (estimate, measured)
+
+
+def test_checkpointing_plans_less_and_the_largest_batch_is_the_largest_that_fits(tmp_path):
+    config = ModelConfig(vocab_size=50257, n_layer=12, n_head=12, n_kv_head=12, d_model=768, max_seq_len=1024)
+    plain, recompute = Shape(config, "bf16", fused=True), Shape(config, "bf16", fused=True, checkpointing=True)
+    assert plan(recompute, 8, 1024, None)["activation_bytes"] < plan(plain, 8, 1024, None)["activation_bytes"] / 3
+    result = plan(plain, 1, 1024, 80 * 10**9)
+    fits = result["largest_batch_size"]
+    assert fits > 1
+    assert plan(plain, fits, 1024, None)["total_bytes"] <= 80e9 < plan(plain, fits + 1, 1024, None)["total_bytes"]
+    assert plan(plain, 1, 1024, 10**8)["largest_batch_size"] == 0  # not even one sequence in 0.1 GB
+
+
+def test_the_command_prints_and_writes_the_plan(tmp_path):
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(app, ["plan", "memory", "--device-gb", "1", "--out", str(out),
+                                      "--set", "model.n_layer=2", "--set", "precision=bf16"])
+    assert result.exit_code == 0, result.output
+    assert "AdamW state" in result.output and "largest micro-batch in 1 GB" in result.output
+    plan_json = json.loads(out.read_text())
+    assert plan_json["model"]["n_layer"] == 2 and plan_json["precision"] == "bf16"
+    assert plan_json["optimizer_bytes"] == 2 * plan_json["weights_bytes"] == 8 * plan_json["params"]
+
+
+@pytest.mark.parametrize("args,message", [(["--batch-size", "0"], "--batch-size 0"),
+                                          (["--device-gb", "-1"], "--device-gb -1"),
+                                          (["--seq-len", "100000"], "--seq-len 100000"),
+                                          (["--measure", "--set", "kernels=triton"], "--measure with --kernels")])
+def test_bad_options_are_one_line_errors(args, message):
+    result = CliRunner().invoke(app, ["plan", "memory", *args])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
