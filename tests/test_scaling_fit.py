@@ -287,3 +287,26 @@ def test_scaling_readers_give_runs_or_one_line_on_any_bytes(tmp_path, data, name
         read_json(path, "scaling fit", "run it") if name == "fit.json" else load_runs(path)
     except UserError as e:
         assert "\n" not in str(e) and str(path) in str(e)
+
+
+def test_a_law_run_off_to_overflow_is_dropped_from_the_bootstrap_and_refused_as_the_fit(tmp_path, monkeypatch):
+    # The default sweep with model.norm=dyt (alpha 0.5) learned nothing (every loss 5.98-6.06, the unigram
+    # entropy 6.07): one bootstrap refit ran A off to exp(1000+), an OverflowError traceback before the guard.
+    import kiln.pipeline.scaling.fit as fit
+
+    runs = isoflop_runs(per_budget=6, noise=0.002)
+    theta, _ = parametric_fit(runs.params, runs.tokens, runs.loss)
+    wild = theta.copy()
+    wild[0] = 1500.0
+    refits = iter([wild, theta * 1.001, theta * 0.999, wild])
+    monkeypatch.setattr(fit, "_lbfgs", lambda start, *tensors: (next(refits), 0.0))
+    ci = fit.bootstrap(runs, theta, 4, 0)
+    assert set(ci) == {"E", "A", "B", "alpha", "beta"} and all(math.isfinite(v) for lo_hi in ci.values() for v in lo_hi)
+    refits = iter([wild] * 3)
+    assert fit.bootstrap(runs, theta, 3, 0) == {}  # no interval from nothing
+
+    monkeypatch.setattr(fit, "parametric_fit", lambda *a: (wild, 0.0))
+    runs_csv = write_csv(tmp_path / "runs.csv", runs)
+    out = tmp_path / "fit.json"
+    result = CliRunner().invoke(app, ["scaling", "fit", "--runs", str(runs_csv), "--out", str(out)])
+    assert result.exit_code == 2 and "did the runs learn?" in result.output and not out.exists()

@@ -24,6 +24,7 @@ import io
 import itertools
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ GRID = {"a": np.arange(0, 30, 5.0), "b": np.arange(0, 30, 5.0), "e": np.arange(-
         "alpha": np.arange(0, 2.5, 0.5), "beta": np.arange(0, 2.5, 0.5)}
 # L-BFGS starts from this many of the grid's best points; more found no better optimum on the tests' data.
 STARTS = 16
+LOG_MAX = math.log(sys.float_info.max)  # exp() of more overflows a double
 MIN_RUNS_PER_BUDGET = 3
 
 
@@ -234,6 +236,12 @@ def parametric_fit(n: np.ndarray, d: np.ndarray, loss: np.ndarray, starts: int =
     return best
 
 
+def representable(theta: np.ndarray) -> bool:
+    """Whether a fit's E, A and B (exp of its first three coordinates) are finite doubles: losses that barely
+    fall with N or D (a sweep whose models did not learn) let L-BFGS run A or B off to exp(1000)."""
+    return bool(np.all(np.isfinite(theta)) and max(theta[:3]) < LOG_MAX)
+
+
 def natural(theta: np.ndarray) -> dict[str, float]:
     a, b, e, alpha, beta = (float(v) for v in theta)
     return {"E": math.exp(e), "A": math.exp(a), "B": math.exp(b), "alpha": alpha, "beta": beta}
@@ -247,8 +255,10 @@ def bootstrap(runs: Runs, theta: np.ndarray, samples: int, seed: int) -> dict[st
     for _ in range(samples):
         pick = rng.integers(0, len(runs.loss), len(runs.loss))
         refit, _ = _lbfgs(theta, *_tensors(runs.params[pick], runs.tokens[pick], runs.loss[pick]))
-        if np.all(np.isfinite(refit)):
+        if representable(refit):
             fits.append(list(natural(refit).values()))
+    if len(fits) < 2:  # no interval from fewer than two refits
+        return {}
     fits = np.array(fits)
     return {name: [float(np.percentile(fits[:, j], 2.5)), float(np.percentile(fits[:, j], 97.5))]
             for j, name in enumerate(PARAM_NAMES)}
@@ -267,6 +277,10 @@ def scaling_fit(runs_path: Path, out: Path, target_flops: float | None = None, p
     runs = load_runs(runs_path)
     iso = isoflop_fit(runs)
     theta, huber = parametric_fit(runs.params, runs.tokens, runs.loss)
+    if not representable(theta):
+        raise UserError(f"{runs.source}: L(N, D) = E + A/N^alpha + B/D^beta does not fit these losses (A or B runs "
+                        f"off to exp({max(theta[:3]):.4g})): they hardly fall with N or D; did the runs learn? "
+                        f"(losses {runs.loss.min():.4g} to {runs.loss.max():.4g})")
     fitted = natural(theta)
     result = {"approaches": ["parametric"] if iso["unused"] else ["isoflop", "parametric"], **fitted,
               "a": iso["a"], "b": iso["b"], "k_n": iso["k_n"], "k_d": iso["k_d"],
@@ -285,7 +299,7 @@ def scaling_fit(runs_path: Path, out: Path, target_flops: float | None = None, p
             result |= {"n_opt_isoflop": n_iso, "d_opt_isoflop": iso["k_d"] * target_flops ** iso["b"],
                        "predicted_loss_isoflop": float(predict(fitted, n_iso, target_flops / (6 * n_iso)))}
     if samples:
-        result["ci"] = bootstrap(runs, theta, samples, seed)
+        result["ci"] = bootstrap(runs, theta, samples, seed)  # {} when too few refits were representable
         result["bootstrap_samples"] = samples
     result["budgets"] = iso["minima"]
     if plots is not None:

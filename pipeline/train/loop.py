@@ -31,6 +31,7 @@ from kiln.pipeline.train.curves import Curves
 from kiln.pipeline.train.distributed import SINGLE, World
 from kiln.pipeline.train.params import TrainParams
 from kiln.pipeline.train.ramp import BatchRamp
+from kiln.pipeline.train.stats import StepStats, draw
 from kiln.pipeline.train.throughput import peak_flops
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -151,9 +152,9 @@ class Step:
         self.loss_fn, self.accum, self.params, self.device = loss_fn, accum, params, device
 
     def __call__(self, batches: Iterator, lr: float, on_bad_loss: Callable[[float], None],
-                 accum: int | None = None) -> tuple[float, torch.Tensor]:
+                 accum: int | None = None, stats: StepStats | None = None) -> tuple[float, torch.Tensor]:
         """(loss, gradient norm) of a step of `accum` micro-batches (default: the full batch's); `on_bad_loss(loss)`
-        raises when the loss is not finite."""
+        raises when the loss is not finite. `stats` (attached) reads the gradients and the update."""
         accum = accum or self.accum
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -169,9 +170,13 @@ class Step:
         if not math.isfinite(loss):  # before the update, so the weights in memory stay good too
             on_bad_loss(loss)
         self.scaler.unscale_(self.optimizer)
+        if stats is not None:
+            stats.gradients()
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.grad_clip or float("inf"))
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        if stats is not None:
+            stats.updates()
         self.optimizer.zero_grad(set_to_none=True)
         return loss, norm
 
@@ -221,9 +226,18 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
     with Progress(run.name, unit="steps", total=run.total_steps, start=step) as progress:
         while step < run.total_steps:
             lr = lr_at(step, run.total_steps, params) * ramp.lr_scale(step)
-            loss, norm = take_step(run.batches, lr, stop, ramp.accumulation(step))
+            inspect = None
+            if params.stats_every and world.main and (step + 1) % params.stats_every == 0:
+                inspect = StepStats(model).attach()  # hooks for this step only
+            try:
+                loss, norm = take_step(run.batches, lr, stop, ramp.accumulation(step), inspect)
+            finally:
+                if inspect is not None:
+                    inspect.detach()
             timer_tokens += ramp.tokens(step)
             step += 1
+            if inspect is not None:
+                curves.add(step, {k: round(v, 6) for k, v in inspect.results().items()})
             if step % params.log_every == 0 or step == run.total_steps:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -255,6 +269,8 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
     if not last_eval:  # resumed from the final checkpoint: nothing trained, but the metrics still need it
         last_eval = evaluate(run, model, step)
     curves.end()
+    if params.stats_every and world.main:
+        draw(run.curves_dir)
     seconds = seconds_before + time.perf_counter() - start
     tokens = ramp.seen(step)
     tps = tokens / seconds if seconds else 0.0

@@ -91,10 +91,14 @@ class TrainParams(Section):
     # the global batch grows from one micro-batch per process to batch_tokens over this many tokens (0: off)
     batch_ramp_tokens: int = 0
     activation_checkpointing: bool = False  # recompute each block in the backward instead of keeping its activations
+    stats_every: int = 0  # per-layer statistics every this many steps (pipeline/train/stats.py); 0: off, no hooks
 
     def check(self) -> None:
         if self.parallel not in ("ddp", "fsdp"):
             raise self.bad("parallel", "ddp or fsdp")
+        if self.stats_every and self.parallel == "fsdp" and self.nproc_per_node > 1:
+            raise self.bad("stats_every", "0 with train.parallel=fsdp (statistics read whole gradients, which FSDP "
+                                          "shards)")
         if self.zero1 and self.parallel != "ddp":
             raise self.bad("zero1", "false with train.parallel=fsdp (FSDP shards the optimizer state already)")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
@@ -120,7 +124,7 @@ class TrainParams(Section):
             raise self.bad("lr", "a positive number")
         if not 0 <= self.min_lr <= self.lr:
             raise self.bad("min_lr", f"a number in [0, lr={self.lr:g}]")
-        for name in ("warmup_steps", "weight_decay", "grad_clip", "batch_ramp_tokens"):
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "batch_ramp_tokens", "stats_every"):
             if getattr(self, name) < 0:
                 raise self.bad(name, "a number >= 0")
         if not 0 < self.decay_fraction <= 1:
