@@ -516,7 +516,11 @@ def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                     help="A folder for a torch.profiler trace of 3 more steps per variant (Chrome/Perfetto JSON); "
                          "prints each variant's top operators by self time.")] = None,
                 checkpointing: Annotated[bool, typer.Option(
-                    help="Recompute each block in the backward (train.activation_checkpointing).")] = False,
+                    help="Also run each variant with its blocks recomputed in the backward "
+                         "(train.activation_checkpointing), a row beside it.")] = False,
+                stats_every: Annotated[int, typer.Option(
+                    help="Also run each variant with training statistics every this many steps "
+                         "(train.stats_every), a row beside it; 0: not.")] = 0,
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                 layout.BENCH / "train.json"):
     """Training-step tokens/s and MFU, fp32 vs bf16, eager vs torch.compile, torch vs Triton kernels, in one run.
@@ -530,7 +534,7 @@ def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.train.params import ModelParams
 
     run(load_section(ModelParams, params, set_), parse_variants(variants, kernels), vocab_size, batch_size, seq_len,
-        steps, warmup, device, out, profile, checkpointing)
+        steps, warmup, device, out, profile, checkpointing, stats_every)
 
 
 @bench_app.command("generate")

@@ -95,14 +95,31 @@ def test_profile_writes_a_trace_per_variant_and_the_top_operators(tmp_path, para
     result = CliRunner().invoke(app, ["bench", "train", "--params", str(params), "--variants", "fp32-eager", *ARGS,
                                       "--checkpointing", "--profile", str(traces), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    row = json.loads(out.read_text())["results"][0]
-    trace = json.loads((traces / "fp32-eager-torch.json").read_text())
+    rows = json.loads(out.read_text())["results"]
+    assert [r["variant"] for r in rows] == ["fp32-eager-torch", "fp32-eager-torch+checkpointing"]
+    row = rows[1]
+    trace = json.loads((traces / "fp32-eager-torch+checkpointing.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
-    assert "aten::mm" in names and row["trace"] == str(traces / "fp32-eager-torch.json")
+    assert "aten::mm" in names and row["trace"] == str(traces / "fp32-eager-torch+checkpointing.json")
     ops = [op["op"] for op in row["top_ops"]]
     assert "aten::mm" in ops and 0 < sum(op["share"] for op in row["top_ops"]) <= 1
-    # checkpointing recomputes every block: the forward's matmuls run twice, so more mm calls than without
-    assert "top operators by self CPU time" in result.output and json.loads(out.read_text())["activation_checkpointing"]
-    mm = next(op for op in row["top_ops"] if op["op"] == "aten::mm")
-    # 1 block: q, k, v, o, gate, up, down (7) + the head, forward 8, backward 2 each (16), recompute 7
-    assert mm["calls_per_step"] == 8 + 16 + 7
+    assert "top operators by self CPU time" in result.output and row["activation_checkpointing"]
+    # 1 block: q, k, v, o, gate, up, down (7) + the head, forward 8, backward 2 each (16); recomputed, 7 more
+    calls = [next(op for op in r["top_ops"] if op["op"] == "aten::mm")["calls_per_step"] for r in rows]
+    assert calls == [8 + 16, 8 + 16 + 7]
+
+
+def test_statistics_rows_beside_the_plain_ones(tmp_path, params, monkeypatch):
+    from kiln.pipeline.tools import bench_train
+
+    attached = []
+    real = bench_train.StepStats.attach
+    monkeypatch.setattr(bench_train.StepStats, "attach", lambda self: attached.append(1) or real(self))
+    out = tmp_path / "train.json"
+    result = CliRunner().invoke(app, ["bench", "train", "--params", str(params), "--variants", "fp32-eager", *ARGS,
+                                      "--stats-every", "1", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["variant"], r["stats_every"]) for r in rows] == [("fp32-eager-torch", 0),
+                                                                 ("fp32-eager-torch+stats/1", 1)]
+    assert len(attached) == 1 + 2  # the stats row's warmup step and its 2 timed steps, none in the plain row

@@ -33,6 +33,7 @@ from kiln.pipeline.tools.bench import machine
 from kiln.pipeline.train.lm import lm_loss
 from kiln.pipeline.train.loop import PRECISIONS, Step, build_optimizer, check_kernels, pick_device, setup_precision
 from kiln.pipeline.train.params import ModelParams, TrainParams
+from kiln.pipeline.train.stats import StepStats
 from kiln.pipeline.train.throughput import peak_flops
 
 MODES = ("eager", "compile")
@@ -105,7 +106,7 @@ def profile_steps(one, device: torch.device, trace: Path) -> list[dict]:
 
 def time_variant(template: GPT, precision: str, compiled: bool, kernels: str, device: torch.device,
                  batch_size: int, seq_len: int, steps: int, warmup: int, progress: Progress,
-                 trace: Path | None = None, checkpointing: bool = False) -> dict:
+                 trace: Path | None = None, checkpointing: bool = False, stats_every: int = 0) -> dict:
     setup_precision(device, precision)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -120,8 +121,16 @@ def time_variant(template: GPT, precision: str, compiled: bool, kernels: str, de
     def stop(loss: float) -> None:
         raise StageError(f"bench train {precision}-{MODES[compiled]}-{kernels}: loss is {loss}")
 
+    taken = 0
+
     def one():
-        step(batch, OPTIM.lr, stop)
+        nonlocal taken
+        taken += 1
+        stats = StepStats(model).attach() if stats_every and taken % stats_every == 0 else None
+        step(batch, OPTIM.lr, stop, 1, stats)
+        if stats is not None:  # as the loop does: hooks for that step only, the values read back
+            stats.detach()
+            stats.results()
         progress.advance(1)
 
     start = time.perf_counter()
@@ -149,10 +158,12 @@ def time_variant(template: GPT, precision: str, compiled: bool, kernels: str, de
 
 def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]], vocab_size: int, batch_size: int,
                 seq_len: int | None, steps: int, warmup: int, device_name: str, out: Path,
-                profile: Path | None = None, checkpointing: bool = False) -> dict:
+                profile: Path | None = None, checkpointing: bool = False, stats_every: int = 0) -> dict:
     """`profile`: a folder for one trace per variant, of PROFILED_STEPS steps after the timed ones (so the
     profiler's overhead is not in the timings), and a table of each variant's top operators by self time.
-    `checkpointing`: every variant recomputes its blocks in the backward (train.activation_checkpointing)."""
+    `checkpointing` and `stats_every`: each variant runs again with blocks recomputed in the backward
+    (train.activation_checkpointing), and again with statistics every that many steps (train.stats_every),
+    rows of their own beside it, so their costs are measured side by side in one process."""
     for option, value in (("--vocab-size", vocab_size), ("--batch-size", batch_size), ("--steps", steps),
                           ("--warmup", warmup)):
         if value < 1:
@@ -170,15 +181,21 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
     num_params, flops_per_token = template.num_params(), template.flops_per_token(seq_len)
     device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()["processor"]
     rows = []
+    if stats_every < 0:
+        raise UserError(f"--stats-every {stats_every}: expected a number of steps >= 0")
+    extras = [("", False, 0)] + ([("+checkpointing", True, 0)] if checkpointing else []) + \
+        ([(f"+stats/{stats_every}", False, stats_every)] if stats_every else [])
     profiled = PROFILED_STEPS if profile is not None else 0
-    with Progress("bench train", unit="steps", total=len(variants) * (warmup + steps + profiled)) as progress:
-        for precision, compiled, kernels in variants:
-            name = f"{precision}-{MODES[compiled]}-{kernels}"
+    runs = [(v, e) for v in variants for e in extras]
+    with Progress("bench train", unit="steps", total=len(runs) * (warmup + steps + profiled)) as progress:
+        for (precision, compiled, kernels), (suffix, recompute, every) in runs:
+            name = f"{precision}-{MODES[compiled]}-{kernels}{suffix}"
             progress.advance(0, variant=name)
             rows.append({"variant": name, "precision": precision, "compile": compiled, "kernels": kernels,
+                         "activation_checkpointing": recompute, "stats_every": every,
                          **time_variant(template, precision, compiled, kernels, device, batch_size, seq_len, steps,
                                         warmup, progress, profile / f"{name}.json" if profile else None,
-                                        checkpointing)})
+                                        recompute, every)})
     for row in rows:
         peak, _ = peak_flops(device, row["precision"])
         row["peak_flops"] = peak
@@ -188,7 +205,7 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
     table = Table(title=f"training step: {config.arch} {config.n_layer}x{config.d_model}, "
                         f"{num_params / 1e6:.2f}M params, vocab {vocab_size}, batch {batch_size}x{seq_len}, "
                         f"{steps} timed steps after {warmup}, {device.type} ({device_label})"
-                        + (", activation checkpointing" if checkpointing else "")
+
                         + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""))
     for col in ("variant", "step ms", "tokens/s", "MFU", "speedup", "compile s", *(["peak GB"] if cuda else [])):
         table.add_column(col)
@@ -210,7 +227,6 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
               "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": machine(),
               "model": config.to_dict(), "params": num_params, "flops_per_token": flops_per_token,
               "batch_size": batch_size, "seq_len": seq_len, "steps": steps, "warmup": warmup,
-              "activation_checkpointing": checkpointing,
               "baseline": rows[0]["variant"], "results": rows}
     write_json(out, result)
     console.print(f"wrote {out}", highlight=False)
