@@ -128,7 +128,7 @@ class ModelConfig:
         norm = {"rmsnorm": d, "layernorm": 2 * d, "dyt": 2 * d + 1}[self.norm_kind]  # gain, bias, DyT's alpha
         attn = 2 * d * inner + 2 * d * kv + (inner + 2 * kv + d if gpt2 else 0)
         mlp = 2 * d * f + (f + d if gpt2 else d * f)  # gpt2: up + down with biases; llama: gate, up, down
-        n = self.n_layer * (attn + mlp + 2 * norm) + norm
+        n = self.n_layer * (attn + mlp + 2 * norm) + norm + (self.norm_kind == "dyt")  # DyT's embedding scale
         if not self.tie_embeddings:
             n += self.padded_vocab_size * d  # the LM head
         if embeddings:
@@ -432,6 +432,10 @@ class GPT(nn.Module):
         self.config = config.check().check_fits(torch.get_default_device())
         c = config
         self.tok_emb = nn.Embedding(c.padded_vocab_size, c.d_model)
+        # DyT does not rescale its input as a norm does, and embeddings start at std 0.02: the authors' LLaMA
+        # code multiplies them by a learnable scalar that starts at sqrt(d_model) (without it this model stays
+        # at the unigram loss, measured: docs/stages.md).
+        self.emb_scale = nn.Parameter(torch.empty(1)) if c.norm_kind == "dyt" else None
         self.pos_emb = nn.Embedding(c.max_seq_len, c.d_model) if c.arch == "gpt2" else None
         self.drop = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
@@ -477,6 +481,8 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm, DyT)):
                 module.reset_parameters()
+        if self.emb_scale is not None:
+            nn.init.constant_(self.emb_scale, math.sqrt(self.config.d_model))
         for name, p in self.named_parameters():
             if name.endswith(self.RESIDUAL_PROJECTIONS):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
@@ -511,7 +517,7 @@ class GPT(nn.Module):
             raise ValueError(f"reduction: {reduction!r} is not one of {', '.join(REDUCTIONS)}")
         if pad is not None and pad.shape != (B,):
             raise ValueError(f"pad: expected shape ({B},), got {tuple(pad.shape)}")
-        x = self.tok_emb(idx)
+        x = self.embed(idx)
         at = positions(pos, T, pad, idx.device)
         if self.pos_emb is not None:
             x = x + self.pos_emb(at)
@@ -542,11 +548,15 @@ class GPT(nn.Module):
                                reduction=reduction)
         return loss.view(B, T) if reduction == "none" else loss
 
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        return x if self.emb_scale is None else x * self.emb_scale
+
     def _paged_forward(self, idx: torch.Tensor, cache) -> torch.Tensor:
         """The flat batch of a paged cache: per-token positions for the embeddings and RoPE, attention by the
         cache, logits for the rows it asks for only (a prompt's other tokens need none)."""
         at = cache.positions[None]
-        x = self.tok_emb(idx)
+        x = self.embed(idx)
         if self.pos_emb is not None:
             x = x + self.pos_emb(at)
         rope = (self.rope_cos[at][:, None], self.rope_sin[at][:, None]) if self.config.arch == "llama" else None

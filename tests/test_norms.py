@@ -46,6 +46,10 @@ def test_every_norm_builds_counts_and_learns(arch, norm):
     want = {"rmsnorm": torch.nn.RMSNorm, "layernorm": torch.nn.LayerNorm, "dyt": DyT}[kind]
     assert all(isinstance(m, want) for m in (model.norm, *(b.attn_norm for b in model.blocks)))
     assert model.num_params() == config.num_params()
+    # DyT does not rescale its input: the embeddings get the authors' learnable sqrt(d_model) scale
+    assert (model.emb_scale is not None) == (kind == "dyt")
+    if kind == "dyt":
+        assert model.emb_scale.item() == pytest.approx(16 ** 0.5)
     x = torch.randint(0, 64, (4, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     first = None
