@@ -64,6 +64,8 @@ def test_plan_spends_each_budget_on_d_equal_c_over_6n():
 def test_fingerprint_follows_what_is_trained_not_how():
     base = plan(*sections(), 300, "sha")[0].fingerprint
     assert plan(*sections(scaling={"device": "auto", "compile": True}), 300, "sha")[0].fingerprint == base
+    observed = plan(*sections(scaling={"stats_every": 5}), 300, "sha")[0]  # statistics: the same run, observed
+    assert observed.fingerprint == base and observed.train.stats_every == 5
     assert plan(*sections(scaling={"lr": 2e-2}), 300, "sha")[0].fingerprint != base
     assert plan(*sections(scaling={"eval_tokens": 512}), 300, "sha")[0].fingerprint != base
     assert plan(*sections(), 300, "other tokenizer")[0].fingerprint != base

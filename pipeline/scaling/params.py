@@ -52,10 +52,11 @@ class ScalingParams(Section):
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    stats_every: int = 0
 
     TRAIN_KEYS: ClassVar[tuple[str, ...]] = ("seed", "device", "precision", "kernels", "compile", "batch_size", "lr",
                                              "min_lr", "schedule", "decay_fraction", "weight_decay", "beta1",
-                                             "beta2", "grad_clip")
+                                             "beta2", "grad_clip", "stats_every")
 
     def check(self) -> None:
         if len(set(self.budgets)) < 2 or not all(0 < c <= MAX_FLOPS for c in self.budgets):
