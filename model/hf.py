@@ -231,7 +231,8 @@ def _rope_theta(hf: dict, where: str) -> float:
                         f"unscaled: 'default')")
     other = sorted(set(rope) - {"rope_type", "type", "rope_theta"})
     if other:
-        raise ValueError(f"{where}: {key}.{other[0]}={reprlib.repr(rope[other[0]])} is not supported (kiln's rotary "
+        name = other[0] if other[0].isidentifier() else reprlib.repr(other[0])  # a key may hold a newline
+        raise ValueError(f"{where}: {key}.{name}={reprlib.repr(rope[other[0]])} is not supported (kiln's rotary "
                         f"embedding takes only rope_theta)")
     if "rope_theta" in rope:
         return _real(rope["rope_theta"], f"{key}.rope_theta", where, 10000.0)

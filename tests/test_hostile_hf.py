@@ -137,6 +137,12 @@ def test_a_nan_rope_theta_inside_rope_parameters(sources, tmp_path):
             "config.json", "rope_parameters.rope_theta", "nan")
 
 
+def test_an_unknown_rope_key_holding_a_newline_is_named_on_one_line(sources, tmp_path):
+    # found by the property test below: the key went into the message as it was
+    refused(sources, tmp_path, "llama", set_config(rope_parameters={"\n": None}), "config.json",
+            "rope_parameters.'\\n'")
+
+
 def test_more_layers_than_the_weights_hold_fails_fast(sources, tmp_path):
     """A config.json asking for 10^12 layers is refused before anything is built for them."""
     refused(sources, tmp_path, "llama", set_config(num_hidden_layers=10 ** 12), "model.safetensors",
