@@ -129,12 +129,17 @@ def plan(shape: Shape, batch_size: int, seq_len: int, device_bytes: int | None) 
               "device_bytes": device_bytes, "largest_batch_size": None}
     if device_bytes is not None:
         fixed = state["weights"] + state["optimizer"]
-        fits = 0
-        while fits < 1 << 20 and fixed + shape.activation_bytes((fits + 1) * seq_len) <= device_bytes:
-            fits = fits + 1 if fits < 64 else fits * 2  # doubling past 64 sequences, then checked below
-        while fits and fixed + shape.activation_bytes(fits * seq_len) > device_bytes:
-            fits -= 1
-        result["largest_batch_size"] = fits
+
+        def fits(sequences: int) -> bool:
+            return fixed + max(shape.activation_bytes(sequences * seq_len), state["gradients"]) <= device_bytes
+
+        low, high = 0, 1  # fits(low); find a high that does not, then bisect
+        while high < 1 << 24 and fits(high):
+            low, high = high, 2 * high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if fits(middle) else (low, middle)
+        result["largest_batch_size"] = low
     return result
 
 
