@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kiln.model import GPT, ModelConfig
+from kiln.model import GPT, KVCache, ModelConfig
 
 
 def saved_bytes(model, x):
@@ -39,12 +39,20 @@ def test_recomputed_blocks_give_the_same_loss_and_gradients(arch, dropout):
     assert held_b < 0.6 * held_a  # only each block's input kept, not its attention and MLP activations
 
 
-def test_no_recompute_without_gradients_or_with_a_cache():
-    model = GPT(ModelConfig(vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, d_model=16, max_seq_len=8))
-    model.set_checkpointing(True)
+def test_no_recompute_without_gradients_or_with_a_cache(monkeypatch):
+    calls = []
+    real = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    config = ModelConfig(vocab_size=64, n_layer=2, n_head=2, n_kv_head=2, d_model=16, max_seq_len=8)
+    model = GPT(config).set_checkpointing(True)
+    x = torch.randint(0, 64, (1, 8))
     with torch.no_grad():
-        logits = model(torch.randint(0, 64, (1, 8)))
-    assert logits.shape == (1, 8, 64) and not logits.requires_grad
+        logits = model(x)
+    cache = KVCache(config, 1, 8)
+    model(x, cache=cache)  # generation with a cache, gradients on: nothing to recompute for
+    assert logits.shape == (1, 8, 64) and not calls
+    model(x, x).backward()
+    assert len(calls) == 2  # one per block when training
 
 
 def test_the_train_param_recomputes_in_the_stage_and_trains_the_same_weights(tiny, tmp_path, monkeypatch):

@@ -110,11 +110,11 @@ def test_profile_writes_a_trace_per_variant_and_the_top_operators(tmp_path, para
 
 
 def test_statistics_rows_beside_the_plain_ones(tmp_path, params, monkeypatch):
-    from kiln.pipeline.tools import bench_train
+    from kiln.pipeline.train.stats import StepStats
 
     attached = []
-    real = bench_train.StepStats.attach
-    monkeypatch.setattr(bench_train.StepStats, "attach", lambda self: attached.append(1) or real(self))
+    real = StepStats.attach
+    monkeypatch.setattr(StepStats, "attach", lambda self: attached.append(1) or real(self))
     out = tmp_path / "train.json"
     result = CliRunner().invoke(app, ["bench", "train", "--params", str(params), "--variants", "fp32-eager", *ARGS,
                                       "--stats-every", "1", "--out", str(out)])

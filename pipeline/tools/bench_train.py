@@ -33,7 +33,7 @@ from kiln.pipeline.tools.bench import machine
 from kiln.pipeline.train.lm import lm_loss
 from kiln.pipeline.train.loop import PRECISIONS, Step, build_optimizer, check_kernels, pick_device, setup_precision
 from kiln.pipeline.train.params import ModelParams, TrainParams
-from kiln.pipeline.train.stats import StepStats
+from kiln.pipeline.train.stats import observing
 from kiln.pipeline.train.throughput import peak_flops
 
 MODES = ("eager", "compile")
@@ -126,11 +126,10 @@ def time_variant(template: GPT, precision: str, compiled: bool, kernels: str, de
     def one():
         nonlocal taken
         taken += 1
-        stats = StepStats(model).attach() if stats_every and taken % stats_every == 0 else None
-        step(batch, OPTIM.lr, stop, 1, stats)
-        if stats is not None:  # as the loop does: hooks for that step only, the values read back
-            stats.detach()
-            stats.results()
+        with observing(model, bool(stats_every) and taken % stats_every == 0) as stats:  # as the loop does
+            step(batch, OPTIM.lr, stop, 1, stats)
+        if stats is not None:
+            stats.results()  # the values read back, a cost of the loop's statistics steps too
         progress.advance(1)
 
     start = time.perf_counter()

@@ -38,6 +38,7 @@ from rich.table import Table
 from kiln.model import ModelConfig
 from kiln.model.gpt import memory_available
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
 from kiln.pipeline.train.loop import pick_device
 
@@ -90,6 +91,10 @@ class Shape:
         saved = weight_copy + tokens * ((10 if self.half else 12) * d + 12 + 4 * v)
         return saved, tokens * self.LOGIT_GRADIENTS * v
 
+    def checkpointed_bytes_per_token(self) -> int:
+        """What a block keeps per token under activation checkpointing: its fp32 input."""
+        return 4 * self.config.d_model
+
     def activation_bytes(self, tokens: int) -> int:
         """The most the forward's saved tensors and the backward's own hold at once, for `tokens` tokens of one
         micro-batch: at the start of the backward (every layer's saved tensors and the logits' gradients), or,
@@ -99,7 +104,7 @@ class Shape:
         head, head_backward = self.head_bytes(tokens)
         if not self.checkpointing:
             return c.n_layer * layer + head + head_backward
-        inputs = c.n_layer * 4 * c.d_model * tokens
+        inputs = c.n_layer * self.checkpointed_bytes_per_token() * tokens
         return inputs + max(head + head_backward, layer)
 
 
@@ -118,13 +123,12 @@ def plan(shape: Shape, batch_size: int, seq_len: int, device_bytes: int | None) 
     # The gradients fill in during the backward as the activations are freed: the peak is at its start (no
     # gradients yet: zero_grad sets them to None) or at its end (every gradient, no activations).
     total = state["weights"] + state["optimizer"] + max(activations, state["gradients"])
-    per_token_layer = shape.layer_bytes_per_token()
     kv_bytes = 2 * c.n_layer * c.n_kv_head * c.head_dim * (2 if shape.half else 4)
     result = {"params": c.num_params(), "precision": shape.precision, "kernels": "triton" if shape.fused else "torch",
               "activation_checkpointing": shape.checkpointing, "batch_size": batch_size, "seq_len": seq_len,
               **{f"{k}_bytes": v for k, v in state.items()}, "activation_bytes": activations, "total_bytes": total,
-              "activation_bytes_per_token_per_layer": per_token_layer,
-              "activation_bytes_per_token_per_layer_checkpointed": 4 * c.d_model,
+              "activation_bytes_per_token_per_layer": shape.layer_bytes_per_token(),
+              "activation_bytes_per_token_per_layer_checkpointed": shape.checkpointed_bytes_per_token(),
               "kv_cache_bytes_per_token": kv_bytes, "kv_cache_bytes_full_context": kv_bytes * c.max_seq_len,
               "device_bytes": device_bytes, "largest_batch_size": None}
     if device_bytes is not None:
@@ -221,8 +225,6 @@ def plan_memory(model_config: ModelConfig, precision: str, kernels: str, checkpo
                       f"{result['measured_cpu_peak_bytes'] / 1e9:.3f} GB; the estimate is "
                       f"{result['total_bytes'] / result['measured_cpu_peak_bytes']:.3f}x that", highlight=False)
     if out is not None:
-        from kiln.pipeline.outputs import write_json
-
         write_json(out, result)
         console.print(f"wrote {out}", highlight=False)
     return result

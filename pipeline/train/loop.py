@@ -31,7 +31,7 @@ from kiln.pipeline.train.curves import Curves
 from kiln.pipeline.train.distributed import SINGLE, World
 from kiln.pipeline.train.params import TrainParams
 from kiln.pipeline.train.ramp import BatchRamp
-from kiln.pipeline.train.stats import StepStats, draw
+from kiln.pipeline.train.stats import StepStats, draw, observing
 from kiln.pipeline.train.throughput import peak_flops
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -226,14 +226,9 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
     with Progress(run.name, unit="steps", total=run.total_steps, start=step) as progress:
         while step < run.total_steps:
             lr = lr_at(step, run.total_steps, params) * ramp.lr_scale(step)
-            inspect = None
-            if params.stats_every and world.main and (step + 1) % params.stats_every == 0:
-                inspect = StepStats(model).attach()  # hooks for this step only
-            try:
+            observe = bool(params.stats_every) and world.main and (step + 1) % params.stats_every == 0
+            with observing(model, observe) as inspect:  # hooks for this step only
                 loss, norm = take_step(run.batches, lr, stop, ramp.accumulation(step), inspect)
-            finally:
-                if inspect is not None:
-                    inspect.detach()
             timer_tokens += ramp.tokens(step)
             step += 1
             if inspect is not None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -61,7 +63,6 @@ class StepStats:
         self.counts: dict[str, int] = defaultdict(int)
         self.maxima: dict[str, float] = defaultdict(float)
         self.fired: dict[str, torch.Tensor] = {}
-        self.rms: dict[str, float] = {}
         self.values: dict[str, float] = {}
         self.before: dict[str, torch.Tensor] = {}
 
@@ -152,6 +153,20 @@ class StepStats:
         out.update(self.maxima)
         out.update({f"dead_units/{layer}": 1.0 - fired.float().mean().item() for layer, fired in self.fired.items()})
         return {f"stats/{k}": v for k, v in out.items()}
+
+
+@contextmanager
+def observing(model: torch.nn.Module, on: bool) -> Iterator[StepStats | None]:
+    """StepStats attached to `model` for one step when `on` (None otherwise), detached after it whatever happens:
+    the loop and `kiln bench train` take their statistics steps through this."""
+    if not on:
+        yield None
+        return
+    stats = StepStats(model).attach()
+    try:
+        yield stats
+    finally:
+        stats.detach()
 
 
 def draw(curves_dir: Path) -> list[Path]:
