@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from typer.testing import CliRunner
 
@@ -373,3 +374,46 @@ def test_old_command_names_stay_as_aliases(alias, name):
     commands = typer.main.get_command(app).commands
     unwrap = lambda command: inspect.unwrap(command.callback)
     assert unwrap(commands[alias]) is unwrap(commands[name]) and commands[alias].hidden
+
+
+# --- train.compile_mode and train.kernels=auto: what they do in the loop -----------------------------------------
+
+
+@pytest.mark.parametrize("values, expected", [
+    ({"compile": True, "compile_mode": "fast"}, "null, default, reduce-overhead, max-autotune"),
+    ({"compile": False, "compile_mode": "reduce-overhead"}, "train.compile=false"),
+])
+def test_compile_mode_refused_with_one_line_naming_it(values, expected):
+    with raises_naming("train.compile_mode") as e:
+        build_section(TrainParams, values)
+    assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("mode, autotune, cudagraphs", [(None, False, False), ("default", False, False),
+                                                        ("max-autotune-no-cudagraphs", True, False),
+                                                        ("reduce-overhead", False, True), ("max-autotune", True, True)])
+def test_compile_mode_reaches_torch_compile(mode, autotune, cudagraphs):
+    """The loop's forward is torch.compile'd in the mode asked for (inductor's settings for it; nothing is
+    compiled until a first call, so this costs no compile)."""
+    from kiln.pipeline.train.loop import compile_forward
+
+    model = torch.nn.Linear(2, 2)
+    forward = compile_forward(model, build_section(TrainParams, {"compile": True, "compile_mode": mode}))
+    config = forward.get_compiler_config()
+    assert forward._orig_mod is model
+    assert (config["max_autotune"], config["triton.cudagraphs"]) == (autotune, cudagraphs)
+    assert compile_forward(model, build_section(TrainParams, {})) is model
+
+
+def test_auto_kernels_are_torch_until_kiln_measures_faster_under_compile(monkeypatch, capsys):
+    from kiln.pipeline.train import loop
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    loop._say_once.cache_clear()
+    assert [loop.resolve_kernels("auto", cuda) for _ in range(2)] == ["torch", "torch"]
+    assert capsys.readouterr().err.count(loop.AUTO_KERNELS_WHY) == 1  # said once, not per run
+    assert loop.resolve_kernels("triton", cuda) == "triton" and loop.resolve_kernels("auto", cpu) == "torch"
+    params = build_section(TrainParams, {"kernels": "auto", "device": "cpu"})
+    assert loop.prepare_device(params).type == "cpu" and params.kernels == "torch"
+    monkeypatch.setattr(loop, "KILN_KERNELS_FASTER_UNDER_COMPILE", True)  # what a GPU session's result flips
+    assert loop.resolve_kernels("auto", cuda) == "triton" and loop.resolve_kernels("auto", cpu) == "torch"

@@ -28,7 +28,7 @@ from kiln.pipeline.train.ramp import BatchRamp
 # compile, kernels, recomputing activations, how the global batch is split into micro-batches and processes),
 # not what is trained: not part of the run's identity, so a run may resume across them.
 CADENCE = ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "log_every", "device", "compile",
-           "kernels", "batch_size", "nproc_per_node", "parallel", "zero1", "activation_checkpointing", "stats_every")
+           "compile_mode", "kernels", "batch_size", "nproc_per_node", "parallel", "zero1", "activation_checkpointing", "stats_every")
 # ... except that a batch ramp grows the batch a pass at a time, so there the split sets each step's batch.
 RAMP_SHAPE = ("batch_size", "nproc_per_node")
 

@@ -13,6 +13,7 @@ has `state_dict()` / `load_state_dict()`; `evaluate(model)` returns a dict of nu
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import resource
 import time
@@ -73,13 +74,46 @@ def check_kernels(kernels: str, device: torch.device, where: str) -> None:
                         "kernels in Triton's (slow) CPU interpreter")
 
 
+# Whether kiln's kernels have measured faster than torch's in the compiled training step on a GPU, the way kiln
+# trains there (kernels/BENCHMARKS.md). Until a GPU session shows it (`make gpu-check`, its first table),
+# train.kernels=auto trains with torch's kernels on CUDA too; that session flips it.
+KILN_KERNELS_FASTER_UNDER_COMPILE = False
+AUTO_KERNELS_WHY = ("train.kernels=auto: torch's kernels (kiln's have not yet measured faster under torch.compile on "
+                    "a GPU: kernels/BENCHMARKS.md)")
+
+
+def resolve_kernels(kernels: str, device: torch.device) -> str:
+    """The kernels a model on `device` runs for train.kernels `kernels`: `auto` becomes triton or torch here, so
+    that the choice is made (and said) once rather than per op."""
+    if kernels != "auto":
+        return kernels
+    if device.type == "cuda" and KILN_KERNELS_FASTER_UNDER_COMPILE:
+        return "triton"
+    if device.type == "cuda":
+        _say_once(AUTO_KERNELS_WHY)
+    return "torch"  # off CUDA auto never launched Triton
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    """Print `message` the first time only: the scaling sweep prepares a device for each of its runs."""
+    console.print(message, highlight=False, soft_wrap=True)
+
+
 def prepare_device(params: TrainParams, world: World = SINGLE) -> torch.device:
     """The device a run trains on (this rank's GPU in a torchrun job, which it joins), with its precision
-    settings made and its kernel choice checked."""
+    settings made and its kernel choice checked; `params.kernels` auto is replaced by what it resolves to there
+    (every stage builds its model with `params.kernels` after this)."""
     device = distributed.join(world, pick_device(params.device))
     setup_precision(device, params.precision)
     check_kernels(params.kernels, device, "params: train.kernels")
+    params.kernels = resolve_kernels(params.kernels, device)
     return device
+
+
+def compile_forward(model: torch.nn.Module, params: TrainParams) -> Callable:
+    """What the step calls for a forward: the model itself, or torch.compile of it in train.compile_mode."""
+    return torch.compile(model, mode=params.compile_mode) if params.compile else model
 
 
 def build_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device,
@@ -210,7 +244,7 @@ def _train(model: torch.nn.Module, run: Run) -> dict:
                       f"{others[-1]}); starting afresh beside them, and they stay"
                       + (" (--resume-from one of them goes on from it with these params)"
                          if run.checkpoints.command else ""), highlight=False)
-    forward = torch.compile(model) if params.compile else model
+    forward = compile_forward(model, params)
     take_step = Step(model, forward, optimizer, scaler, run.loss_fn, accum, params, device)
 
     def stop(loss: float) -> None:

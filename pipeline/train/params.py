@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 
 
 MAX_PROCESSES = 1024
+# torch.compile's modes (null: its default): how much it tunes (max-autotune benchmarks matmul and fusion choices
+# while compiling, minutes on a GPU) and whether it replays the step as CUDA graphs (reduce-overhead, max-autotune).
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SHAPE_FIELDS = ("n_layer", "d_model", "d_ff", "max_seq_len")  # the model section's keys that set its size
 
 
@@ -65,6 +68,7 @@ class TrainParams(Section):
     precision: str = "fp32"  # fp32 | bf16 | fp16
     kernels: str = "torch"  # auto | triton | torch: kiln's Triton kernels in the model (GPT.set_kernels)
     compile: bool = False
+    compile_mode: str | None = None  # torch.compile's mode (COMPILE_MODES); null: its default
     batch_size: int = 16  # sequences per micro-step on one device
     batch_tokens: int = 4096  # tokens per optimizer step, reached by gradient accumulation
     max_steps: int | None = 400
@@ -107,6 +111,11 @@ class TrainParams(Section):
             raise self.bad("precision", "fp32, bf16 or fp16")
         if self.kernels not in ("auto", "triton", "torch"):
             raise self.bad("kernels", "auto, triton or torch")
+        if self.compile_mode not in COMPILE_MODES:
+            raise self.bad("compile_mode", "null, " + ", ".join(COMPILE_MODES[1:]))
+        if self.compile_mode not in (None, "default") and not self.compile:
+            raise self.bad("compile_mode", "null or default with train.compile=false (a mode is how torch.compile "
+                                           "compiles)")
         if self.schedule not in ("cosine", "wsd"):
             raise self.bad("schedule", "cosine or wsd")
         if (self.max_steps is None) == (self.tokens is None):
