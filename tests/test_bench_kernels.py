@@ -1,6 +1,8 @@
 """`kiln bench kernels` times kernels on a GPU only; without one it says so instead of timing the interpreter.
 Its `--size smoke` run on CPU is checked by test_bench_gpu, inside the GPU command's smoke run."""
 
+import json
+
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -92,3 +94,44 @@ def test_memory_bound_goal(copy_pct, vs_compile, vs_liger, met):
 ])
 def test_compute_bound_goals(op, row, met):
     assert goal_met({"op": op, **row}) is met
+
+
+def timed(graph: tuple[float, float] | None, events: tuple[float, float]) -> dict:
+    """A CUDA measurement as timings() returns it: the graph's ms on top where the capture worked."""
+    as_ms = lambda pair: None if pair is None else t(*pair, 0.0)
+    top = as_ms(graph or events)
+    return {**top, "peak_mb": 10.0, "timing": "cudagraph" if graph else "events (capture failed: RuntimeError: x)",
+            "cudagraph": as_ms(graph), "events": as_ms(events)}
+
+
+def test_ratios_compare_graph_with_graph_and_events_with_events():
+    """A baseline whose capture failed is compared on events with ours on events: the graph removed host time
+    from our number only, and dividing its event time by it would flatter ours."""
+    case = Case("swiglu", "4x8", make=list, run=lambda x, b: x, fwd_bytes=2_000_000, bwd_bytes=2_000_000)
+    row = _row(case, {"triton": timed((0.002, 0.004), (0.010, 0.040)), "eager": timed((0.004, 0.012), (0.012, 0.060)),
+                      "liger": timed(None, (0.010, 0.080))}, bandwidth=2000.0)
+    assert row["timing"] == "cudagraph" and row["fwd_bwd_gbs"] == 1000.0  # 4 MB in the graph's 4 us
+    assert row["speedup_timing"] == {"eager": "cudagraph", "liger": "events"}
+    assert row["fwd_bwd_speedup_vs_eager"] == 3.0 and row["fwd_speedup_vs_eager"] == 2.0
+    assert row["fwd_bwd_speedup_vs_liger"] == 2.0  # 0.080 / 0.040 on events, not 0.080 / 0.004
+
+
+def test_smoke_run_saves_the_autotuned_configs_and_every_row_as_it_goes(tmp_path, monkeypatch):
+    from kiln.kernels.launch import picked
+    from kiln.pipeline.tools import bench_kernels as bench
+
+    out = tmp_path / "kernels.json"
+    report = bench.bench_kernels(["rms_norm"], "smoke", False, out)
+    assert report["complete"] and report["results"][0]["timing"] == "cpu timer"
+    assert report["autotuned"] == picked() and report["autotuned"]
+    assert all(choice["config"] for choices in report["autotuned"].values() for choice in choices)
+
+    def broken(x, backend):
+        raise RuntimeError("the second op failed")
+
+    real = bench.cases("smoke", torch.device("cpu"))[0]
+    monkeypatch.setattr(bench, "cases", lambda size, device: [real, Case("swiglu", "1x1", make=list, run=broken)])
+    with pytest.raises(RuntimeError, match="second op"):
+        bench.bench_kernels(None, "smoke", False, out)
+    saved = json.loads(out.read_text())
+    assert not saved["complete"] and [r["op"] for r in saved["results"]] == [real.op]

@@ -1,9 +1,13 @@
 """`kiln bench kernels`: each Triton kernel against torch eager, `torch.compile` of its reference and
 Liger-Kernel (the field's Triton reference for these ops, when installed), on a GPU.
 
-For every op and LLM-typical shape it times forward, backward and forward+backward with
-`triton.testing.do_bench` (median), and reports achieved GB/s from the bytes the op must move at the least
-(read its inputs once, write its outputs once), that as a share of this device's copy bandwidth (measured in
+For every op and LLM-typical shape it times forward and forward+backward (backward = their difference) twice:
+replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`, the whole call captured, autograd's backward
+included, so the host's Python and launches between kernels are not in the time) and between CUDA events
+(`triton.testing.do_bench`, which an op whose capture fails falls back to, the row's `timing` saying why). Both
+columns are in the JSON; the derived figures use the graph's, and a speed-up compares two timings of the same
+kind. It reports achieved GB/s from the bytes the op must move at the least (read its inputs once, write its
+outputs once), that as a share of this device's copy bandwidth (measured in
 the same run: `dst.copy_(src)` on 1 GiB), the speed-up over every baseline, peak memory, and whether the op
 meets its goal (GOALS). Attention and the fused linear+cross-entropy are compute-bound, so they report
 TFLOP/s instead of GB/s; attention is also compared with `F.scaled_dot_product_attention` on its flash backend.
@@ -14,12 +18,16 @@ run (not installed, no CUDA) is named in the row's `missing_baselines` with the 
 The interpreter cannot time anything meaningful, so on a machine without CUDA this says so and exits 2, except
 for `--size smoke`: tiny shapes that run the whole command (every op, every baseline, the JSON) on CPU tensors
 through Triton's interpreter, so CI checks the plumbing a GPU session will only measure with.
+The launch settings Triton's autotuner picked for each kiln kernel and key (`kiln.kernels.launch.picked()`) are
+saved with the rows ("autotuned") and printed after the table, so a timing can be traced to the config that ran.
+The JSON is rewritten after every row: a run cut short keeps what it measured.
 Only torch, triton, rich and kiln's light modules are imported (the GPU machine has no dvc).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import math
 import statistics
 import time
@@ -32,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from rich.table import Table
 
+from kiln.kernels.launch import picked
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
@@ -239,37 +248,99 @@ def median_ms(fn: Callable[[], object], device: torch.device) -> float:
     return statistics.median(times)
 
 
-def timings(fn: Callable[[list[torch.Tensor]], object], make: Callable[[], list[torch.Tensor]],
-            device: torch.device) -> dict:
-    """Median ms of forward and of forward+backward (backward = their difference), and the peak memory above
-    the inputs of one forward+backward (CUDA only)."""
-    inputs = make()
+def _calls(fn: Callable[[list[torch.Tensor]], object], inputs: list[torch.Tensor], seeds: dict):
+    """(forward, forward+backward, clear) of `fn` on `inputs`. The backward's seed gradients (ones) are made on
+    the first call and kept in `seeds`, so neither timing includes filling them."""
     leaves = [t for t in inputs if t.requires_grad]
 
     def clear():
         for t in leaves:
             t.grad = None
 
-    def fwd_bwd():
-        clear()
+    def forward_backward():
+        clear()  # in a graph too: each captured backward then writes fresh gradients instead of accumulating
         outs = fn(inputs)
         outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if o.requires_grad]
+        for i, o in enumerate(outs):
+            if i not in seeds:
+                seeds[i] = torch.ones_like(o)
         if outs:  # a forward-only op (NF4 dequantisation) has nothing to differentiate
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            torch.autograd.backward(outs, [seeds[i] for i in range(len(outs))])
 
-    fwd = median_ms(lambda: fn(inputs), device)
-    both = median_ms(fwd_bwd, device)
-    clear()
-    peak = 0.0
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        fwd_bwd()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    return lambda: fn(inputs), forward_backward, clear
+
+
+MAX_INPUT_SETS = 16
+
+
+def input_sets(inputs: list[torch.Tensor], device: torch.device) -> int:
+    """How many copies of an op's inputs the graph-timed calls cycle through: enough to hold 3x the L2 cache
+    (do_bench flushes L2 before each call; a graph replays back to back, and an H100's 50 MB L2 would otherwise
+    serve the smaller shapes' inputs from cache), at most MAX_INPUT_SETS and half the free memory."""
+    size = sum(t.numel() * t.element_size() for t in inputs)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    by_memory = torch.cuda.mem_get_info(device)[0] // 2 // max(size, 1)
+    return max(1, min(MAX_INPUT_SETS, -(-3 * l2 // max(size, 1)), by_memory))
+
+
+def graph_timings(fn: Callable[[list[torch.Tensor]], object], inputs: list[torch.Tensor],
+                  make: Callable[[], list[torch.Tensor]], seeds: dict, device: torch.device) -> dict:
+    """Median ms of forward and forward+backward replayed from CUDA graphs (do_bench_cudagraph captures as many
+    calls as fill ~20 ms, each on the next input set); raises where the op cannot be captured (a host sync, an
+    allocation on the CPU)."""
+    from triton.testing import do_bench_cudagraph
+
+    sets = [inputs] + [make() for _ in range(input_sets(inputs, device) - 1)]
+    calls = [_calls(fn, s, seeds) for s in sets]
+
+    def cycle(which: int) -> Callable[[], object]:
+        turn = itertools.count()
+        return lambda: calls[next(turn) % len(calls)][which]()
+
+    torch.cuda.synchronize(device)  # the inputs were made on the default stream; do_bench_cudagraph uses its own
+    try:
+        fwd = do_bench_cudagraph(cycle(0), return_mode="median")
+        both = do_bench_cudagraph(cycle(1), return_mode="median")
+    finally:
+        for _, _, clear in calls:
+            clear()
+    return {"fwd_ms": fwd, "bwd_ms": max(both - fwd, 0.0), "fwd_bwd_ms": both}
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
+
+
+def timings(fn: Callable[[list[torch.Tensor]], object], make: Callable[[], list[torch.Tensor]],
+            device: torch.device) -> dict:
+    """Median ms of forward and of forward+backward (backward = their difference), and the peak memory above
+    the inputs of one forward+backward. On CUDA both timings: `cudagraph` and `events` (None where capture
+    failed), the top-level ms being the graph's where there is one and `timing` saying which; on CPU a plain
+    timer."""
+    inputs, seeds = make(), {}
+    forward, forward_backward, clear = _calls(fn, inputs, seeds)
+    if device.type != "cuda":
+        fwd, both = median_ms(forward, device), median_ms(forward_backward, device)
         clear()
-    return {"fwd_ms": fwd, "bwd_ms": max(both - fwd, 0.0), "fwd_bwd_ms": both, "peak_mb": peak}
+        return {"fwd_ms": fwd, "bwd_ms": max(both - fwd, 0.0), "fwd_bwd_ms": both, "peak_mb": 0.0,
+                "timing": "cpu timer"}
+    fwd, both = median_ms(forward, device), median_ms(forward_backward, device)
+    events = {"fwd_ms": fwd, "bwd_ms": max(both - fwd, 0.0), "fwd_bwd_ms": both}
+    clear()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    forward_backward()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    clear()
+    try:
+        graph, timing = graph_timings(fn, inputs, make, seeds, device), "cudagraph"
+    except Exception as e:  # timed between events instead, and the row says why
+        torch.cuda.synchronize()
+        graph, timing = None, f"events (capture failed: {one_line(e)})"
+    return {**(graph or events), "peak_mb": peak, "timing": timing, "cudagraph": graph, "events": events}
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -295,6 +366,13 @@ def bench_kernels(ops: list[str] | None, size: str, compile_baseline: bool, out:
     device = torch.device("cuda" if cuda else "cpu")
     selected = [c for c in cases(size, device) if ops is None or c.op in ops]
     bandwidth = copy_bandwidth(device)
+    device_name = torch.cuda.get_device_name() if cuda else f"{machine()['processor']} (Triton interpreter)"
+    result = {"benchmark": "kernels", "size": size, "device_name": device_name, "torch": torch.__version__,
+              "triton": package_version("triton"), "liger_kernel": package_version("liger-kernel"),
+              "bitsandbytes": package_version("bitsandbytes"), "unsloth": package_version("unsloth"),
+              "machine": machine(),
+              "dtype": str(DTYPE).removeprefix("torch."), "copy_bandwidth_gbs": round(bandwidth, 1),
+              "goals": GOALS, "complete": False, "results": [], "autotuned": {}}
     rows = []
     for case in selected:
         started = time.perf_counter()
@@ -309,19 +387,15 @@ def bench_kernels(ops: list[str] | None, size: str, compile_baseline: bool, out:
             except Exception as e:  # a baseline that cannot run this shape is a result, not a crash
                 if name == "triton":
                     raise
-                measured[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                measured[name] = {"error": one_line(e)}
         rows.append(_row(case, measured, bandwidth))
         torch._dynamo.reset()
         console.print(f"{case.op} {case.shape}: {time.perf_counter() - started:.1f}s", highlight=False)
-    device_name = torch.cuda.get_device_name() if cuda else f"{machine()['processor']} (Triton interpreter)"
-    _print(rows, bandwidth, device_name)
-    result = {"benchmark": "kernels", "size": size, "device_name": device_name, "torch": torch.__version__,
-              "triton": package_version("triton"), "liger_kernel": package_version("liger-kernel"),
-              "bitsandbytes": package_version("bitsandbytes"), "unsloth": package_version("unsloth"),
-              "machine": machine(),
-              "dtype": str(DTYPE).removeprefix("torch."), "copy_bandwidth_gbs": round(bandwidth, 1),
-              "goals": GOALS, "results": rows}
+        result["results"], result["autotuned"] = rows, picked()
+        write_json(out, result)  # after every row: a run stopped by a time limit or a crash keeps what it measured
+    result["complete"] = True
     write_json(out, result)
+    _print(rows, bandwidth, device_name, result["autotuned"])
     console.print(f"wrote {out}", highlight=False)
     return result
 
@@ -353,9 +427,22 @@ def goal_met(row: dict) -> bool | None:
     return row["fwd_bwd_copy_pct"] >= 85 and speedup("compile") >= 1.0 and speedup("liger") >= 1.0
 
 
+def common_timing(ours: dict, theirs: dict) -> str | None:
+    """The timing two measurements share, for a ratio that compares like with like: cudagraph where both were
+    captured, else events; None on a CPU (one plain timer, the top-level ms)."""
+    for timing in ("cudagraph", "events"):
+        if ours.get(timing) and theirs.get(timing):
+            return timing
+    return None
+
+
 def _row(case: Case, measured: dict[str, dict], bandwidth: float) -> dict:
     triton = measured["triton"]
-    row = {"op": case.op, "shape": case.shape, "timings": measured}
+    row = {"op": case.op, "shape": case.shape, "timing": triton.get("timing"), "timings": measured}
+    bases = {base: common_timing(triton, times) for base, times in measured.items()
+             if base != "triton" and "error" not in times}
+    if any(bases.values()):
+        row["speedup_timing"] = bases
     for kind, bytes_, flops in (("fwd", case.fwd_bytes, case.fwd_flops), ("bwd", case.bwd_bytes, case.bwd_flops),
                                 ("fwd_bwd", case.fwd_bytes + case.bwd_bytes, case.fwd_flops + case.bwd_flops)):
         ms = triton[f"{kind}_ms"]
@@ -364,9 +451,10 @@ def _row(case: Case, measured: dict[str, dict], bandwidth: float) -> dict:
             row[f"{kind}_copy_pct"] = round(100 * row[f"{kind}_gbs"] / bandwidth, 1)
         if flops and ms > 0:
             row[f"{kind}_tflops"] = round(flops / (ms * 1e-3) / 1e12, 1)
-        for base, times in measured.items():
-            if base != "triton" and ms > 0 and "error" not in times:
-                row[f"{kind}_speedup_vs_{base}"] = round(times[f"{kind}_ms"] / ms, 3)
+        for base, timing in bases.items():
+            ours, theirs = (t[timing] if timing else t for t in (triton, measured[base]))
+            if ours[f"{kind}_ms"] > 0:
+                row[f"{kind}_speedup_vs_{base}"] = round(theirs[f"{kind}_ms"] / ours[f"{kind}_ms"], 3)
     if case.missing:
         row["missing_baselines"] = case.missing
     eager_peak = measured["eager"]["peak_mb"]
@@ -375,23 +463,40 @@ def _row(case: Case, measured: dict[str, dict], bandwidth: float) -> dict:
     return row
 
 
-def _print(rows: list[dict], bandwidth: float, device_name: str) -> None:
+def _print(rows: list[dict], bandwidth: float, device_name: str, autotuned: dict) -> None:
     table = Table(title=f"kernels, bf16, {device_name}, copy bandwidth {bandwidth:,.0f} GB/s "
-                        "(fwd+bwd; speed-up = their time / ours)")
-    for col in ("op", "shape", "ms", "GB/s", "% copy", "TFLOP/s", "vs eager", "vs compile", "vs other",
+                        "(fwd+bwd; speed-up = their time / ours; ev: between CUDA events, where a graph failed)")
+    for col in ("op", "shape", "timing", "ms", "GB/s", "% copy", "TFLOP/s", "vs eager", "vs compile", "vs other",
                 "peak vs eager", "goal"):
         table.add_column(col)
     for r in rows:
-        other = [k for k in r if k.startswith("fwd_bwd_speedup_vs_") and not k.endswith(("eager", "compile"))]
-        table.add_row(r["op"], r["shape"], f"{r['timings']['triton']['fwd_bwd_ms']:.3f}",
+        other = [k.removeprefix("fwd_bwd_speedup_vs_") for k in r if k.startswith("fwd_bwd_speedup_vs_")
+                 and not k.endswith(("eager", "compile"))]
+        events = {base for base, timing in r.get("speedup_timing", {}).items() if timing == "events"}
+
+        def ratio(base):
+            value = r.get(f"fwd_bwd_speedup_vs_{base}")
+            return _fmt(value, "x") + (" ev" if value is not None and base in events else "")
+
+        table.add_row(r["op"], r["shape"], (r["timing"] or "-").split(" ")[0],
+                      f"{r['timings']['triton']['fwd_bwd_ms']:.3f}",
                       _fmt(r.get("fwd_bwd_gbs")), _fmt(r.get("fwd_bwd_copy_pct")), _fmt(r.get("fwd_bwd_tflops")),
-                      _fmt(r.get("fwd_bwd_speedup_vs_eager"), "x"), _fmt(r.get("fwd_bwd_speedup_vs_compile"), "x"),
-                      ", ".join(f"{k.removeprefix('fwd_bwd_speedup_vs_')} {r[k]:.2f}x" for k in other) or "-",
+                      ratio("eager"), ratio("compile"), ", ".join(f"{base} {ratio(base)}" for base in other) or "-",
                       _fmt(r.get("peak_mb_vs_eager"), "x"), {True: "met", False: "MISSED", None: "-"}[r["goal_met"]])
     console.print(table)
     for op, name, why in sorted({(r["op"], name, why) for r in rows for name, why in
                                  r.get("missing_baselines", {}).items()}):
         console.print(f"{op}: no {name} column: {why}", highlight=False)
+    for r in rows:
+        for name, times in r["timings"].items():
+            if str(times.get("timing", "")).startswith("events"):
+                console.print(f"{r['op']} {r['shape']} {name}: timed with {times['timing']}", highlight=False)
+    console.print("autotuned (kernel: key -> config):" if autotuned else "autotuned: no kiln kernel was autotuned",
+                  highlight=False)
+    for kernel, choices in autotuned.items():
+        for choice in choices:
+            config = ", ".join(f"{k}={v}" for k, v in choice["config"].items())
+            console.print(f"  {kernel}: {choice['key']} -> {config}", highlight=False, soft_wrap=True)
 
 
 def _fmt(value, suffix: str = "") -> str:
