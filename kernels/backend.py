@@ -31,14 +31,3 @@ def use_triton(backend: str, *tensors: torch.Tensor) -> bool:
         raise ValueError("backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before kiln is imported "
                          "to run the kernels on CPU through Triton's interpreter")
     return True
-
-
-def outside_compile(apply):
-    """An autograd Function's `apply`, run eagerly inside a torch.compile'd model: a graph break on each side.
-
-    Inductor can trace user Triton kernels itself, but on an H100 (torch 2.11, 2026-11-24) the traced step
-    failed (fp64 scalars, then the cross-entropy's target check, then an illegal address), so kiln's kernels
-    stay opaque and get real tensors, as in eager mode; the rest of the model still compiles. On a CPU
-    dynamo would trace into Triton's interpreter, which it cannot. `torch.library` custom ops (as `nf4` has)
-    would remove the graph breaks: kernels/BENCHMARKS.md."""
-    return torch.compiler.disable(apply, recursive=True)

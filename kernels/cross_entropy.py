@@ -10,16 +10,23 @@ scale (1/valid rows for "mean"). On a GPU the second read of a row should mostly
 few hundred kB and only the rows in flight compete for it); that is expected, not yet measured.
 
 Because the gradient is known in the forward, nothing else is saved: backward is a single multiply of that
-stored gradient by the upstream gradient (a scalar for "mean"/"sum", one value per row for "none"), done in
-place. The gradient may even be written over the logits themselves (Liger-Kernel's trick), which makes the
-loss cost no memory beyond the logits. That destroys the logits, so the public function does it only when the
-caller says they are not needed afterwards (`inplace_grad=True`); linear_cross_entropy does so on each of its
-private logits chunks. The "mean" divisor is read from device memory, not passed as a Python number, so the
-launch never waits for the GPU to count the valid rows.
+stored gradient by the upstream gradient (a scalar for "mean"/"sum", one value per row for "none"). It is
+torch's multiply, not an in-place kernel: under `torch.compile` inductor writes it over the stored gradient
+(nothing else reads it), and an op's autograd formula may not overwrite a tensor the forward returned
+(`torch.library.opcheck` refuses it); eagerly it costs a second gradient-sized buffer for a moment. The kernel
+can also write the gradient over the logits themselves (Liger-Kernel's trick), which makes
+the loss cost no memory beyond the logits; linear_cross_entropy does so on each of its private logits chunks.
+The public op does not: a `torch.library` op that overwrote its input could not have an autograd formula
+(PyTorch refuses one for a mutating op), and a caller's logits may be saved by another op. The "mean" divisor
+is read from device memory, not passed as a Python number, so the launch never waits for the GPU to count the
+valid rows.
 
 Rows whose target is ignore_index get loss 0 and gradient 0, as in F.cross_entropy. The loss comes back in
 fp32 for bf16/fp16 logits (the model already computes its loss in fp32) and in the logits' dtype otherwise;
 the gradient is in the logits' dtype.
+
+Layering: the kernel; the custom op `kiln::cross_entropy` (loss and gradient), one opaque node under
+`torch.compile`; `cross_entropy`, which checks the arguments and picks the op or the reference.
 """
 
 from __future__ import annotations
@@ -28,20 +35,28 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.backend import outside_compile, use_triton
+from kiln.kernels.backend import use_triton
+from kiln.kernels.launch import autotune
 
 REDUCTIONS = ("mean", "sum", "none")
 
-# Vocabulary entries a program handles per step of its walk along a row: 16 fp32 values a thread at 16 warps,
-# enough loads in flight to stream from HBM, few enough to stay in registers. Smaller vocabularies use one
-# block of the next power of two.
-MAX_BLOCK = 8192
-NUM_WARPS = 16
-
-# Elements per program of the backward's elementwise multiply.
-SCALE_BLOCK = 4096
+# Vocabulary entries a program handles per step of its walk along a row, and the warps sharing them: the
+# first (8192 over 16 warps, 16 fp32 values a thread) was the hand-picked setting. Blocks wider than a row's
+# next power of two are pruned. The interpreter walks 1k-entry blocks, so a test's 1000-entry row is one
+# block and a 50304-entry row many, partial last one included.
+CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((8192, 16), (4096, 8), (4096, 16), (8192, 8),
+                                                                  (8192, 32), (16384, 16), (16384, 32))]
 
 
+def _prune(configs, named_args, **kwargs):
+    widest = max(triton.next_power_of_2(named_args["n_cols"]), 1024)
+    return [c for c in configs if c.kwargs["BLOCK"] <= widest] or configs[:1]
+
+
+# The kernel may write the gradient over the logits (grad_ptr == logits_ptr): each timed candidate gets the
+# logits back first.
+@autotune(CONFIGS, key=["n_cols", "COMPUTE_GRAD"], interpreter=triton.Config({"BLOCK": 1024}),
+          prune_configs_by={"early_config_prune": _prune}, restore_value=["grad_ptr"])
 @triton.jit
 def _cross_entropy_fwd(logits_ptr, grad_ptr, targets_ptr, loss_ptr, scale_ptr, scale_stride, n_cols,
                        ignore_index, z_loss, COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
@@ -87,16 +102,6 @@ def _cross_entropy_fwd(logits_ptr, grad_ptr, targets_ptr, loss_ptr, scale_ptr, s
             tl.store(grad_ptr + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _scale_rows(x_ptr, scale_ptr, scale_stride, n, n_cols, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    # scale_stride 0 broadcasts one scalar; otherwise each row of the flat (rows, n_cols) array has its own.
-    s = tl.load(scale_ptr + (offs // n_cols) * scale_stride, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(x_ptr + offs, (x * s).to(x_ptr.dtype.element_ty), mask=mask)
-
-
 def _stride(scale: torch.Tensor) -> int:
     return scale.stride(0) if scale.dim() else 0
 
@@ -109,22 +114,14 @@ def loss_and_grad_rows(logits: torch.Tensor, targets: torch.Tensor, loss: torch.
     n, v = logits.shape
     if n == 0:
         return
-    block = min(triton.next_power_of_2(v), MAX_BLOCK)
     _cross_entropy_fwd[(n,)](logits, logits if grad is None else grad, targets, loss, row_scale, _stride(row_scale),
-                             v, ignore_index, z_loss, COMPUTE_GRAD=grad is not None, BLOCK=block,
-                             num_warps=NUM_WARPS)
+                             v, ignore_index, z_loss, COMPUTE_GRAD=grad is not None)
 
 
-def scale_rows_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x (contiguous, rows first) *= scale in place: a scalar tensor, or one value per row of x (any stride)."""
-    n = x.numel()
-    if n:
-        _scale_rows[(triton.cdiv(n, SCALE_BLOCK),)](x, scale, _stride(scale), n, n // x.shape[0], BLOCK=SCALE_BLOCK,
-                                                   num_warps=8)
-    # The multiply went through a raw pointer; tell autograd the tensor changed, so that a second backward
-    # over the same graph (which would scale it twice) fails loudly instead of returning a wrong gradient.
-    torch.autograd.graph.increment_version(x)
-    return x
+def scaled(grad: torch.Tensor, upstream: torch.Tensor) -> torch.Tensor:
+    """A gradient for an upstream gradient of 1, times the real one (a scalar, or one value per row), in the
+    gradient's dtype."""
+    return (grad * (upstream[:, None] if upstream.dim() else upstream)).to(grad.dtype)
 
 
 def reduce(loss_rows: torch.Tensor, n_valid: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Tensor:
@@ -147,36 +144,42 @@ def loss_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-class CrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, z_loss: float, reduction: str,
-                inplace_grad: bool) -> torch.Tensor:
-        if logits.dim() != 2:
-            raise ValueError(f"cross_entropy: logits must be (N, V), got {tuple(logits.shape)}")
-        check_args(targets, logits.shape[0], reduction)
-        logits, targets = logits.contiguous(), targets.contiguous()
-        n_valid = (targets != ignore_index).sum()
-        grad = None
-        if ctx.needs_input_grad[0]:
-            grad = logits if inplace_grad else torch.empty_like(logits)
-        # "none" leaves every row unscaled: its backward multiplies each row by its own upstream gradient.
-        scale = 1.0 / n_valid if reduction == "mean" else torch.ones((), device=logits.device)
-        loss_rows = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        loss_and_grad_rows(logits, targets, loss_rows, grad, ignore_index, z_loss, scale)
-        if grad is not None:
-            if inplace_grad:
-                # Anything else that saved these logits for its backward must now fail, not read a gradient.
-                torch.autograd.graph.increment_version(logits)
-            ctx.save_for_backward(grad)
-        return reduce(loss_rows, n_valid, reduction, loss_dtype(logits.dtype))
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        (grad,) = ctx.saved_tensors
-        return scale_rows_(grad, grad_out), None, None, None, None, None
+def reduced_loss(like: torch.Tensor, n: int, reduction: str) -> torch.Tensor:
+    """An empty loss of the shape and dtype a reduction of n rows gives (for fake implementations)."""
+    return like.new_empty((n,) if reduction == "none" else (), dtype=loss_dtype(like.dtype))
 
 
-_cross_entropy = outside_compile(CrossEntropyFunction.apply)
+@torch.library.custom_op("kiln::cross_entropy", mutates_args=())
+def cross_entropy_op(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, z_loss: float, reduction: str,
+                     compute_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the loss reduced as asked; d loss / d logits for an upstream gradient of 1 when compute_grad, contiguous,
+    else an empty tensor)."""
+    logits, targets = logits.contiguous(), targets.contiguous()
+    n_valid = (targets != ignore_index).sum()
+    grad = torch.empty_like(logits) if compute_grad else logits.new_empty(0)
+    # "none" leaves every row unscaled: its backward multiplies each row by its own upstream gradient.
+    scale = 1.0 / n_valid if reduction == "mean" else torch.ones((), device=logits.device)
+    loss_rows = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    loss_and_grad_rows(logits, targets, loss_rows, grad if compute_grad else None, ignore_index, z_loss, scale)
+    return reduce(loss_rows, n_valid, reduction, loss_dtype(logits.dtype)), grad
+
+
+@cross_entropy_op.register_fake
+def _(logits, targets, ignore_index, z_loss, reduction, compute_grad):
+    grad = logits.new_empty(logits.shape if compute_grad else (0,))
+    return reduced_loss(logits, logits.shape[0], reduction), grad
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(output[1])
+
+
+def _backward(ctx, grad_out, _dgrad):
+    (grad,) = ctx.saved_tensors
+    return scaled(grad, grad_out), None, None, None, None, None
+
+
+cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def reference(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, z_loss: float = 0.0,
@@ -194,14 +197,20 @@ def reference(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -
     return loss.sum() if reduction == "sum" else loss
 
 
+def needs_grad(*tensors: torch.Tensor) -> list[bool]:
+    """Which of `tensors` autograd will ask a gradient for: what a fused op must compute in its forward."""
+    return [torch.is_grad_enabled() and t.requires_grad for t in tensors]
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, z_loss: float = 0.0,
-                  reduction: str = "mean", backend: str = "auto", inplace_grad: bool = False) -> torch.Tensor:
+                  reduction: str = "mean", backend: str = "auto") -> torch.Tensor:
     """Cross-entropy of (N, V) logits against (N,) int64 targets, plus z_loss·lse² per non-ignored row.
 
-    reduction: "mean" over non-ignored rows, "sum", or "none" ((N,), 0 on ignored rows). inplace_grad=True
-    lets the Triton path overwrite `logits` with the gradient (saves an (N, V) buffer); only for callers that
-    never read those logits again, in or outside autograd.
+    reduction: "mean" over non-ignored rows, "sum", or "none" ((N,), 0 on ignored rows).
     """
-    if use_triton(backend, logits):
-        return _cross_entropy(logits, targets, ignore_index, z_loss, reduction, inplace_grad)
-    return reference(logits, targets, ignore_index, z_loss, reduction)
+    if not use_triton(backend, logits):
+        return reference(logits, targets, ignore_index, z_loss, reduction)
+    if logits.dim() != 2:
+        raise ValueError(f"cross_entropy: logits must be (N, V), got {tuple(logits.shape)}")
+    check_args(targets, logits.shape[0], reduction)
+    return cross_entropy_op(logits, targets, ignore_index, z_loss, reduction, *needs_grad(logits))[0]

@@ -25,6 +25,12 @@ products unless torch allows TF32 matmuls (`torch.set_float32_matmul_precision`)
 
 Out of scope: attention dropout, and queries offset from the keys (KV-cache decoding, where the causal diagonal
 is aligned bottom-right); the model keeps SDPA for those.
+
+Layering: the kernels; the custom ops `kiln::flash_attention` (O and L) and `kiln::flash_attention_backward`
+(dQ, dK, dV), one opaque node each under `torch.compile`; `flash_attention`, which checks the arguments and
+picks kernels or reference. Tiles, warps and pipeline stages are the GPU's to time among a few candidates
+(keyed on head dim, causality and T's next power of two, so a new sequence length tunes again only when it
+crosses a power of two).
 """
 
 from __future__ import annotations
@@ -33,29 +39,30 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.backend import interpreting, outside_compile, use_triton
+from kiln.kernels.backend import interpreting, use_triton
+from kiln.kernels.launch import autotune
 
 # log2(e): scores are exponentiated with exp2, so they are kept in log2 units inside the kernels.
 LOG2E = tl.constexpr(1.4426950408889634)
 
-# (BLOCK_M query rows, BLOCK_N key rows) per program. On a GPU: large tiles feed the tensor cores; backward
-# keeps two extra fp32 (BLOCK_N, D) accumulators per program, so it uses smaller tiles. Not tuned on hardware.
-# In the interpreter, 16-row tiles make small test sequences span several blocks, including a partial one.
-FORWARD_BLOCKS = (128, 64)
-BACKWARD_BLOCKS = (64, 64)
-INTERPRETER_BLOCKS = (16, 16)
-
+# (BLOCK_M query rows, BLOCK_N key rows) per program, warps and software-pipeline stages. Large tiles feed the
+# tensor cores; backward keeps two extra fp32 (BLOCK_N, D) accumulators per program, so its tiles are smaller. A
+# candidate that does not fit shared memory is skipped by the tuner. The first of each list was the hand-picked
+# setting. In the interpreter, 16-row tiles make small test sequences span several blocks, a partial one too.
+FORWARD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+                   for m, n, w, st in ((128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+                                       (128, 32, 4, 4), (64, 32, 4, 4))]
+BACKWARD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=st)
+                    for m, n, w, st in ((64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2),
+                                        (128, 64, 8, 2), (32, 32, 4, 3))]
+INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})
+TUNING_KEY = ["D", "CAUSAL", "T_BUCKET"]
+DELTA_ROWS = 64  # rows per program of the backward's small rowsum(dO * O) kernel
 
 # Triton's interpreter stores bfloat16 as raw uint16 and its tl.dot multiplies the bit patterns
 # (triton-lang/triton#11584), so interpreted dots take fp32 operands. A bf16 x bf16 product is exact in fp32, so
 # this is the tensor cores' arithmetic, not a looser one. Read when the module is imported, as Triton does.
 F32_DOT_OPERANDS = tl.constexpr(interpreting())
-
-
-def _blocks(backward: bool) -> tuple[int, int]:
-    if interpreting():
-        return INTERPRETER_BLOCKS
-    return BACKWARD_BLOCKS if backward else FORWARD_BLOCKS
 
 
 @triton.jit
@@ -80,10 +87,11 @@ def _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk
     return k, v, s, visible
 
 
+@autotune(FORWARD_CONFIGS, key=TUNING_KEY, interpreter=INTERPRETER_CONFIG)
 @triton.jit
 def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
-                    H, T, GROUP, qk_scale,
+                    H, T, T_BUCKET, GROUP, qk_scale,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
@@ -138,11 +146,12 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, so_b, so_h, so_t, sdo_b, sdo_h, sdo_
     tl.store(delta_ptr + bh.to(tl.int64) * T + rows, delta, mask=rows < T)
 
 
+@autotune(BACKWARD_CONFIGS, key=TUNING_KEY, interpreter=INTERPRETER_CONFIG)
 @triton.jit
 def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
                  sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t,
-                 H, T, GROUP, qk_scale, scale,
+                 H, T, T_BUCKET, GROUP, qk_scale, scale,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
@@ -190,10 +199,11 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=key_mask)
 
 
+@autotune(BACKWARD_CONFIGS, key=TUNING_KEY, interpreter=INTERPRETER_CONFIG)
 @triton.jit
 def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t, sdq_b, sdq_h, sdq_t,
-               H, T, GROUP, qk_scale, scale,
+               H, T, T_BUCKET, GROUP, qk_scale, scale,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
@@ -239,69 +249,81 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _num_warps(D: int) -> int:
-    return 4 if D <= 64 else 8
-
-
 def _block_d(D: int) -> int:
     # Head dims that are not powers of two are padded (and masked); tl.dot needs at least 16 along K.
     return max(16, triton.next_power_of_2(D))
 
 
-def _forward(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _grid(blocks: str, T: int, programs: int):
+    return lambda meta: (triton.cdiv(T, meta[blocks]), programs)
+
+
+@torch.library.custom_op("kiln::flash_attention", mutates_args=())
+def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O in q's layout and dtype; L, the rows' natural-log log-sum-exp, fp32 (B, H, T))."""
+    q, k, v = (_unit_last_stride(x) for x in (q, k, v))
     B, H, T, D = q.shape
     o = torch.empty_like(q)
     lse = torch.empty((B, H, T), dtype=torch.float32, device=q.device)
     if q.numel() == 0:
         return o, lse
-    block_m, block_n = _blocks(backward=False)
-    _forward_kernel[(triton.cdiv(T, block_m), B * H)](
+    _forward_kernel[_grid("BLOCK_M", T, B * H)](
         q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-        H, T, H // k.size(1), scale * LOG2E.value,
-        D=D, BLOCK_D=_block_d(D), BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal,
-        PRECISION=_precision(q.dtype), num_warps=_num_warps(D), num_stages=3)
+        H, T, triton.next_power_of_2(T), H // k.size(1), scale * LOG2E.value,
+        D=D, BLOCK_D=_block_d(D), CAUSAL=causal, PRECISION=_precision(q.dtype))
     return o, lse
 
 
-def _backward(q, k, v, o, lse, do, causal: bool, scale: float):
+@flash_attention_op.register_fake
+def _(q, k, v, causal, scale):
+    B, H, T, _ = q.shape
+    return torch.empty_like(_unit_last_stride(q)), q.new_empty((B, H, T), dtype=torch.float32)
+
+
+@torch.library.custom_op("kiln::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                                lse: torch.Tensor, causal: bool,
+                                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dQ, dK, dV), each in its input's layout and dtype."""
+    q, k, v, do = (_unit_last_stride(x) for x in (q, k, v, do))
     B, H, T, D = q.shape
     H_kv = k.size(1)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0:
         return dq, dk, dv
     block_d = _block_d(D)
-    block_m, block_n = _blocks(backward=True)
     delta = torch.empty_like(lse)
-    _delta_kernel[(triton.cdiv(T, block_m), B * H)](
-        o, do, delta, *_strides(o), *_strides(do), H, T, D=D, BLOCK_D=block_d, BLOCK_M=block_m)
-    common = {"D": D, "BLOCK_D": block_d, "BLOCK_M": block_m, "BLOCK_N": block_n, "CAUSAL": causal,
-              "PRECISION": _precision(q.dtype), "num_warps": _num_warps(D), "num_stages": 2}
-    _dkdv_kernel[(triton.cdiv(T, block_n), B * H_kv)](
+    _delta_kernel[(triton.cdiv(T, DELTA_ROWS), B * H)](
+        o, do, delta, *_strides(o), *_strides(do), H, T, D=D, BLOCK_D=block_d, BLOCK_M=DELTA_ROWS)
+    common = {"D": D, "BLOCK_D": block_d, "CAUSAL": causal, "PRECISION": _precision(q.dtype)}
+    sizes = (H, T, triton.next_power_of_2(T), H // H_kv, scale * LOG2E.value, scale)
+    _dkdv_kernel[_grid("BLOCK_N", T, B * H_kv)](
         q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
-        *_strides(dk), *_strides(dv), H, T, H // H_kv, scale * LOG2E.value, scale, **common)
-    _dq_kernel[(triton.cdiv(T, block_m), B * H)](
+        *_strides(dk), *_strides(dv), *sizes, **common)
+    _dq_kernel[_grid("BLOCK_M", T, B * H)](
         q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-        H, T, H // H_kv, scale * LOG2E.value, scale, **common)
+        *sizes, **common)
     return dq, dk, dv
 
 
-class FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale):
-        q, k, v = (_unit_last_stride(x) for x in (q, k, v))
-        o, lse = _forward(q, k, v, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, o, lse, _unit_last_stride(do), ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None
+@flash_attention_backward_op.register_fake
+def _(do, q, k, v, o, lse, causal, scale):
+    return tuple(torch.empty_like(_unit_last_stride(x)) for x in (q, k, v))
 
 
-_flash_attention = outside_compile(FlashAttention.apply)
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.causal, ctx.scale = causal, scale
+
+
+def _backward(ctx, do, _dlse):
+    dq, dk, dv = flash_attention_backward_op(do, *ctx.saved_tensors, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -342,5 +364,5 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     _check(q, k, v)
     scale = q.size(-1) ** -0.5 if scale is None else float(scale)
     if use_triton(backend, q, k, v):
-        return _flash_attention(q, k, v, causal, scale)
+        return flash_attention_op(q, k, v, causal, scale)[0]
     return reference(q, k, v, causal, scale)

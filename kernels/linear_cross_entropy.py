@@ -24,6 +24,11 @@ them), and a matmul with 4·D ≥ 2048 rows (D ≥ 512) is in cuBLAS's efficient
 vocabulary and D = 768 this is 3 chunks of 2731 rows (275 MB of bf16 logits each) instead of all 8192 rows.
 grad_weight accumulates in the weight's dtype (each chunk's product is summed in fp32 inside the matmul and
 rounded once when added), so bf16 pays one rounding per chunk; few, large chunks keep that small.
+
+Layering: the cross-entropy kernel (kernels/cross_entropy.py) and torch's matmuls; the custom ops
+`kiln::linear_cross_entropy` (the chunked forward, gradients included) and `kiln::linear_cross_entropy_backward`
+("none"'s second pass), one opaque node each under `torch.compile`; `linear_cross_entropy`, which checks the
+arguments, settles the chunk size and which gradients autograd will want, and picks the op or the reference.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from kiln.kernels.backend import outside_compile, use_triton
-from kiln.kernels.cross_entropy import check_args, loss_and_grad_rows, loss_dtype, reduce, scale_rows_
+from kiln.kernels.backend import use_triton
+from kiln.kernels.cross_entropy import (check_args, loss_and_grad_rows, loss_dtype, needs_grad, reduce, reduced_loss,
+                                        scaled)
 from kiln.kernels.cross_entropy import reference as ce_reference
 
 
@@ -82,41 +88,72 @@ def _chunked_pass(hidden, weight, targets, ignore_index, z_loss, row_scale, chun
     return loss, dhidden, dweight
 
 
-class LinearCrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
-                z_loss: float, reduction: str, chunk_size: int | None) -> torch.Tensor:
-        _check(hidden, weight, targets, reduction, chunk_size)
-        hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
-        chunk_size = chunk_size if chunk_size is not None else default_chunk_size(hidden.shape[0], hidden.shape[1])
-        ctx.args = (ignore_index, z_loss, chunk_size)
-        ctx.reduction = reduction
-        n_valid = (targets != ignore_index).sum()
-        want_dh, want_dw = ctx.needs_input_grad[:2]
-        one = torch.ones((), device=hidden.device)
-        if reduction == "none":
-            loss, _, _ = _chunked_pass(hidden, weight, targets, ignore_index, z_loss, one, chunk_size, False, False)
-            ctx.save_for_backward(hidden, weight, targets)
-        else:
-            scale = 1.0 / n_valid if reduction == "mean" else one
-            loss, dh, dw = _chunked_pass(hidden, weight, targets, ignore_index, z_loss, scale, chunk_size,
-                                         want_dh, want_dw)
-            ctx.save_for_backward(dh, dw)
-        return reduce(loss, n_valid, reduction, loss_dtype(hidden.dtype))
-
-    @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
-        if ctx.reduction == "none":
-            hidden, weight, targets = ctx.saved_tensors
-            ignore_index, z_loss, chunk_size = ctx.args
-            _, dh, dw = _chunked_pass(hidden, weight, targets, ignore_index, z_loss, grad_out, chunk_size,
-                                      ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        else:
-            dh, dw = (None if g is None else scale_rows_(g, grad_out) for g in ctx.saved_tensors)
-        return dh, dw, None, None, None, None, None
+def _empty(like: torch.Tensor, wanted: bool) -> torch.Tensor:
+    return like.new_empty(like.shape if wanted else (0,))
 
 
-_linear_cross_entropy = outside_compile(LinearCrossEntropyFunction.apply)
+@torch.library.custom_op("kiln::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                            z_loss: float, reduction: str, chunk_size: int, grad_hidden: bool,
+                            grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the loss reduced as asked; d loss / d hidden and d loss / d weight for an upstream gradient of 1, each
+    only when asked and the reduction is not "none", else an empty tensor)."""
+    hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
+    n_valid = (targets != ignore_index).sum()
+    one = torch.ones((), device=hidden.device)
+    if reduction == "none":
+        grad_hidden = grad_weight = False  # the backward op runs the chunks again with each row's own scale
+    scale = 1.0 / n_valid if reduction == "mean" else one
+    loss, dh, dw = _chunked_pass(hidden, weight, targets, ignore_index, z_loss, scale, chunk_size, grad_hidden,
+                                 grad_weight)
+    return (reduce(loss, n_valid, reduction, loss_dtype(hidden.dtype)),
+            hidden.new_empty(0) if dh is None else dh, weight.new_empty(0) if dw is None else dw)
+
+
+@linear_cross_entropy_op.register_fake
+def _(hidden, weight, targets, ignore_index, z_loss, reduction, chunk_size, grad_hidden, grad_weight):
+    chunked = reduction != "none"
+    return (reduced_loss(hidden, hidden.shape[0], reduction), _empty(hidden, chunked and grad_hidden),
+            _empty(weight, chunked and grad_weight))
+
+
+@torch.library.custom_op("kiln::linear_cross_entropy_backward", mutates_args=())
+def linear_cross_entropy_backward_op(grad_out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                                     targets: torch.Tensor, ignore_index: int, z_loss: float, chunk_size: int,
+                                     grad_hidden: bool, grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """reduction="none"'s gradients: the chunks again, each row's upstream gradient folded into the kernel's
+    scale (empty where not asked)."""
+    hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
+    _, dh, dw = _chunked_pass(hidden, weight, targets, ignore_index, z_loss, grad_out, chunk_size, grad_hidden,
+                              grad_weight)
+    return hidden.new_empty(0) if dh is None else dh, weight.new_empty(0) if dw is None else dw
+
+
+@linear_cross_entropy_backward_op.register_fake
+def _(grad_out, hidden, weight, targets, ignore_index, z_loss, chunk_size, grad_hidden, grad_weight):
+    return _empty(hidden, grad_hidden), _empty(weight, grad_weight)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, targets, ignore_index, z_loss, reduction, chunk_size, grad_hidden, grad_weight = inputs
+    ctx.reduction, ctx.wanted = reduction, (grad_hidden, grad_weight)
+    ctx.args = (ignore_index, z_loss, chunk_size, grad_hidden, grad_weight)
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, targets)
+    else:
+        ctx.save_for_backward(output[1], output[2])
+
+
+def _backward(ctx, grad_out, _dh, _dw):
+    if ctx.reduction == "none":
+        grads = linear_cross_entropy_backward_op(grad_out, *ctx.saved_tensors, *ctx.args)
+    else:
+        grads = [scaled(g, grad_out) for g in ctx.saved_tensors]
+    dh, dw = (g if wanted else None for wanted, g in zip(ctx.wanted, grads))
+    return dh, dw, None, None, None, None, None, None, None
+
+
+linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
@@ -134,6 +171,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     reduction: "mean" over non-ignored tokens, "sum", or "none" ((N,), 0 on ignored tokens). chunk_size: tokens
     per chunk (default: equal chunks of at most 4·D rows). The torch backend is the plain reference.
     """
-    if use_triton(backend, hidden, weight):
-        return _linear_cross_entropy(hidden, weight, targets, ignore_index, z_loss, reduction, chunk_size)
-    return reference(hidden, weight, targets, ignore_index, z_loss, reduction)
+    if not use_triton(backend, hidden, weight):
+        return reference(hidden, weight, targets, ignore_index, z_loss, reduction)
+    _check(hidden, weight, targets, reduction, chunk_size)
+    chunk_size = chunk_size if chunk_size is not None else default_chunk_size(hidden.shape[0], hidden.shape[1])
+    return linear_cross_entropy_op(hidden, weight, targets, ignore_index, z_loss, reduction, chunk_size,
+                                   *needs_grad(hidden, weight))[0]

@@ -12,6 +12,10 @@ takes one (sequence, kv head) and the query heads that share it under GQA, so a 
 its whole group, and walks the sequence's blocks in order with an online softmax (running max and sum in
 fp32), never holding more than one block of scores. With a single query token per head the scores are a
 multiply and a row sum, not a tensor-core dot, whose tiles would be mostly padding.
+
+Layering: the kernel; the `kiln::paged_attention` custom op that launches it (inference only: it has no
+autograd formula, so a backward through it fails with PyTorch's own error), one opaque node under
+`torch.compile`; `paged_attention`, which checks the arguments and picks kernel or reference.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.backend import use_triton
+from kiln.kernels.launch import autotune
 
 
+@autotune([triton.Config({}, num_warps=w) for w in (4, 2, 8)], key=["BLOCK_T", "REP", "BLOCK_D"])
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, o_ptr,
                    sq_s, sq_h, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, st_s, so_s, so_h,
@@ -103,6 +109,31 @@ def _check(q, k_cache, v_cache, block_tables, context_lens) -> None:
         raise ValueError("block_tables and context_lens: expected integer tensors")
 
 
+@torch.library.custom_op("kiln::paged_attention", mutates_args=())
+def paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """The attention output (sequences, heads, head_dim), contiguous, in q's dtype."""
+    S, H, D = q.shape
+    n_kv_head, block_size = k_cache.size(2), k_cache.size(1)
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
+    tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
+    out = torch.empty((S, H, D), dtype=q.dtype, device=q.device)
+    if S:
+        _decode_kernel[(S, n_kv_head)](
+            q, k_cache, v_cache, tables, lens, out,
+            q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], tables.stride(0),
+            out.stride(0), out.stride(1), H // n_kv_head, block_size, scale,
+            BLOCK_T=triton.next_power_of_2(block_size), REP=triton.next_power_of_2(H // n_kv_head), D=D,
+            BLOCK_D=triton.next_power_of_2(D))
+    return out
+
+
+@paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_tables, context_lens, scale):
+    return q.new_empty(q.shape)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, scale: float | None = None, backend: str = "auto") -> torch.Tensor:
     """Attention of each sequence's one query token (q: sequences x heads x head_dim) over its first
@@ -111,17 +142,5 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _check(q, k_cache, v_cache, block_tables, context_lens)
     if not use_triton(backend, q, k_cache, v_cache):
         return reference(q, k_cache, v_cache, block_tables, context_lens, scale)
-    S, H, D = q.shape
-    n_kv_head, block_size = k_cache.size(2), k_cache.size(1)
-    n_rep = H // n_kv_head
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
-        q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
-    tables, lens = block_tables.to(torch.int32).contiguous(), context_lens.to(torch.int32).contiguous()
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    _decode_kernel[(S, n_kv_head)](
-        q, k_cache, v_cache, tables, lens, out,
-        q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], tables.stride(0),
-        out.stride(0), out.stride(1), n_rep, block_size, 1 / math.sqrt(D) if scale is None else scale,
-        BLOCK_T=triton.next_power_of_2(block_size), REP=triton.next_power_of_2(n_rep), D=D,
-        BLOCK_D=triton.next_power_of_2(D), num_warps=4)
-    return out
+    return paged_attention_op(q, k_cache, v_cache, block_tables, context_lens,
+                              1 / math.sqrt(q.size(2)) if scale is None else float(scale))

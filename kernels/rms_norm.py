@@ -12,6 +12,11 @@ dweight would serialise every program on the same H addresses and make the sum's
 to run, so instead a fixed number of programs (one per SM on a GPU) each walk a strided set of rows, compute
 dx for each row in one pass (x̂ is recomputed from x and the saved rstd, never stored), and keep their own
 fp32 partial of dy·x̂ in registers; the (programs, H) partials are then summed by a small torch reduction.
+
+Layering (as Liger-Kernel's): the Triton kernels; the `kiln::rms_norm` and `kiln::rms_norm_backward` custom ops
+that launch them (fake implementations for the compiler, the backward op as the forward's autograd formula), so
+`torch.compile` keeps each call as one opaque node in its graph; and `rms_norm`, which checks its arguments
+and picks the kernels or the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -20,17 +25,18 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.backend import outside_compile, use_triton
-
-# One program holds a whole row in registers (already spilling near this size); LLM hidden sizes (768-16384)
-# stay well below, and wider rows would need a loop over column blocks.
-MAX_HIDDEN = 65536
+from kiln.kernels.backend import use_triton
+from kiln.kernels.launch import autotune, calculate_settings, sm_count
 
 # Programs for the backward's dweight partials when there is no GPU to count SMs on: more than one, so tests
 # in the interpreter exercise the cross-program sum, and few, because each interpreted program is slow.
 INTERPRETER_PROGRAMS = 4
 
+# The block is the row's next power of two; how many warps share it is the GPU's to pick.
+WARPS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
 
+
+@autotune(WARPS, key=["n_cols"])
 @triton.jit
 def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, stride, n_cols, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -44,6 +50,7 @@ def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, stride, n_cols, eps, BLOCK: tl.
     tl.store(y_ptr + row * stride + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@autotune(WARPS, key=["n_cols"])
 @triton.jit
 def _rms_norm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, stride, n_rows, n_cols,
                   BLOCK: tl.constexpr):
@@ -67,57 +74,59 @@ def _rms_norm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, stride
     tl.store(dw_partial_ptr + pid.to(tl.int64) * n_cols + cols, dw, mask=mask)
 
 
-def _launch_config(n_cols: int) -> tuple[int, int]:
-    if n_cols > MAX_HIDDEN:
-        raise ValueError(f"rms_norm: hidden size {n_cols} > {MAX_HIDDEN}, which one program cannot hold in registers")
-    block = triton.next_power_of_2(n_cols)
-    num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-    return block, num_warps
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(-1, x.shape[-1])
 
 
-def _backward_programs(x: torch.Tensor, n_rows: int) -> int:
-    if x.is_cuda:
-        programs = torch.cuda.get_device_properties(x.device).multi_processor_count
-    else:
-        programs = INTERPRETER_PROGRAMS
-    return max(1, min(programs, n_rows))
+@torch.library.custom_op("kiln::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y in x's shape and dtype, contiguous; rstd, fp32, one per row)."""
+    x2 = _rows(x)
+    n_rows, n_cols = x2.shape
+    y = torch.empty_like(x2)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows:
+        _rms_norm_fwd[(n_rows,)](x2, weight.contiguous(), y, rstd, x2.stride(0), n_cols, eps,
+                                 BLOCK=calculate_settings(n_cols, "rms_norm")[0])
+    return y.view(x.shape), rstd
 
 
-class RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        shape = x.shape
-        n_cols = shape[-1]
-        if weight.shape != (n_cols,):
-            raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {n_cols}")
-        x2 = x.contiguous().view(-1, n_cols)
-        weight = weight.contiguous()
-        n_rows = x2.shape[0]
-        block, num_warps = _launch_config(n_cols)
-        y = torch.empty_like(x2)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        if n_rows:
-            _rms_norm_fwd[(n_rows,)](x2, weight, y, rstd, x2.stride(0), n_cols, eps, BLOCK=block,
-                                     num_warps=num_warps)
-        ctx.save_for_backward(x2, weight, rstd)
-        return y.view(shape)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        x2, weight, rstd = ctx.saved_tensors
-        n_rows, n_cols = x2.shape
-        dy2 = dy.contiguous().view(n_rows, n_cols)
-        block, num_warps = _launch_config(n_cols)
-        programs = _backward_programs(x2, n_rows)
-        dx = torch.empty_like(x2)
-        dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=x2.device)
-        _rms_norm_bwd[(programs,)](dy2, x2, weight, rstd, dx, dw_partial, x2.stride(0), n_rows, n_cols,
-                                   BLOCK=block, num_warps=num_warps)
-        dweight = dw_partial.sum(0).to(weight.dtype)
-        return dx.view(dy.shape), dweight, None
+@rms_norm_op.register_fake
+def _(x, weight, eps):
+    return x.new_empty(x.shape), x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
 
 
-_rms_norm = outside_compile(RMSNormFunction.apply)
+@torch.library.custom_op("kiln::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx in x's shape and dtype, contiguous; dweight in weight's dtype)."""
+    x2, dy2 = _rows(x), _rows(dy)
+    n_rows, n_cols = x2.shape
+    programs = max(1, min(sm_count(x.device) if x.is_cuda else INTERPRETER_PROGRAMS, n_rows))
+    dx = torch.empty_like(x2)
+    dw_partial = torch.empty(programs, n_cols, dtype=torch.float32, device=x.device)
+    _rms_norm_bwd[(programs,)](dy2, x2, weight.contiguous(), rstd, dx, dw_partial, x2.stride(0), n_rows, n_cols,
+                               BLOCK=calculate_settings(n_cols, "rms_norm")[0])
+    return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
+
+
+@rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _backward(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dweight = rms_norm_backward_op(dy, x, weight, rstd)
+    return dx, dweight, None
+
+
+rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -130,6 +139,10 @@ def reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5) -> torch
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5, backend: str = "auto") -> torch.Tensor:
     """RMSNorm over the last dimension of x (any leading shape), scaled by `weight` of shape (H,)."""
-    if use_triton(backend, x, weight):
-        return _rms_norm(x, weight, eps)
-    return reference(x, weight, eps)
+    if not use_triton(backend, x, weight):
+        return reference(x, weight, eps)
+    n_cols = x.shape[-1]
+    if weight.shape != (n_cols,):
+        raise ValueError(f"rms_norm: weight shape {tuple(weight.shape)} does not match hidden size {n_cols}")
+    calculate_settings(n_cols, "rms_norm")  # refuses a row one program cannot hold, before any launch
+    return rms_norm_op(x, weight, eps)[0]

@@ -14,6 +14,10 @@ transpose of [[cos, -sin], [sin, cos]] is the same matrix with sin negated, so t
 kernel again with `BACKWARD` flipping the sign of sin. Inputs are read through their strides (the model's
 `(B, H, T, D)` -> `(B, T, H, D)` transposes and fused-projection slices need no copy); outputs are contiguous.
 Math is float32 whatever the input dtype; outputs are in the input dtype. The tables get no gradient.
+
+Layering: the kernel; the `kiln::rope` custom op that launches it (forward, and with `backward` its own
+gradient), one opaque node under `torch.compile`; `rope`, which checks the arguments and picks kernel or
+reference. The tile is derived from the sizes; the GPU times how many warps share it.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.backend import outside_compile, use_triton
+from kiln.kernels.backend import use_triton
+from kiln.kernels.launch import autotune
 
 # Elements of one (rows, heads, half head) tile: big enough that a program's loads are wide and many are in
 # flight on an H100, small enough to stay in registers. Not tuned on a GPU yet.
@@ -48,6 +53,7 @@ def _rotate_heads(x_ptr, out_ptr, b, t, rows, row_mask, n_heads, s_b, s_t, s_h, 
         tl.store(out1_ptrs + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
 
+@autotune([triton.Config({}, num_warps=w) for w in (4, 2, 8)], key=["n_q_heads", "n_k_heads", "HALF"])
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
                  n_rows, T, pos, n_q_heads, n_k_heads,
@@ -73,8 +79,10 @@ def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
                   HALF, BLOCK_HK, BLOCK_HALF)
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int,
+@torch.library.custom_op("kiln::rope", mutates_args=())
+def rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: int,
             backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by rows [pos, pos+T) of the tables (by their transpose when `backward`), contiguous."""
     B, T, H, D = q.shape
     H_kv = k.size(2)
     q_out = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
@@ -94,21 +102,24 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     return q_out, k_out
 
 
-class RoPEFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, pos):
-        ctx.save_for_backward(cos, sin)
-        ctx.pos = pos
-        return _launch(q, k, cos, sin, pos, backward=False)
-
-    @staticmethod
-    def backward(ctx, dq_rot, dk_rot):
-        cos, sin = ctx.saved_tensors
-        dq, dk = _launch(dq_rot, dk_rot, cos, sin, ctx.pos, backward=True)
-        return dq, dk, None, None, None
+@rope_op.register_fake
+def _(q, k, cos, sin, pos, backward):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-_rope = outside_compile(RoPEFunction.apply)
+def _setup_context(ctx, inputs, output):
+    _, _, cos, sin, pos, _ = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.pos = pos
+
+
+def _backward(ctx, dq_rot, dk_rot):
+    cos, sin = ctx.saved_tensors
+    dq, dk = rope_op(dq_rot, dk_rot, cos, sin, ctx.pos, True)
+    return dq, dk, None, None, None, None
+
+
+rope_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -151,5 +162,5 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     _check(q, k, cos, sin, pos)
     if use_triton(backend, q, k, cos, sin):
         # The kernel steps through a table row with unit stride.
-        return _rope(q, k, cos.contiguous(), sin.contiguous(), pos)
+        return rope_op(q, k, cos.contiguous(), sin.contiguous(), pos, False)
     return reference(q, k, cos, sin, pos)

@@ -6,6 +6,9 @@ and writes h; nothing else is stored. Backward saves only gate and up (which the
 alive anyway) and recomputes sigmoid(gate) and silu(gate) from gate, trading a few flops, which are free in a
 memory-bound op, for that tensor. Both kernels treat the tensors as flat arrays (the op is elementwise, so
 shape does not matter), mask the last block, and compute in fp32 whatever the storage dtype.
+
+Layering: the kernels; the `kiln::swiglu` and `kiln::swiglu_backward` custom ops that launch them (what
+`torch.compile` keeps as one node each); `swiglu`, which checks the arguments and picks kernels or reference.
 """
 
 from __future__ import annotations
@@ -14,14 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kiln.kernels.backend import outside_compile, use_triton
-
-# Elements per program: large enough that each thread moves several 16-byte vectors, so launch and index
-# overhead vanish against the memory traffic.
-BLOCK = 4096
-NUM_WARPS = 8
+from kiln.kernels.backend import use_triton
+from kiln.kernels.launch import ELEMENTWISE_CONFIGS, autotune
 
 
+@autotune(ELEMENTWISE_CONFIGS, key=["n"])
 @triton.jit
 def _swiglu_fwd(gate_ptr, up_ptr, h_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -32,6 +32,7 @@ def _swiglu_fwd(gate_ptr, up_ptr, h_ptr, n, BLOCK: tl.constexpr):
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
+@autotune(ELEMENTWISE_CONFIGS, key=["n"])
 @triton.jit
 def _swiglu_bwd(dh_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -47,36 +48,50 @@ def _swiglu_bwd(dh_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, BLOCK: tl.const
     tl.store(dup_ptr + offs, (dh * silu).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
-def _grid(n: int) -> tuple[int]:
-    return (triton.cdiv(n, BLOCK),)
+def _grid(n: int):
+    return lambda meta: (triton.cdiv(n, meta["BLOCK"]),)
 
 
-class SwiGLUFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if gate.shape != up.shape or gate.dtype != up.dtype:
-            raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
-                             "must have the same shape and dtype")
-        gate, up = gate.contiguous(), up.contiguous()
-        h = torch.empty_like(gate)
-        n = gate.numel()
-        if n:
-            _swiglu_fwd[_grid(n)](gate, up, h, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
-        ctx.save_for_backward(gate, up)
-        return h
-
-    @staticmethod
-    def backward(ctx, dh: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        dh = dh.contiguous()
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        n = gate.numel()
-        if n:
-            _swiglu_bwd[_grid(n)](dh, gate, up, dgate, dup, n, BLOCK=BLOCK, num_warps=NUM_WARPS)
-        return dgate, dup
+@torch.library.custom_op("kiln::swiglu", mutates_args=())
+def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) · up, contiguous, in gate's dtype."""
+    gate, up = gate.contiguous(), up.contiguous()
+    h = torch.empty_like(gate)
+    if n := gate.numel():
+        _swiglu_fwd[_grid(n)](gate, up, h, n)
+    return h
 
 
-_swiglu = outside_compile(SwiGLUFunction.apply)
+@swiglu_op.register_fake
+def _(gate, up):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("kiln::swiglu_backward", mutates_args=())
+def swiglu_backward_op(dh: torch.Tensor, gate: torch.Tensor,
+                       up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgate, dup), contiguous, in gate's dtype; silu(gate) is recomputed from gate, never stored."""
+    dh, gate, up = dh.contiguous(), gate.contiguous(), up.contiguous()
+    dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    if n := gate.numel():
+        _swiglu_bwd[_grid(n)](dh, gate, up, dgate, dup, n)
+    return dgate, dup
+
+
+@swiglu_backward_op.register_fake
+def _(dh, gate, up):
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, dh):
+    return swiglu_backward_op(dh, *ctx.saved_tensors)
+
+
+swiglu_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -88,6 +103,9 @@ def reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """silu(gate) · up elementwise, for gate and up of the same (any) shape."""
-    if use_triton(backend, gate, up):
-        return _swiglu(gate, up)
-    return reference(gate, up)
+    if not use_triton(backend, gate, up):
+        return reference(gate, up)
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
+                         "must have the same shape and dtype")
+    return swiglu_op(gate, up)

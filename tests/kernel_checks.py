@@ -56,14 +56,15 @@ def poisoned_allocations():
         torch.empty, torch.empty_like = empty, empty_like
 
 
-def record_launches(monkeypatch, function, reference) -> list:
-    """Route `function.apply` (an op's autograd Function) to its reference and record each call, so a test of
-    backend="auto" sees whether the Triton path was taken."""
+def record_launches(monkeypatch, module, op_name: str) -> list:
+    """Wrap the custom op `module.<op_name>` (what the module's public function launches) to record each call, so
+    a test of backend="auto" sees whether the Triton path was taken."""
     launched = []
+    op = getattr(module, op_name)
 
     def record(*args):
         launched.append(args)
-        return reference(*args)
+        return op(*args)
 
-    monkeypatch.setattr(function, "apply", record)
+    monkeypatch.setattr(module, op_name, record)
     return launched
