@@ -498,10 +498,22 @@ def bench_data(params: ParamsOpt = layout.PARAMS,
 def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 variants: Annotated[str, typer.Option(
                     help="Comma-separated PRECISION-MODE[-KERNELS] list: PRECISION fp32|bf16|fp16, MODE "
-                         "eager|compile, KERNELS auto|triton|torch (default: --kernels). The first is the speedup "
-                         "baseline. On a CPU keep it short: bf16 runs over 10x slower than fp32 "
-                         "without bf16 instructions, and a compile variant compiles for ~40 s (less once cached).")] =
+                         "eager|compile, KERNELS auto|triton|torch (default: --kernels). Rows run in this order, "
+                         "the first is the speedup baseline; put compile + triton last (a device-side assert ends "
+                         "the process; the rows before it are saved). On a CPU keep it short: bf16 runs over 10x "
+                         "slower than fp32 without bf16 instructions, and a compile variant compiles for ~40 s "
+                         "(less once cached).")] =
                 "fp32-eager,fp32-compile,bf16-eager,bf16-compile",
+                compile_modes: Annotated[str, typer.Option(
+                    help="Comma-separated torch.compile modes (as train.compile_mode): default, reduce-overhead, "
+                         "max-autotune-no-cudagraphs, max-autotune. Each compile variant runs in every one, a row "
+                         "each; the first is its own row's and the other rows' mode.")] = "default",
+                plan_batch: Annotated[bool, typer.Option(
+                    help="Also run each variant at the largest micro-batch `kiln plan memory` fits in the "
+                         "device's memory (--device-gb), a row beside it.")] = False,
+                device_gb: Annotated[float | None, typer.Option(
+                    help="Memory --plan-batch fits the micro-batch in, GB (default: the device's free memory).")]
+                = None,
                 vocab_size: Annotated[int, typer.Option(help="Vocabulary the random token ids come from.")] = 4096,
                 batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
                 seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default: model.max_seq_len).")]
@@ -523,18 +535,21 @@ def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                          "(train.stats_every), a row beside it; 0: not.")] = 0,
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                 layout.BENCH / "train.json"):
-    """Training-step tokens/s and MFU, fp32 vs bf16, eager vs torch.compile, torch vs Triton kernels, in one run.
+    """Training-step tokens/s, MFU and peak memory (beside plan memory's estimate), fp32 vs bf16, eager vs
+    torch.compile in its modes, torch vs Triton kernels, at a batch of your choice and plan memory's largest, in one
+    run; exits 1 if a row failed (its error is in the JSON and the table).
 
     A step is forward, backward, clipping and AdamW on random token ids, for the shape in the `model` section
     (`--set model.key=value` changes it).
     """
     from kiln.pipeline.config import load_section
     from kiln.pipeline.tools.bench_train import bench_train as run
-    from kiln.pipeline.tools.bench_train import parse_variants
+    from kiln.pipeline.tools.bench_train import parse_compile_modes, parse_variants
     from kiln.pipeline.train.params import ModelParams
 
     run(load_section(ModelParams, params, set_), parse_variants(variants, kernels), vocab_size, batch_size, seq_len,
-        steps, warmup, device, out, profile, checkpointing, stats_every)
+        steps, warmup, device, out, profile, checkpointing, stats_every, parse_compile_modes(compile_modes),
+        plan_batch, device_gb)
 
 
 @bench_app.command("generate")

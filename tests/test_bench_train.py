@@ -69,6 +69,9 @@ def test_cli_writes_variants_ratios_and_mfu(tmp_path, params):
     (["--steps", "0"], "--steps 0"),
     (["--device", "tpu"], "--device 'tpu'"),
     (["--set", "model.n_head=3"], "model.n_head"),
+    (["--compile-modes", "default,fast"], "--compile-modes 'fast'"),
+    (["--plan-batch", "--device-gb", "0"], "--device-gb 0"),
+    (["--plan-batch", "--device-gb", "0.0001"], "--plan-batch: not one sequence of 16 tokens fits"),
 ])
 def test_cli_bad_input_exits_2_with_one_line(tmp_path, params, args, named):
     out = tmp_path / "train.json"
@@ -123,3 +126,61 @@ def test_statistics_rows_beside_the_plain_ones(tmp_path, params, monkeypatch):
     assert [(r["variant"], r["stats_every"]) for r in rows] == [("fp32-eager-torch", 0),
                                                                  ("fp32-eager-torch+stats/1", 1)]
     assert len(attached) == 1 + 2  # the stats row's warmup step and its 2 timed steps, none in the plain row
+
+
+def test_rows_compose_beside_each_variant():
+    """Each lever adds rows beside every variant (compile modes only beside compiled ones) instead of a product."""
+    from kiln.pipeline.tools.bench_train import parse_compile_modes, parse_variants, plan_runs
+
+    variants = parse_variants("bf16-eager,bf16-compile,bf16-compile-triton")
+    modes = parse_compile_modes("default,reduce-overhead")
+    runs = plan_runs(variants, modes, 16, {("bf16", "torch"): 77, ("bf16", "triton"): 203}, True, 0,
+                     torch.device("cpu"))
+    assert [(r.name, r.mode, r.batch_size) for r in runs] == [
+        ("bf16-eager-torch", None, 16), ("bf16-eager-torch+batch77", None, 77),
+        ("bf16-eager-torch+checkpointing", None, 16),
+        ("bf16-compile-torch", "default", 16), ("bf16-compile-torch+reduce-overhead", "reduce-overhead", 16),
+        ("bf16-compile-torch+batch77", "default", 77), ("bf16-compile-torch+checkpointing", "default", 16),
+        ("bf16-compile-triton", "default", 16), ("bf16-compile-triton+reduce-overhead", "reduce-overhead", 16),
+        ("bf16-compile-triton+batch203", "default", 203), ("bf16-compile-triton+checkpointing", "default", 16)]
+    assert [r.checkpointing for r in runs].count(True) == 3
+
+
+def test_plan_batch_row_runs_plan_memorys_largest_fit_and_every_row_has_its_estimate(tmp_path, params):
+    from kiln.pipeline.tools.plan_memory import Shape, plan
+
+    out = tmp_path / "train.json"
+    result = CliRunner().invoke(app, ["bench", "train", "--params", str(params), "--variants", "fp32-eager", *ARGS,
+                                      "--plan-batch", "--device-gb", "0.01", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    config = ModelConfig(vocab_size=300, **TINY)
+    largest = plan(Shape(config), 1, 16, int(0.01e9))["largest_batch_size"]
+    rows = json.loads(out.read_text())["results"]
+    assert 2 < largest and [(r["variant"], r["batch_size"]) for r in rows] == [
+        ("fp32-eager-torch", 2), (f"fp32-eager-torch+batch{largest}", largest)]
+    for row in rows:
+        assert row["plan_memory_gb"] == round(plan(Shape(config), row["batch_size"], 16, None)["total_bytes"] / 1e9, 3)
+        assert row["fused_adamw"] is False  # AdamW is fused on CUDA only
+        assert row["padded_vocab_size"] == 320 and row["compile_mode"] is None
+    assert "vocabulary rows allocated: 320 (of 300)" in result.output
+
+
+def test_a_failing_row_is_recorded_the_rest_run_and_the_command_exits_1(tmp_path, params, monkeypatch):
+    """A row whose loss goes NaN (here: every bf16 step) fails alone; the row after it is measured and becomes
+    the speedup baseline, and the JSON holds both."""
+    from kiln.pipeline.tools import bench_train
+
+    def loss(model, batch):
+        value = model(*batch)
+        return value * float("nan") if torch.is_autocast_enabled("cpu") else value
+
+    monkeypatch.setattr(bench_train, "lm_loss", loss)
+    out = tmp_path / "train.json"
+    result = CliRunner().invoke(app, ["bench", "train", "--params", str(params), "--variants", "bf16-eager,fp32-eager",
+                                      *ARGS, "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    report = json.loads(out.read_text())
+    failed, timed = report["results"]
+    assert failed["variant"] == "bf16-eager-torch" and "loss is nan" in failed["error"]
+    assert timed["tokens_per_s"] > 0 and timed["speedup"] == 1.0 and report["baseline"] == "fp32-eager-torch"
+    assert report["complete"] and "1 of 2 rows failed, first bf16-eager-torch" in result.output

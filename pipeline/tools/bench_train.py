@@ -1,13 +1,22 @@
-"""`kiln bench train`: tokens/s and MFU of one training step, fp32 vs bf16, eager vs torch.compile and torch vs
-Triton kernels, in one run.
+"""`kiln bench train`: tokens/s and MFU of one training step, fp32 vs bf16, eager vs torch.compile (in its modes)
+and torch vs Triton kernels, in one run.
 
 A step is the loop's own `Step` (what `kiln pretrain` runs) for one micro-batch without accumulation: forward
-under autocast, backward, the loss read back for the NaN guard, gradient clipping and AdamW (fused on CUDA). The
-batch is random token ids already on the device, so data loading is left out: the figure is what the model
-and the step cost, the ceiling that training can reach. Every variant starts from a copy of the same initial
-weights; the first variant is the baseline of the speedup column, so ratios come from one process and machine.
-A compile variant's first step is reported as its compile time; torch's on-disk compile cache shortens it on a
-rerun of the same shape (35 s cold, 4 s warm for the default shape on a 2-core CPU).
+under autocast, backward, the loss read back for the NaN guard, gradient clipping and AdamW (fused on CUDA: each
+row says whether the optimizer it built was). The batch is random token ids already on the device, so data
+loading is left out: the figure is what the model and the step cost, the ceiling that training can reach. Every
+variant starts from a copy of the same initial weights; the first row is the baseline of the speedup column, so
+ratios come from one process and machine. A compile variant's first step is reported as its compile time;
+torch's on-disk compile cache shortens it on a rerun of the same shape (35 s cold, 4 s warm for the default
+shape on a 2-core CPU).
+
+The levers a GPU run weighs side by side, each adding rows beside every variant rather than multiplying with the
+others: `compile_modes` (each compile variant once per torch.compile mode), `plan_batch` (the largest micro-batch
+`kiln plan memory` fits in the device's memory), `checkpointing`, `stats_every`. Every row also gives the peak
+memory measured (CUDA) beside plan memory's estimate for it, and the vocabulary rows the model allocated (padded
+to a multiple of 64). A row that fails (a compile error, out of memory) is recorded with its error and the rest
+still run; the JSON is rewritten after every row, so one that ends the process (a device-side assert) loses only
+the rows after it: name compile + Triton variants last.
 
 Only torch, rich and kiln's light modules are imported, so this runs on a GPU machine without the data stack
 (dvc, datasets, tokenizers, tiktoken).
@@ -17,8 +26,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import itertools
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -26,13 +37,25 @@ from rich.table import Table
 
 from kiln.kernels.backend import BACKENDS
 from kiln.model import GPT
+from kiln.model.gpt import memory_available
 from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.tools.bench import machine
+from kiln.pipeline.tools.bench_kernels import one_line
+from kiln.pipeline.tools.plan_memory import Shape, plan
 from kiln.pipeline.train.lm import lm_loss
-from kiln.pipeline.train.loop import PRECISIONS, Step, build_optimizer, check_kernels, pick_device, setup_precision
-from kiln.pipeline.train.params import ModelParams, TrainParams
+from kiln.pipeline.train.loop import (
+    PRECISIONS,
+    Step,
+    build_optimizer,
+    check_kernels,
+    compile_forward,
+    pick_device,
+    resolve_kernels,
+    setup_precision,
+)
+from kiln.pipeline.train.params import COMPILE_MODES, ModelParams, TrainParams
 from kiln.pipeline.train.stats import observing
 from kiln.pipeline.train.throughput import peak_flops
 
@@ -60,6 +83,56 @@ def parse_variants(text: str, kernels: str = "torch") -> list[tuple[str, bool, s
     if not variants:
         raise UserError("--variants: expected at least one PRECISION-MODE, e.g. fp32-eager")
     return variants
+
+
+def parse_compile_modes(text: str) -> list[str]:
+    """'default,reduce-overhead' -> ["default", "reduce-overhead"] (torch.compile's modes, as train.compile_mode;
+    the first is the compile variants' own row, each other one a row beside it)."""
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    allowed = COMPILE_MODES[1:]
+    for mode in modes:
+        if mode not in allowed:
+            raise UserError(f"--compile-modes {mode!r}: expected some of {', '.join(allowed)}")
+    if not modes:
+        raise UserError(f"--compile-modes: expected at least one of {', '.join(allowed)}")
+    return modes
+
+
+@dataclass
+class Run:
+    """One row: a variant with its mode, batch and extras."""
+
+    name: str
+    precision: str
+    compiled: bool
+    kernels: str  # as asked (auto kept, for the name); resolved for the device when it runs
+    mode: str | None  # torch.compile's mode, None when eager
+    batch_size: int
+    checkpointing: bool = False
+    stats_every: int = 0
+
+
+def plan_runs(variants: list[tuple[str, bool, str]], modes: list[str], batch_size: int,
+              planned: dict[tuple[str, str], int], checkpointing: bool, stats_every: int,
+              device: torch.device) -> list[Run]:
+    """Every variant's rows in order: its own (in the first mode), one per other compile mode, then one each for
+    the planned batch, checkpointing and statistics where asked (`planned`: (precision, kernels) -> batch)."""
+    runs = []
+    for precision, compiled, kernels in variants:
+        name = f"{precision}-{MODES[compiled]}-{kernels}"
+        mode = modes[0] if compiled else None
+        runs.append(Run(name, precision, compiled, kernels, mode, batch_size))
+        runs += [Run(f"{name}+{other}", precision, compiled, kernels, other, batch_size)
+                 for other in (modes[1:] if compiled else [])]
+        if planned:
+            batch = planned[precision, resolve_kernels(kernels, device)]
+            runs.append(Run(f"{name}+batch{batch}", precision, compiled, kernels, mode, batch))
+        if checkpointing:
+            runs.append(Run(f"{name}+checkpointing", precision, compiled, kernels, mode, batch_size, True))
+        if stats_every:
+            runs.append(Run(f"{name}+stats/{stats_every}", precision, compiled, kernels, mode, batch_size, False,
+                            stats_every))
+    return runs
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,29 +177,30 @@ def profile_steps(one, device: torch.device, trace: Path) -> list[dict]:
             for e in events]
 
 
-def time_variant(template: GPT, precision: str, compiled: bool, kernels: str, device: torch.device,
-                 batch_size: int, seq_len: int, steps: int, warmup: int, progress: Progress,
-                 trace: Path | None = None, checkpointing: bool = False, stats_every: int = 0) -> dict:
-    setup_precision(device, precision)
+def time_variant(template: GPT, run: Run, device: torch.device, seq_len: int, steps: int, warmup: int,
+                 progress: Progress, trace: Path | None = None) -> dict:
+    kernels = resolve_kernels(run.kernels, device)
+    setup_precision(device, run.precision)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = copy.deepcopy(template).set_kernels(kernels).set_checkpointing(checkpointing).to(device)
-    params = dataclasses.replace(OPTIM, precision=precision, compile=compiled, kernels=kernels)
+    model = copy.deepcopy(template).set_kernels(kernels).set_checkpointing(run.checkpointing).to(device)
+    params = dataclasses.replace(OPTIM, precision=run.precision, compile=run.compiled, compile_mode=run.mode,
+                                 kernels=kernels)
     optimizer = build_optimizer(model, params, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    forward = torch.compile(model) if compiled else model
-    step = Step(model, forward, optimizer, scaler, lm_loss, 1, params, device)
-    batch = itertools.repeat(tuple(torch.randint(template.config.vocab_size, (2, batch_size, seq_len), device=device)))
+    scaler = torch.amp.GradScaler(device.type, enabled=run.precision == "fp16")
+    step = Step(model, compile_forward(model, params), optimizer, scaler, lm_loss, 1, params, device)
+    shape = (2, run.batch_size, seq_len)
+    batch = itertools.repeat(tuple(torch.randint(template.config.vocab_size, shape, device=device)))
 
     def stop(loss: float) -> None:
-        raise StageError(f"bench train {precision}-{MODES[compiled]}-{kernels}: loss is {loss}")
+        raise StageError(f"bench train {run.name}: loss is {loss}")
 
     taken = 0
 
     def one():
         nonlocal taken
         taken += 1
-        with observing(model, bool(stats_every) and taken % stats_every == 0) as stats:  # as the loop does
+        with observing(model, bool(run.stats_every) and taken % run.stats_every == 0) as stats:  # as the loop does
             step(batch, OPTIM.lr, stop, 1, stats)
         if stats is not None:
             stats.results()  # the values read back, a cost of the loop's statistics steps too
@@ -145,24 +219,34 @@ def time_variant(template: GPT, precision: str, compiled: bool, kernels: str, de
     synchronize(device)
     seconds = time.perf_counter() - start
     top = profile_steps(one, device, trace) if trace is not None else None
-    if compiled:
-        torch._dynamo.reset()  # drop the graphs, and the model they hold, before the next variant
     peak_memory = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
-    tokens_per_s = batch_size * seq_len * steps / seconds
-    return {"step_ms": round(seconds / steps * 1e3, 3), "tokens_per_s": round(tokens_per_s, 1),
-            "compile_seconds": round(first, 2) if compiled else None,
+    tokens_per_s = run.batch_size * seq_len * steps / seconds
+    return {"kernels": kernels, "fused_adamw": bool(optimizer.defaults.get("fused")),
+            "padded_vocab_size": model.lm_head.weight.shape[0],
+            "step_ms": round(seconds / steps * 1e3, 3), "tokens_per_s": round(tokens_per_s, 1),
+            "compile_seconds": round(first, 2) if run.compiled else None,
             "peak_memory_gb": None if peak_memory is None else round(peak_memory, 3),
             **({"trace": str(trace), "top_ops": top} if trace is not None else {})}
 
 
+def release(device: torch.device) -> None:
+    """Drop the last row's compiled graphs (which hold its model) and hand its memory back, so the next row,
+    a planned batch above all, starts from an empty device."""
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]], vocab_size: int, batch_size: int,
                 seq_len: int | None, steps: int, warmup: int, device_name: str, out: Path,
-                profile: Path | None = None, checkpointing: bool = False, stats_every: int = 0) -> dict:
-    """`profile`: a folder for one trace per variant, of PROFILED_STEPS steps after the timed ones (so the
-    profiler's overhead is not in the timings), and a table of each variant's top operators by self time.
-    `checkpointing` and `stats_every`: each variant runs again with blocks recomputed in the backward
-    (train.activation_checkpointing), and again with statistics every that many steps (train.stats_every),
-    rows of their own beside it, so their costs are measured side by side in one process."""
+                profile: Path | None = None, checkpointing: bool = False, stats_every: int = 0,
+                compile_modes: list[str] = ("default",), plan_batch: bool = False,
+                device_gb: float | None = None) -> dict:
+    """`profile`: a folder for one trace per row, of PROFILED_STEPS steps after the timed ones (so the
+    profiler's overhead is not in the timings), and a table of each row's top operators by self time.
+    `compile_modes`, `plan_batch` (in `device_gb`, default the device's free memory), `checkpointing` and
+    `stats_every` add rows beside each variant (see the module's docstring)."""
     for option, value in (("--vocab-size", vocab_size), ("--batch-size", batch_size), ("--steps", steps),
                           ("--warmup", warmup)):
         if value < 1:
@@ -170,51 +254,113 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
     seq_len = model_params.max_seq_len if seq_len is None else seq_len
     if not 1 <= seq_len <= model_params.max_seq_len:
         raise UserError(f"--seq-len {seq_len}: expected 1..{model_params.max_seq_len} (model.max_seq_len)")
+    if stats_every < 0:
+        raise UserError(f"--stats-every {stats_every}: expected a number of steps >= 0")
+    if device_gb is not None and not device_gb > 0:
+        raise UserError(f"--device-gb {device_gb}: expected a positive number of GB")
     device = resolve_device(device_name)
     config = model_params.config(vocab_size)
     torch.manual_seed(0)
     for _, _, kernels in variants:
         check_kernels(kernels, device, "--variants kernels")
+    planned = {}
+    if plan_batch:
+        room = memory_available(device) if device_gb is None else int(device_gb * 1e9)
+        for precision, _, kernels in variants:
+            key = (precision, resolve_kernels(kernels, device))
+            planned[key] = plan(Shape(config, precision, key[1] != "torch"), 1, seq_len, room)["largest_batch_size"]
+            if not planned[key]:
+                raise UserError(f"--plan-batch: not one sequence of {seq_len} tokens fits {room / 1e9:.3g} GB with "
+                                f"{precision} and {key[1]} kernels (kiln plan memory)")
+    runs = plan_runs(variants, list(compile_modes), batch_size, planned, checkpointing, stats_every, device)
     # Initialised once on the CPU and copied, so every variant starts from the same weights.
     template = GPT(config)
     num_params, flops_per_token = template.num_params(), template.flops_per_token(seq_len)
     device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()["processor"]
-    rows = []
-    if stats_every < 0:
-        raise UserError(f"--stats-every {stats_every}: expected a number of steps >= 0")
-    extras = [("", False, 0)] + ([("+checkpointing", True, 0)] if checkpointing else []) + \
-        ([(f"+stats/{stats_every}", False, stats_every)] if stats_every else [])
-    profiled = PROFILED_STEPS if profile is not None else 0
-    runs = [(v, e) for v in variants for e in extras]
-    with Progress("bench train", unit="steps", total=len(runs) * (warmup + steps + profiled)) as progress:
-        for (precision, compiled, kernels), (suffix, recompute, every) in runs:
-            name = f"{precision}-{MODES[compiled]}-{kernels}{suffix}"
-            progress.advance(0, variant=name)
-            rows.append({"variant": name, "precision": precision, "compile": compiled, "kernels": kernels,
-                         "activation_checkpointing": recompute, "stats_every": every,
-                         **time_variant(template, precision, compiled, kernels, device, batch_size, seq_len, steps,
-                                        warmup, progress, profile / f"{name}.json" if profile else None,
-                                        recompute, every)})
-    for row in rows:
-        peak, _ = peak_flops(device, row["precision"])
-        row["peak_flops"] = peak
-        row["mfu"] = round(flops_per_token * row["tokens_per_s"] / peak, 6) if peak else None
-        row["speedup"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
     cuda = device.type == "cuda"
-    table = Table(title=f"training step: {config.arch} {config.n_layer}x{config.d_model}, "
-                        f"{num_params / 1e6:.2f}M params, vocab {vocab_size}, batch {batch_size}x{seq_len}, "
-                        f"{steps} timed steps after {warmup}, {device.type} ({device_label})"
+    result = {"benchmark": "train", "device": device.type, "device_name": device_label,
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": machine(),
+              "model": config.to_dict(), "params": num_params, "flops_per_token": flops_per_token,
+              "batch_size": batch_size, "seq_len": seq_len, "steps": steps, "warmup": warmup,
+              "baseline": None, "complete": False, "results": []}
+    rows = result["results"]
+    profiled = PROFILED_STEPS if profile is not None else 0
+    with Progress("bench train", unit="steps", total=len(runs) * (warmup + steps + profiled)) as progress:
+        for run in runs:
+            progress.advance(0, variant=run.name)
+            row = {"variant": run.name, "precision": run.precision, "compile": run.compiled,
+                   "compile_mode": run.mode, "kernels": run.kernels, "batch_size": run.batch_size,
+                   "activation_checkpointing": run.checkpointing, "stats_every": run.stats_every}
+            try:
+                row |= time_variant(template, run, device, seq_len, steps, warmup, progress,
+                                    profile / f"{run.name}.json" if profile else None)
+            except Exception as e:  # a result too (a compile error, out of memory): the other rows still run
+                row["error"] = one_line(e)
+            release(device)
+            estimate = plan(Shape(config, run.precision, resolve_kernels(run.kernels, device) != "torch",
+                                  run.checkpointing), run.batch_size, seq_len, None)["total_bytes"]
+            row["plan_memory_gb"] = round(estimate / 1e9, 3)
+            if "error" not in row:
+                peak, _ = peak_flops(device, run.precision)
+                row["peak_flops"] = peak
+                row["mfu"] = round(flops_per_token * row["tokens_per_s"] / peak, 6) if peak else None
+                timed = [r for r in rows if "error" not in r]
+                row["speedup"] = round(row["tokens_per_s"] / (timed[0] if timed else row)["tokens_per_s"], 3)
+            rows.append(row)
+            result["baseline"] = next((r["variant"] for r in rows if "error" not in r), None)
+            write_json(out, result)  # after every row: a crash or a time limit keeps the rows measured
+            console.print(_line(row, cuda), highlight=False, soft_wrap=True)
+    result["complete"] = True
+    write_json(out, result)
+    _print(result, config, num_params, vocab_size, device, device_label, cuda, profile is not None)
+    console.print(f"wrote {out}", highlight=False)
+    failed = [r for r in rows if "error" in r]
+    if failed:
+        raise StageError(f"bench train: {len(failed)} of {len(rows)} rows failed, first {failed[0]['variant']}: "
+                         f"{failed[0]['error']} ({out})")
+    return result
 
+
+def _line(row: dict, cuda: bool) -> str:
+    """A row as one line, printed as soon as it is measured (the table comes at the end, if the process does)."""
+    if "error" in row:
+        return f"{row['variant']}: failed: {row['error']}"
+    memory = f", peak {row['peak_memory_gb']:.3g} GB" if cuda else ""
+    mfu = "" if row["mfu"] is None else f", MFU {row['mfu']:.1%}"
+    return (f"{row['variant']}: {row['step_ms']:.1f} ms/step, {row['tokens_per_s']:,.0f} tokens/s{mfu}{memory} "
+            f"(plan {row['plan_memory_gb']:.3g} GB), batch {row['batch_size']}, fused AdamW "
+            f"{'yes' if row['fused_adamw'] else 'no'}, vocab padded to {row['padded_vocab_size']:,}")
+
+
+def _print(result: dict, config, num_params: int, vocab_size: int, device: torch.device, device_label: str,
+           cuda: bool, profiled: bool) -> None:
+    rows = result["results"]
+    table = Table(title=f"training step: {config.arch} {config.n_layer}x{config.d_model}, "
+                        f"{num_params / 1e6:.2f}M params, vocab {vocab_size} (padded {config.padded_vocab_size}), "
+                        f"seq {result['seq_len']}, {result['steps']} timed steps after {result['warmup']}, "
+                        f"{device.type} ({device_label})"
                         + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""))
-    for col in ("variant", "step ms", "tokens/s", "MFU", "speedup", "compile s", *(["peak GB"] if cuda else [])):
+    for col in ("variant", "batch", "step ms", "tokens/s", "MFU", "speedup", "compile s",
+                *(["peak GB"] if cuda else []), "plan GB"):
         table.add_column(col)
     for row in rows:
-        table.add_row(row["variant"], f"{row['step_ms']:.1f}", f"{row['tokens_per_s']:,.0f}",
+        if "error" in row:
+            table.add_row(row["variant"], str(row["batch_size"]), f"failed: {row['error']}")
+            continue
+        table.add_row(row["variant"], str(row["batch_size"]), f"{row['step_ms']:.1f}", f"{row['tokens_per_s']:,.0f}",
                       "-" if row["mfu"] is None else f"{row['mfu']:.2%}", f"{row['speedup']:.2f}x",
                       "-" if row["compile_seconds"] is None else f"{row['compile_seconds']:.1f}",
-                      *([f"{row['peak_memory_gb']:.2f}"] if cuda else []))
+                      *([f"{row['peak_memory_gb']:.3g}"] if cuda else []), f"{row['plan_memory_gb']:.3g}")
     console.print(table)
-    for row in rows if profile is not None else ():
+    timed = [row for row in rows if "error" not in row]
+    fused = sorted({"yes" if row["fused_adamw"] else "no" for row in timed})
+    padded = sorted({row["padded_vocab_size"] for row in timed})
+    if timed:
+        console.print(f"fused AdamW: {'/'.join(fused)}; vocabulary rows allocated: "
+                      f"{'/'.join(f'{v:,}' for v in padded)} (of {vocab_size:,})", highlight=False)
+    for row in rows if profiled else ():
+        if "error" in row:
+            continue
         ops = Table(title=f"{row['variant']}: top operators by self {'CUDA' if cuda else 'CPU'} time, "
                           f"{PROFILED_STEPS} steps (trace: {row['trace']}, opens in ui.perfetto.dev)")
         for col in ("operator", "ms/step", "share", "calls/step"):
@@ -222,11 +368,3 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
         for op in row["top_ops"]:
             ops.add_row(op["op"], f"{op['self_ms_per_step']:.2f}", f"{op['share']:.1%}", str(op["calls_per_step"]))
         console.print(ops)
-    result = {"benchmark": "train", "device": device.type, "device_name": device_label,
-              "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": machine(),
-              "model": config.to_dict(), "params": num_params, "flops_per_token": flops_per_token,
-              "batch_size": batch_size, "seq_len": seq_len, "steps": steps, "warmup": warmup,
-              "baseline": rows[0]["variant"], "results": rows}
-    write_json(out, result)
-    console.print(f"wrote {out}", highlight=False)
-    return result
