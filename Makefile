@@ -41,7 +41,9 @@ lock: setup
 	mv requirements.lock.tmp requirements.lock
 
 # A GPU session (README, "On a GPU"): `make gpu-wheels` here, then `make gpu-check` on the GPU machine, which has
-# python3 with torch and triton but no network, no venv and no dvc.
+# python3 with torch and triton but no network, no venv and no dvc. With $OUT set (the device tool's folder) the
+# results are packed into $OUT/gpu-check.tgz after every step, so a call cut off at its limit still returns them,
+# and once more at the end with the whole console.log.
 GPU_SIZE  ?= quick
 GPU_STEPS ?=
 GPU_OUT   := metrics/bench/gpu
@@ -54,7 +56,8 @@ gpu-check:
 	  --upgrade --target /tmp/kiln-site .whl/*.whl; else echo 'no wheels in .whl/ (make gpu-wheels): using what python3 has'; fi
 	mkdir -p $(GPU_OUT) /tmp/kiln-path && ln -sfn $(CURDIR) /tmp/kiln-path/kiln
 	bash -c 'set -o pipefail; PYTHONPATH="/tmp/kiln-path:/tmp/kiln-site" PYTHONUNBUFFERED=1 python3 -m kiln.pipeline.cli bench gpu \
-	  --size $(GPU_SIZE) $(if $(GPU_STEPS),--steps $(GPU_STEPS)) --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/console.log'; \
+	  --size $(GPU_SIZE) $(if $(GPU_STEPS),--steps $(GPU_STEPS)) --out $(GPU_OUT) $${OUT:+--pack "$$OUT/gpu-check.tgz"} \
+	  2>&1 | tee $(GPU_OUT)/console.log'; \
 	status=$$?; if [ -n "$$OUT" ]; then tar czf "$$OUT/gpu-check.tgz" $(GPU_OUT); fi; exit $$status
 
 clean:

@@ -711,22 +711,27 @@ def bench_kernels(ops: Annotated[str | None, typer.Option(
 @bench_app.command("gpu")
 @reports_errors
 def bench_gpu(size: Annotated[str, typer.Option(
-                  help="quick: every step in one short pass (under 5 minutes); full: every shape of the issue "
-                       "(split it with --steps to fit 10-minute calls); smoke: toy shapes on a CPU, to check the "
-                       "command works.")] = "quick",
+                  help="quick: every step in one short pass (limits summing to 8 minutes); full: every shape of "
+                       "the issue and the train grid (split it with --steps to fit 10-minute calls); smoke: toy "
+                       "shapes on a CPU, to check the command works.")] = "quick",
               steps: Annotated[str | None, typer.Option(
-                  help="Comma-separated subset of env, tests, kernels, train, pretrain, generate (default: all).")]
+                  help="Comma-separated subset of env, train, kernels, tests, pretrain, generate (default: all, "
+                       "in this order).")]
               = None,
               out: Annotated[Path, typer.Option(help="Folder for the JSON, logs and curves.")] =
               layout.BENCH / "gpu",
               work: Annotated[Path | None, typer.Option(
                   help="Scratch folder for the pretrain step's data and model (default: a new temp folder).")]
+              = None,
+              pack: Annotated[Path | None, typer.Option(
+                  help="Also archive --out into this .tgz after every step (what a cut-off run returns).")]
               = None):
-    """The GPU session's whole measurement in one command: native kernel tests, kernel, train-step and generation
-    benchmarks, and a real pretrain run of the GPT-2 124M shape; exits 1 if any step failed."""
+    """The GPU session's whole measurement in one command, the headline first: the compiled training step with
+    torch's kernels and kiln's, then the kernel benchmarks, native kernel tests, a real pretrain run of the GPT-2
+    124M shape and generation; exits 1 if any step failed."""
     from kiln.pipeline.tools.bench_gpu import bench_gpu as run
 
-    summary = run(size, steps.split(",") if steps else None, out, work)
+    summary = run(size, steps.split(",") if steps else None, out, work, pack)
     if any(step["status"] != "ok" for step in summary["steps"]):
         raise typer.Exit(1)
 

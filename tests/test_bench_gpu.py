@@ -26,7 +26,7 @@ def test_every_step_runs_and_the_summary_says_so(smoke):
     result, out, _ = smoke
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
-    assert [s["step"] for s in summary["steps"]] == list(STEPS)
+    assert [s["step"] for s in summary["steps"]] == list(STEPS) and summary["complete"]
     assert all(s["status"] == "ok" for s in summary["steps"]), summary["steps"]
     for step in summary["steps"]:
         assert (out / step["log"]).is_file()
@@ -52,10 +52,19 @@ def test_kernel_table_has_every_op_and_baseline(smoke):
         assert row["goal_met"] is None  # no peak memory on a CPU, so no verdict either way
 
 
-def test_train_step_compares_torch_and_triton_kernels(smoke):
-    _, out, _ = smoke
+def test_train_step_compares_torch_and_triton_kernels_and_comes_first(smoke):
+    """The headline (the training step with torch's kernels and kiln's) is the first step run and printed, and
+    the first lines after its output say it again, before the kernels step starts."""
+    result, out, _ = smoke
     rows = json.loads((out / "train.json").read_text())["results"]
     assert [r["kernels"] for r in rows] == ["torch", "triton"] and all(r["tokens_per_s"] > 0 for r in rows)
+    steps = [line for line in result.output.splitlines() if line.startswith("== ")]
+    assert steps == [f"== {step}" for step in STEPS if step != "env"]
+    headline = result.output.index("headline: fp32-eager-torch: ")
+    assert result.output.index("== train") < headline < result.output.index("headline: fp32-eager-triton: ") \
+        < result.output.index("== kernels")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["headline"]["train"]["fp32-eager-triton"]["tokens_per_s"] == rows[1]["tokens_per_s"]
 
 
 def test_real_pretrain_stage_ran_in_the_scratch_folder(smoke):
@@ -85,32 +94,40 @@ def test_bad_options_exit_2_naming_them(tmp_path, monkeypatch, args, named):
 
 
 def test_a_failing_or_hanging_step_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):
+    """...and summary.json and the --pack archive are rewritten after every step: the third step reads the
+    first two back from them, as a GPU call cut off at its limit would return them."""
     import sys
+    import tarfile
 
     from kiln.pipeline.tools import bench_gpu
 
+    out, pack = tmp_path / "out", tmp_path / "gpu-check.tgz"
+    read_back = ("import json, sys, tarfile; print([s['step'] for s in json.load(open(sys.argv[1]))['steps']], "
+                 "sorted(m.name for m in tarfile.open(sys.argv[2]).getmembers()))")
     steps = [bench_gpu.Step("tests", [[sys.executable, "-c", "raise SystemExit(3)"]]),
              bench_gpu.Step("kernels", [[sys.executable, "-c", "import time; time.sleep(60)"]]),
-             bench_gpu.Step("train", [[sys.executable, "-c", "print('ran')"]])]
+             bench_gpu.Step("train", [[sys.executable, "-c", read_back, str(out / "summary.json"), str(pack)]])]
     monkeypatch.setattr(bench_gpu, "plan", lambda size, out, work: steps)
     monkeypatch.setitem(bench_gpu.LIMITS, "smoke", {"tests": 30, "kernels": 2, "train": 30})
-    out = tmp_path / "out"
     result = CliRunner().invoke(app, ["bench", "gpu", "--size", "smoke", "--steps", "tests,kernels,train",
-                                      "--out", str(out), "--work", str(tmp_path / "work")])
+                                      "--out", str(out), "--work", str(tmp_path / "work"), "--pack", str(pack)])
     assert result.exit_code == 1, result.output
     status = {s["step"]: s["status"] for s in json.loads((out / "summary.json").read_text())["steps"]}
     assert status == {"tests": "exit 3", "kernels": "timed out after 2s", "train": "ok"}
-    assert "ran" in (out / "train.log").read_text()
+    root = out.as_posix().lstrip("/")
+    during = (out / "train.log").read_text()
+    assert f"['tests', 'kernels'] ['{root}', '{root}/kernels.log', '{root}/summary.json', '{root}/tests.log']" in during
+    with tarfile.open(pack) as archive:
+        assert f"{root}/train.log" in archive.getnames()
+        assert json.load(archive.extractfile(f"{root}/summary.json"))["complete"]
 
 
-def test_headline_picks_the_fastest_variant_of_both_train_files(tmp_path):
-    """compile + Triton is timed in a process of its own (train_compile_triton.json); it can be the best."""
-    rows = {"train.json": [("bf16-eager-torch", 1.0), ("bf16-compile-torch", 3.0)],
-            "train_compile_triton.json": [("bf16-compile-triton", 4.0)]}
-    for name, variants in rows.items():
-        results = [{"variant": v, "tokens_per_s": t, "mfu": t / 10} for v, t in variants]
-        (tmp_path / name).write_text(json.dumps({"results": results}))
-    assert headline(tmp_path) == {"best_train_variant": "bf16-compile-triton", "best_train_mfu": 0.4,
-                                  "best_train_tokens_per_s": 4.0}
-    (tmp_path / "train_compile_triton.json").unlink()  # it failed: the others still give the headline
-    assert headline(tmp_path)["best_train_variant"] == "bf16-compile-torch"
+def test_headline_gives_every_train_row_and_the_fastest(tmp_path):
+    rows = [{"variant": "bf16-compile-torch", "tokens_per_s": 3.0, "mfu": 0.3, "peak_memory_gb": 9.0,
+             "plan_memory_gb": 17.8, "batch_size": 16},
+            {"variant": "bf16-compile-triton", "error": "RuntimeError: device-side assert triggered"}]
+    (tmp_path / "train.json").write_text(json.dumps({"results": rows}))
+    found = headline(tmp_path)
+    assert found["best_train_variant"] == "bf16-compile-torch" and found["best_train_tokens_per_s"] == 3.0
+    assert found["train"]["bf16-compile-triton"] == {"error": rows[1]["error"]}
+    assert found["train"]["bf16-compile-torch"]["peak_memory_gb"] == 9.0

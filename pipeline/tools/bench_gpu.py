@@ -2,16 +2,21 @@
 measuring rather than to typing commands.
 
 Steps, each a subprocess with its own log and time limit (one that fails or hangs is recorded and the rest
-still run):
+still run), the headline first:
 - env:      GPU name, driver, CUDA, torch/triton/liger versions, SM count (env.json);
+- train:    `kiln bench train` on the GPT-2 124M shape, bf16, compiled, with torch's kernels and then kiln's
+            (tokens/s, MFU, peak memory beside plan memory's estimate: train.json); full adds the compile modes
+            and plan memory's largest micro-batch;
+- kernels:  `kiln bench kernels` (kernels.json): ours vs eager vs compile vs Liger vs SDPA, CUDA-graph timed,
+            goal per row, the autotuner's picks;
 - tests:    the kernel and model tests on the device itself: natively on CUDA, at LLM shapes as well as the
             awkward ones (tests.xml, JUnit);
-- kernels:  `kiln bench kernels` (kernels.json): ours vs eager vs compile vs Liger vs SDPA, goal per row;
-- train:    `kiln bench train` on the GPT-2 124M shape: eager/compile x torch/Triton kernels (train.json);
 - pretrain: the real stages (`kiln data prepare`, `tokenizer train`, `data shard`, `train`) on Shakespeare in
-            a scratch folder, GPT-2's tokenizer and 124M shape, bf16 + compile + Triton (pretrain/);
+            a scratch folder, GPT-2's tokenizer and 124M shape, bf16 + compile (pretrain/);
 - generate: `kiln bench generate` on the 124M shape in bf16 (generate.json).
-Everything lands in `--out` (default metrics/bench/gpu/) with summary.json and one log per step.
+Everything lands in `--out` (default metrics/bench/gpu/) with one log per step and summary.json, which is
+rewritten after every step (and `--pack` re-archives the folder then), so a run cut off by a time limit keeps
+what the finished steps measured.
 
 `--size smoke` runs the same steps at toy shapes on a CPU (kernels through Triton's interpreter), which is how
 the suite checks that this command works before a GPU session depends on it. The GPU machine has torch,
@@ -27,6 +32,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -41,15 +47,15 @@ from kiln.pipeline.progress import console
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = ("quick", "full", "smoke")
-STEPS = ("env", "tests", "kernels", "train", "pretrain", "generate")
+STEPS = ("env", "train", "kernels", "tests", "pretrain", "generate")
 
 # The GPT-2 124M shape (12 layers, 12 heads, d 768, T 1024) as `--set` overrides; the vocabulary is GPT-2's BPE
-# (50,257 + kiln's 3 chat tokens, padded to 50,304 by the model).
+# (50,257 + kiln's 3 chat tokens = 50,260, which the model pads to 50,304).
 GPT2_124M = ["model.arch=gpt2", "model.n_layer=12", "model.n_head=12", "model.n_kv_head=12", "model.d_model=768",
              "model.max_seq_len=1024"]
-# The stage runs compile with torch's kernels, the best variant measured: on the first H100 run (2026-11-24)
-# inductor's tracing of kiln's kernels failed (kernels/BENCHMARKS.md). They now run outside the
-# graphs (kernels/backend.py), untimed on a GPU so far, so compile + Triton is timed last, in its own process.
+GPT2_VOCAB = "50260"
+# The stage runs compile with torch's kernels, what train.kernels=auto picks until bench train's headline shows
+# kiln's faster under compile (train/loop.py, KILN_KERNELS_FASTER_UNDER_COMPILE).
 GPU_TRAIN = ["train.device=cuda", "train.precision=bf16", "train.compile=true", "train.kernels=torch"]
 TOY = ["model.n_layer=1", "model.n_head=2", "model.n_kv_head=2", "model.d_model=32", "model.max_seq_len=32"]
 
@@ -58,11 +64,14 @@ TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/
          "tests/test_kernel_flash_attention.py", "tests/test_kernel_nf4.py", "tests/test_kernel_paged_attention.py",
          "tests/test_model.py"]
 
-# Seconds each step may take, per size. Quick's steps took ~9 minutes on an H100 in all, its limits allow ~16:
-# split it over two 10-minute device calls with `--steps`, and full over three or more.
-LIMITS = {"smoke": {"tests": 240, "kernels": 240, "train": 240, "pretrain": 300, "generate": 120},
-          "quick": {"tests": 240, "kernels": 150, "train": 200, "pretrain": 200, "generate": 150},
-          "full": {"tests": 420, "kernels": 540, "train": 480, "pretrain": 540, "generate": 180}}
+# Seconds each step may take, per size. Quick's sum to 8 minutes, inside one 10-minute device call; on the last
+# H100 run its steps took: train ~80 s for these two compiled rows (two ~27 s compiles), kernels 60-80 s before
+# the graph timing (about doubled by it, not measured yet), tests 85 s, pretrain ~70 s, generate ~30 s. A step
+# cut at its limit keeps the rows its JSON already holds. Full's train (the compile modes, one max-autotune
+# compile per kernel choice) takes a call of its own: `--steps train`.
+LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "generate": 120},
+          "quick": {"train": 110, "kernels": 140, "tests": 100, "pretrain": 90, "generate": 40},
+          "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 180}}
 
 
 @dataclass
@@ -84,10 +93,14 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
     # The smoke run checks the plumbing (CI runs them all); on a GPU they spread over 8 of the machine's cores
     # (pytest-xdist, in the GPU image and the venv): the kernel tests took 85 s so on the H100.
     tests = ["-k", "torch_backend"] if smoke else ["-n", "8"]
-    variants = ("fp32-eager-torch,fp32-eager-triton" if smoke else
-                "bf16-eager-torch,bf16-eager-triton,bf16-compile-torch")
+    # The headline: the compiled step with torch's kernels, then kiln's (last: a crash there keeps the first row).
+    # On a CPU compiling takes most of a minute a variant, so the smoke run checks the same command eagerly.
+    variants = "fp32-eager-torch,fp32-eager-triton" if smoke else "bf16-compile-torch,bf16-compile-triton"
+    grid = (["--compile-modes", "default,max-autotune-no-cudagraphs,reduce-overhead", "--plan-batch"]
+            if size == "full" else [])
     shape = (["--vocab-size", "300", "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--warmup", "1"] if smoke
-             else ["--vocab-size", "50304", "--batch-size", "16", "--seq-len", "1024", "--steps", "20", "--warmup", "3"])
+             else ["--vocab-size", GPT2_VOCAB, "--batch-size", "16", "--seq-len", "1024", "--steps", "20",
+                   "--warmup", "3"])
     data = (["--set", "data.max_bytes=200000"] if smoke else [])
     tokenizer = (["--set", "vocab_size=300"] if smoke else ["--set", "source=gpt2"])
     train = [*model, *(["train.device=cpu", "train.batch_size=4", "train.batch_tokens=128", "train.eval_tokens=1024"]
@@ -98,16 +111,12 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
              f"train.checkpoint_every={max(train_steps // 2, 1)}", "train.log_every=10"]
     params = str(REPO / "params.yaml")
     return [
-        Step("tests", [[sys.executable, "-m", "pytest", *TESTS, *tests, "-q", "-p", "no:cacheprovider",
-                        f"--junitxml={out / 'tests.xml'}"]]),
+        Step("train", [kiln("bench", "train", "--params", params, *_sets(model), "--variants", variants, *grid, *shape,
+                            "--device", "cpu" if smoke else "cuda", "--out", str(out / "train.json"))]),
         Step("kernels", [kiln("bench", "kernels", "--size", size, *(["--no-compile"] if smoke else []),
                               "--out", str(out / "kernels.json"))]),
-        Step("train", [kiln("bench", "train", "--params", params, *_sets(model), "--variants", variants, *shape,
-                            "--device", "cpu" if smoke else "cuda", "--out", str(out / "train.json")),
-                       # its own process, last: a device-side assert ends the process it happens in
-                       *([] if smoke else [kiln("bench", "train", "--params", params, *_sets(model), "--variants",
-                                                "bf16-compile-triton", *shape, "--device", "cuda",
-                                                "--out", str(out / "train_compile_triton.json"))])]),
+        Step("tests", [[sys.executable, "-m", "pytest", *TESTS, *tests, "-q", "-p", "no:cacheprovider",
+                        f"--junitxml={out / 'tests.xml'}"]]),
         Step("pretrain", [kiln("data", "prepare", "--params", params, *data),
                           kiln("tokenizer", "train", "--params", params, *tokenizer),
                           kiln("data", "shard", "--params", params),
@@ -117,7 +126,7 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
         Step("generate", [kiln("bench", "generate", "--params", params, *_sets(model),
                                *(["--vocab-size", "300", "--batch-sizes", "1,2", "--prompt-len", "8",
                                   "--new-tokens", "8", "--device", "cpu"] if smoke else
-                                 ["--vocab-size", "50304", "--batch-sizes", "1,16,64", "--prompt-len", "512",
+                                 ["--vocab-size", GPT2_VOCAB, "--batch-sizes", "1,16,64", "--prompt-len", "512",
                                   "--new-tokens", "256", "--dtype", "bf16", "--device", "cuda"]),
                                "--out", str(out / "generate.json"))]),
     ]
@@ -172,7 +181,9 @@ def run_step(step: Step, limit: float, log: Path, env: dict) -> dict:
             "log": log.name}
 
 
-def bench_gpu(size: str, steps: list[str] | None, out: Path, work: Path | None) -> dict:
+def bench_gpu(size: str, steps: list[str] | None, out: Path, work: Path | None, pack: Path | None = None) -> dict:
+    """`pack`: a .tgz of `out`, rewritten after every step (the GPU machine's $OUT returns a few files, not a
+    folder, and a command past its limit returns only what was written by then)."""
     if size not in SIZES:
         raise UserError(f"--size {size!r}: expected one of {', '.join(SIZES)}")
     unknown = sorted(set(steps or []) - set(STEPS))
@@ -188,10 +199,10 @@ def bench_gpu(size: str, steps: list[str] | None, out: Path, work: Path | None) 
                PYTHONUNBUFFERED="1", COLUMNS="200")
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"  # the smoke run's kernels go through the interpreter
-    results = []
+    summary = {"benchmark": "gpu", "size": size, "work": str(work), "complete": False, "steps": [], "headline": {}}
     if "env" in selected:
         write_json(out / "env.json", environment())
-        results.append({"step": "env", "status": "ok", "seconds": 0.0, "log": "env.json"})
+        summary["steps"].append({"step": "env", "status": "ok", "seconds": 0.0, "log": "env.json"})
     for step in plan(size, out.resolve(), work.resolve()):
         if step.name not in selected:
             continue
@@ -199,12 +210,25 @@ def bench_gpu(size: str, steps: list[str] | None, out: Path, work: Path | None) 
         result = run_step(step, LIMITS[size][step.name], out / f"{step.name}.log", env)
         for source, name in step.collect.items():
             _copy(step.cwd / source, out / name)
-        results.append(result)
-    summary = {"benchmark": "gpu", "size": size, "work": str(work), "steps": results,
-               "headline": headline(out)}
-    write_json(out / "summary.json", summary)
+        summary["steps"].append(result)
+        summary["headline"] = headline(out)
+        _save(summary, out, pack)
+        if step.name == "train":  # the headline, as soon as it is measured
+            for line in train_lines(summary["headline"]):
+                console.print(line, highlight=False, soft_wrap=True)
+    summary["complete"] = True
+    _save(summary, out, pack)
     _print(summary)
     return summary
+
+
+def _save(summary: dict, out: Path, pack: Path | None) -> None:
+    write_json(out / "summary.json", summary)
+    if pack is not None:
+        partial = pack.with_name(pack.name + ".partial")
+        with tarfile.open(partial, "w:gz") as archive:
+            archive.add(out, arcname=out.as_posix().lstrip("/"))  # as the Makefile's final `tar czf` names it
+        partial.replace(pack)  # whole or not at all, if the call is cut off while it packs
 
 
 def _import_root() -> str | None:
@@ -226,22 +250,40 @@ def _copy(src: Path, dst: Path) -> None:
 def headline(out: Path) -> dict:
     """The numbers a note quotes, read back from the steps' JSON (absent where a step did not run)."""
     found = {}
+    if (path := out / "train.json").is_file():
+        rows = json.loads(path.read_text())["results"]
+        found["train"] = {row["variant"]: {"error": row["error"]} if "error" in row else
+                          {k: row[k] for k in ("tokens_per_s", "mfu", "peak_memory_gb", "plan_memory_gb", "batch_size")}
+                          for row in rows}
+        timed = [row for row in rows if "error" not in row]
+        if timed:
+            best = max(timed, key=lambda r: r["tokens_per_s"])
+            found["best_train_variant"] = best["variant"]
+            found["best_train_mfu"] = best["mfu"]
+            found["best_train_tokens_per_s"] = best["tokens_per_s"]
     if (path := out / "kernels.json").is_file():
         rows = json.loads(path.read_text())["results"]
         found["kernel_goals_met"] = f"{sum(r['goal_met'] is True for r in rows)}/{len(rows)}"
-    variants = [row for name in ("train.json", "train_compile_triton.json") if (out / name).is_file()
-                for row in json.loads((out / name).read_text())["results"]]
-    if variants:
-        best = max(variants, key=lambda r: r["tokens_per_s"])
-        found["best_train_variant"] = best["variant"]
-        found["best_train_mfu"] = best["mfu"]
-        found["best_train_tokens_per_s"] = best["tokens_per_s"]
     for name in ("pretrain.json", "pretrain_timings.json"):
         if (path := out / name).is_file():
             metrics = json.loads(path.read_text())
             metrics = metrics.get("pretrain", metrics)  # the timings file is flat
             found |= {f"pretrain_{k}": metrics[k] for k in ("val_loss", "tokens_per_s", "mfu") if k in metrics}
     return found
+
+
+def train_lines(found: dict) -> list[str]:
+    """The training step's headline, a line per variant."""
+    lines = []
+    for variant, row in found.get("train", {}).items():
+        if "error" in row:
+            lines.append(f"headline: {variant}: failed: {row['error']}")
+            continue
+        mfu = "" if row["mfu"] is None else f", MFU {row['mfu']:.1%}"
+        memory = "" if row["peak_memory_gb"] is None else f", peak {row['peak_memory_gb']:.3g} GB"
+        lines.append(f"headline: {variant}: {row['tokens_per_s']:,.0f} tokens/s{mfu}{memory} "
+                     f"(plan {row['plan_memory_gb']:.3g} GB), batch {row['batch_size']}")
+    return lines
 
 
 def _print(summary: dict) -> None:
@@ -251,5 +293,8 @@ def _print(summary: dict) -> None:
     for r in summary["steps"]:
         table.add_row(r["step"], r["status"], f"{r['seconds']:.1f}", r["log"])
     console.print(table)
+    for line in train_lines(summary["headline"]):
+        console.print(line, highlight=False, soft_wrap=True)
     for key, value in summary["headline"].items():
-        console.print(f"{key}: {value}", highlight=False)
+        if key != "train":
+            console.print(f"{key}: {value}", highlight=False)
