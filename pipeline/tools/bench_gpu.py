@@ -64,11 +64,11 @@ TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/
          "tests/test_kernel_flash_attention.py", "tests/test_kernel_nf4.py", "tests/test_kernel_paged_attention.py",
          "tests/test_model.py"]
 
-# Seconds each step may take, per size. Quick's sum to 8 minutes, inside one 10-minute device call; on the last
-# H100 run its steps took: train ~80 s for these two compiled rows (two ~27 s compiles), kernels 60-80 s before
-# the graph timing (about doubled by it, not measured yet), tests 85 s, pretrain ~70 s, generate ~30 s. A step
-# cut at its limit keeps the rows its JSON already holds. Full's train (the compile modes, one max-autotune
-# compile per kernel choice) takes a call of its own: `--steps train`.
+# Seconds each step may take, per size. Quick's sum to 8 minutes, inside one 10-minute device call. From the
+# last H100 run (an earlier order and grid): compiling the 124M step took 27 s, so ~80 s is expected for the two
+# compiled rows; kernels took 60-80 s before the graph timing, which adds a capture and replays per timing;
+# tests 85 s, pretrain ~70 s, generate ~30 s. A step cut at its limit keeps the rows its JSON already holds.
+# Full's train (the compile modes, a max-autotune compile per kernel choice) takes a call of its own.
 LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "generate": 120},
           "quick": {"train": 110, "kernels": 140, "tests": 100, "pretrain": 90, "generate": 40},
           "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 180}}
