@@ -62,7 +62,7 @@ TOY = ["model.n_layer=1", "model.n_head=2", "model.n_kv_head=2", "model.d_model=
 TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/test_kernel_rope.py",
          "tests/test_kernel_cross_entropy.py", "tests/test_kernel_linear_cross_entropy.py",
          "tests/test_kernel_flash_attention.py", "tests/test_kernel_nf4.py", "tests/test_kernel_paged_attention.py",
-         "tests/test_model.py"]
+         "tests/test_kernel_ops.py", "tests/test_compile.py", "tests/test_model.py"]
 
 # Seconds each step may take, per size. Quick's sum to 8 minutes, inside one 10-minute device call. From the
 # last H100 run (an earlier order and grid): compiling the 124M step took 27 s, so ~80 s is expected for the two
