@@ -44,6 +44,15 @@ def calculate_settings(n: int, name: str = "row") -> tuple[int, int]:
     return block, num_warps
 
 
+def near_derived_warps(size_arg: str):
+    """An autotune pruner for row kernels: only the candidates within a factor of two of calculate_settings'
+    warps for the width in argument `size_arg`, a search around the derivation rather than over every count."""
+    def prune(configs, named_args, **kwargs):
+        warps = calculate_settings(named_args[size_arg])[1]
+        return [c for c in configs if warps // 2 <= c.num_warps <= 2 * warps] or configs
+    return prune
+
+
 def autotune(configs: list[triton.Config], key: list[str], interpreter: triton.Config | None = None, **kwargs):
     """triton.autotune over `configs` keyed on the `key` arguments (and every tensor argument's dtype); in the
     interpreter only `interpreter` (default: the first config). kwargs go to triton.autotune (restore_value

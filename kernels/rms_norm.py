@@ -26,17 +26,18 @@ import triton
 import triton.language as tl
 
 from kiln.kernels.backend import use_triton
-from kiln.kernels.launch import autotune, calculate_settings, sm_count
+from kiln.kernels.launch import autotune, calculate_settings, near_derived_warps, sm_count
 
 # Programs for the backward's dweight partials when there is no GPU to count SMs on: more than one, so tests
 # in the interpreter exercise the cross-program sum, and few, because each interpreted program is slow.
 INTERPRETER_PROGRAMS = 4
 
-# The block is the row's next power of two; how many warps share it is the GPU's to pick.
-WARPS = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
+# The block is the row's next power of two; how many warps share it is the GPU's to pick, near the derived count.
+WARPS = [triton.Config({}, num_warps=w) for w in (4, 2, 8, 16, 32)]
+NEAR_DERIVED = {"early_config_prune": near_derived_warps("n_cols")}
 
 
-@autotune(WARPS, key=["n_cols"])
+@autotune(WARPS, key=["n_cols"], prune_configs_by=NEAR_DERIVED)
 @triton.jit
 def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, stride, n_cols, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -50,7 +51,7 @@ def _rms_norm_fwd(x_ptr, w_ptr, y_ptr, rstd_ptr, stride, n_cols, eps, BLOCK: tl.
     tl.store(y_ptr + row * stride + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@autotune(WARPS, key=["n_cols"])
+@autotune(WARPS, key=["n_cols"], prune_configs_by=NEAR_DERIVED)
 @triton.jit
 def _rms_norm_bwd(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr, stride, n_rows, n_cols,
                   BLOCK: tl.constexpr):

@@ -11,10 +11,11 @@ import torch
 
 from kiln.kernels.cross_entropy import cross_entropy_op
 from kiln.kernels.flash_attention import flash_attention_backward_op, flash_attention_op
+from kiln.kernels.launch import calculate_settings, near_derived_warps, picked
 from kiln.kernels.linear_cross_entropy import linear_cross_entropy_backward_op, linear_cross_entropy_op
 from kiln.kernels.nf4 import _dequantize_op, quantize_nf4
 from kiln.kernels.paged_attention import paged_attention_op
-from kiln.kernels.rms_norm import rms_norm_backward_op, rms_norm_op
+from kiln.kernels.rms_norm import WARPS, rms_norm, rms_norm_backward_op, rms_norm_op
 from kiln.kernels.rope import rope_op
 from kiln.kernels.swiglu import swiglu_backward_op, swiglu_op
 
@@ -110,3 +111,21 @@ def test_nf4_dequantize(dtype):
     codes = quantize_nf4(randn(3, 100, dtype=dtype))  # 300 weights: a short last block
     opcheck(_dequantize_op, (*(codes[k] for k in ("packed", "absmax", "absmax_scale", "absmax_offset")), [3, 100],
                              dtype))
+
+
+def test_launch_settings_derive_from_the_row_width():
+    assert [calculate_settings(n) for n in (123, 2048, 8192, 40000)] == [(128, 4), (2048, 8), (8192, 16),
+                                                                          (65536, 32)]
+    with pytest.raises(ValueError, match="rms_norm: 65537 elements"):
+        calculate_settings(65537, "rms_norm")
+    prune = near_derived_warps("n_cols")
+    assert [c.num_warps for c in prune(WARPS, {"n_cols": 768})] == [4, 2, 8]
+    assert [c.num_warps for c in prune(WARPS, {"n_cols": 16384})] == [8, 16, 32]
+
+
+def test_picked_reports_the_config_each_kernel_ran():
+    """After a launch, picked() names the kernel and its config: on a GPU one of the pruned candidates per key
+    (37 columns: 2, 4 or 8 warps), in the interpreter the single config (4 warps)."""
+    rms_norm(randn(3, 37), randn(37, seed=1), backend="triton")
+    ran = picked()["_rms_norm_fwd"]
+    assert ran and all(entry["config"]["num_warps"] in (2, 4, 8) for entry in ran)
