@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from kiln.model.atomic import atomic_dir
 from kiln.model.errors import StageError
-from kiln.model.gpt import GPT, ModelConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"

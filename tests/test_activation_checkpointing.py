@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from kiln.model import GPT, KVCache, ModelConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT, KVCache
 
 
 def saved_bytes(model, x):

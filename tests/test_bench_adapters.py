@@ -3,7 +3,7 @@ imply (4 bytes per fp32 weight, NF4's ~0.52, two AdamW moments per trainable par
 
 import json
 
-from kiln.model import ModelConfig
+from kiln.model.config import ModelConfig
 from kiln.pipeline.tools.bench_adapters import bench_adapters
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -9,7 +9,9 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from kiln.model import GPT, ModelConfig, save_model
+from kiln.model.checkpoint import save_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 
 from conftest import write_params

@@ -6,7 +6,9 @@ import json
 
 import torch
 
-from kiln.model import GPT, ModelConfig, save_model
+from kiln.model.checkpoint import save_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.pipeline.tools.bench_serve import bench_serve, workload
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kiln.model import GPT, ModelConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 
 from conftest import write_params

@@ -19,7 +19,8 @@ import torch
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
-from kiln.model import GPT, ModelConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.model.lora import apply_adapter
 from kiln.pipeline.serve.kv_cache import PagedKVCache, Segment
 

@@ -9,8 +9,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from kiln.model import GPT, ModelConfig, load_model, save_model
-from kiln.model import generate as kiln_generate
+from kiln.model.checkpoint import load_model, save_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
+from kiln.model.generate import generate as kiln_generate
 from kiln.pipeline.cli import app
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.post.chat_format import IM_END, ChatFormat

@@ -12,7 +12,9 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from kiln.model import GPT, ModelConfig, save_model
+from kiln.model.checkpoint import save_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 from kiln.pipeline.evals.scoring import ChoiceTask, choice_accuracy, encode_request
 from kiln.pipeline.evals.tasks import MCItem

@@ -13,7 +13,10 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from kiln.model import GPT, ModelConfig, generate, save_model
+from kiln.model.generate import generate
+from kiln.model.checkpoint import save_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from kiln.model import load_model
+from kiln.model.checkpoint import load_model
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError

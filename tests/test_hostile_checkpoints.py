@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from kiln.model import GPT, load_config, load_model
+from kiln.model.checkpoint import load_config, load_model
+from kiln.model.gpt import GPT
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.train.checkpoints import STATE_FIELDS, Checkpoints, read_state

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.model import GPT, ModelConfig, save_model
+from kiln.model.checkpoint import save_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.text.tokens import load_tokenizer
 

@@ -18,7 +18,8 @@ from tokenizers.pre_tokenizers import ByteLevel
 from tokenizers.trainers import BpeTrainer
 from typer.testing import CliRunner
 
-from kiln.model import GPT, ModelConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.model.hf import hf_config, to_hf_tensors
 from kiln.pipeline.cli import app
 from kiln.pipeline.errors import UserError

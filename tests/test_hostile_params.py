@@ -18,7 +18,9 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kiln.model import GPT, ModelConfig, save_model
+from kiln.model.checkpoint import save_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.pipeline.config import SECTIONS, build_section, load_section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.evaluate import EvalParams
@@ -260,9 +262,9 @@ def test_size_refused_on_a_small_device(monkeypatch):
     """The bound is the memory the machine has: a model 1 byte too large for it is refused, one that fits is not."""
     config = ModelConfig(vocab_size=300, **TINY)
     need = config.memory_bytes("for its weights")
-    monkeypatch.setattr("kiln.model.gpt.memory_available", lambda device: need)
+    monkeypatch.setattr("kiln.model.config.memory_available", lambda device: need)
     GPT(config)
-    monkeypatch.setattr("kiln.model.gpt.memory_available", lambda device: need - 1)
+    monkeypatch.setattr("kiln.model.config.memory_available", lambda device: need - 1)
     with pytest.raises(ValueError, match="for its weights"):
         GPT(config)
     with pytest.raises(ValueError, match="for its weights"), torch.device("meta"):
@@ -298,7 +300,7 @@ def test_pretrain_refuses_the_tokenizers_vocabulary_when_it_cannot_fit(tiny, tmp
     vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
     smallest, real = (ModelParams().config(v).memory_bytes("to train") for v in (256, vocab))
     assert smallest < real
-    monkeypatch.setattr("kiln.model.gpt.memory_available", lambda device: smallest)
+    monkeypatch.setattr("kiln.model.config.memory_available", lambda device: smallest)
     monkeypatch.chdir(tmp_path)
     write_params(tmp_path / "params.yaml", {})
     fails_in_one_line(["pretrain", "--shards", str(tiny.shards), "--tokenizer", str(tiny.tokenizer), "--set",

@@ -15,7 +15,8 @@ import torch
 
 import kiln.kernels.rope
 from kiln.kernels.rope import reference, rope
-from kiln.model.gpt import ModelConfig, apply_rope, rope_tables
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import apply_rope, rope_tables
 
 from kernel_checks import DEVICE, assert_close, on_gpu, poisoned_allocations, record_launches
 

@@ -5,6 +5,7 @@ import it)."""
 from __future__ import annotations
 
 import ast
+import json
 import inspect
 import shutil
 import subprocess
@@ -60,10 +61,14 @@ def module_name(path: Path) -> str:
 
 
 def imports_of(path: Path, packages: bool = True) -> set[str]:
-    """Every kiln module `path` imports anywhere (top level or inside a function), with the packages whose
-    `__init__` that import runs unless `packages` is false."""
+    """Every kiln module `path` imports anywhere it runs (top level or inside a function, not under
+    TYPE_CHECKING), with the packages whose `__init__` that import runs unless `packages` is false."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    # what `if TYPE_CHECKING:` imports is for annotations only: it never runs
+    for guard in [n for n in ast.walk(tree) if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]:
+        guard.body = []
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -193,3 +198,55 @@ def test_no_import_cycle():
 
     for name in sorted(graph):
         visit(name)
+
+
+# ---------------------------------------------------------------- the ground floor: what needs no torch
+
+TEXT_STAGES = ("prepare", "tokenizer", "shard", "scaling_fit")
+# The stages that build, train or run a model: the only ones a kernel edit may rerun.
+MODEL_STAGES = {"scaling_sweep", "pretrain", "sft", "dpo", "grpo", "evaluate"}
+
+
+def imports_torch_at_import(path: Path) -> bool:
+    """Whether importing `path` imports torch: a top-level `import torch...` (one inside a function runs only
+    when that function is called)."""
+    tree = ast.parse(path.read_text())
+    names = [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module]
+    return any(name == "torch" or name.startswith("torch.") for name in names)
+
+
+@pytest.mark.parametrize("stage", TEXT_STAGES)
+def test_text_stages_depend_on_no_kernel_and_no_torch_model_module(stage):
+    """The text stages and the fit (which fits numbers) take only the model package's torch-free ground
+    floor (its writer, errors and config), so neither a kernel nor a model edit reruns them."""
+    code = {p.relative_to(REPO).as_posix() for p in declared_code(STAGES[stage]["deps"])}
+    assert not [p for p in code if p.startswith("kernels/")], f"{stage} lists kernel files"
+    heavy = sorted(p for p in code if p.startswith("model/") and imports_torch_at_import(REPO / p))
+    assert not heavy, f"{stage}: these model deps import torch: {heavy}"
+
+
+def test_a_kernel_edit_reruns_only_the_stages_that_run_a_model(tmp_path):
+    """`dvc status` in a copy of the project after editing a kernel: only the model stages name the file."""
+    copy = tmp_path / "copy"
+    subprocess.run(["git", "clone", "-q", str(REPO), str(copy)], check=True)
+    for name in ("dvc.yaml", "dvc.lock"):  # this checkout's, committed or not
+        shutil.copy(REPO / name, copy / name)
+    kernel = copy / "kernels" / "rms_norm.py"
+    kernel.write_text(kernel.read_text() + "\n# edited\n")
+    dvc = Path(sys.executable).with_name("dvc")
+    status = subprocess.run([str(dvc), "status", "--json"], cwd=copy, capture_output=True, text=True, check=True)
+    named = {stage for stage, changes in json.loads(status.stdout).items()
+             for change in changes if isinstance(change, dict)
+             for deps in [change.get("changed deps", {})] if "kernels/rms_norm.py" in deps}
+    assert named == MODEL_STAGES
+
+
+@pytest.mark.parametrize("args", [["--help"], ["data", "prepare", "--help"], ["tokenizer", "train", "--help"]])
+def test_cli_help_imports_no_torch(args):
+    """Asking the CLI for help loads no torch (seconds of imports): `-X importtime` lists every module loaded."""
+    result = subprocess.run([sys.executable, "-X", "importtime", "-m", "kiln.pipeline.cli", *args], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and "Usage" in result.stdout, result.stderr[-2000:]
+    loaded = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
+    assert "typer" in loaded and "torch" not in loaded

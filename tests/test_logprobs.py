@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import kiln.model.logprobs as logprobs
-from kiln.model import GPT, ModelConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.model.logprobs import token_logprobs
 from tests.test_kernel_linear_cross_entropy import LargestTensor
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kiln.model import GPT, ModelConfig, load_model
+from kiln.model.checkpoint import load_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.model.lora import LoRALinear, NF4Linear, adapter_state_dict, apply_adapter, merged_state_dict, set_adapters
 from kiln.pipeline.cli import app
 from tests.conftest import fails_in_one_line, write_jsonl, write_params
@@ -160,7 +162,7 @@ def test_peft_loads_the_exported_adapter_to_the_same_logits(tiny, tmp_path, arch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from kiln.model import save_model
+    from kiln.model.checkpoint import save_model
     from kiln.pipeline.outputs import sha256_file
     from kiln.pipeline.text.tokens import load_tokenizer
 
@@ -243,7 +245,7 @@ def test_adapter_sft_resumes_after_kill_9_to_the_same_model(tiny, project, adapt
 def test_bad_adapter_params_fail_in_one_line(tiny, project, setting, names):
     setting = dict(setting)
     if setting.pop("arch", None) == "gpt2":
-        from kiln.model import save_model
+        from kiln.model.checkpoint import save_model
         from kiln.pipeline.outputs import sha256_file
         from kiln.pipeline.text.tokens import load_tokenizer
 
@@ -256,7 +258,7 @@ def test_bad_adapter_params_fail_in_one_line(tiny, project, setting, names):
 
 
 def test_qlora_refuses_a_width_that_is_not_whole_nf4_blocks(tiny, project):
-    from kiln.model import save_model
+    from kiln.model.checkpoint import save_model
     from kiln.pipeline.outputs import sha256_file
     from kiln.pipeline.text.tokens import load_tokenizer
 

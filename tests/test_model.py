@@ -18,7 +18,10 @@ from safetensors import safe_open
 
 import kiln.model.atomic
 import kiln.model.checkpoint
-from kiln.model import GPT, KVCache, ModelConfig, generate, load_config, load_model, save_model
+from kiln.model.generate import generate
+from kiln.model.checkpoint import load_config, load_model, save_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT, KVCache
 
 from kernel_checks import DEVICE
 

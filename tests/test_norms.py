@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from kiln.model import GPT, ModelConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.model.gpt import DyT
 from kiln.model.hf import hf_config
 

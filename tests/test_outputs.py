@@ -21,7 +21,10 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from kiln.model import GPT, ModelConfig, atomic, checkpoint, save_model
+from kiln.model import atomic, checkpoint
+from kiln.model.checkpoint import save_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover
 from kiln.pipeline.cli import app
 from kiln.pipeline.errors import StageError, UserError

@@ -12,7 +12,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kiln.model import GPT, ModelConfig, generate, load_model, save_model
+from kiln.model.generate import generate
+from kiln.model.checkpoint import load_model, save_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError

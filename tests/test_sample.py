@@ -4,7 +4,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kiln.model import GPT, ModelConfig, generate, save_model
+from kiln.model.generate import generate
+from kiln.model.checkpoint import save_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.sampling import Sampling, TextModel

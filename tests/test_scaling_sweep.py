@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 import kiln.pipeline.scaling.sweep as scaling_sweep
-from kiln.model import GPT
+from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError

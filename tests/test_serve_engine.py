@@ -9,7 +9,9 @@ import random
 import pytest
 import torch
 
-from kiln.model import GPT, ModelConfig, generate
+from kiln.model.generate import generate
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.pipeline.serve.engine import Engine, Request, Sampling
 
 VOCAB = 97

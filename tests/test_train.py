@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from kiln.model import GPT, ModelConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import StageError, UserError

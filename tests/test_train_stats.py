@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from kiln.model import GPT, ModelConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.model.gpt import apply_rope
 from kiln.pipeline.config import build_section
 from kiln.pipeline.train.curves import metric_files

@@ -29,7 +29,7 @@ from typing import ClassVar
 
 import torch
 
-from kiln.model import load_config
+from kiln.model.checkpoint import load_config
 from kiln.pipeline import layout
 from kiln.pipeline.config import Section, coerce
 from kiln.pipeline.errors import UserError

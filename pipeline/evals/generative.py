@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.model import generate
+from kiln.model.generate import generate
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.pass_at_k import mean_pass_at_k
 from kiln.pipeline.post.chat_data import PROMPT_FORMATS, load_prompts

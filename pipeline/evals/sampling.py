@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.model import load_model
+from kiln.model.checkpoint import load_model
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.serve.engine import Engine, Request

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.model import load_model, save_model
+from kiln.model.checkpoint import load_model, save_model
 from kiln.model.lora import adapter_state_dict, apply_adapter, merged_state_dict
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file

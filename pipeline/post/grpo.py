@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.model import generate
+from kiln.model.generate import generate
 from kiln.model.lora import adapters_off, is_adapted
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError

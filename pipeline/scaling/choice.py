@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kiln.model import ModelConfig
+from kiln.model.config import ModelConfig
 from kiln.pipeline.errors import UserError
 
 SHAPE_KEYS = ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff")

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.model import ModelConfig
+from kiln.model.config import ModelConfig
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import atomic_write_bytes, lock_path, write_metrics

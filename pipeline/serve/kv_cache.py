@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.kernels.paged_attention import paged_attention
-from kiln.model import ModelConfig
+from kiln.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from kiln.model import GPT, ModelConfig
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.model.lora import apply_adapter
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json

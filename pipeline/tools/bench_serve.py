@@ -40,7 +40,9 @@ import numpy as np
 import torch
 from rich.table import Table
 
-from kiln.model import GPT, ModelConfig, load_model
+from kiln.model.checkpoint import load_model
+from kiln.model.config import ModelConfig
+from kiln.model.gpt import GPT
 from kiln.model.generate import decode_steps, left_pad
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json

@@ -36,8 +36,8 @@ import torch
 from rich.table import Table
 
 from kiln.kernels.backend import BACKENDS
-from kiln.model import GPT
-from kiln.model.gpt import memory_available
+from kiln.model.gpt import GPT
+from kiln.model.config import memory_available
 from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import Progress, console

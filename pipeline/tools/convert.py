@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln.model import ModelConfig, save_model
+from kiln.model.checkpoint import save_model
+from kiln.model.config import ModelConfig
 from kiln.model.checkpoint import ADAPTER_WEIGHTS, read_json_object
 from kiln.model.hf import (
     EMBEDDING,

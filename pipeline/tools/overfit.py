@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.model import GPT
+from kiln.model.gpt import GPT
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file, write_json
 from kiln.pipeline.progress import Progress, console

@@ -35,8 +35,8 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from kiln.model import ModelConfig
-from kiln.model.gpt import memory_available
+from kiln.model.config import ModelConfig
+from kiln.model.config import memory_available
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
@@ -179,7 +179,7 @@ def measure_cpu_peak(shape: Shape, batch_size: int, seq_len: int, steps: int = 2
     running total counts every tensor allocated since it started, so the count starts before the model exists."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kiln.model import GPT
+    from kiln.model.gpt import GPT
     from kiln.pipeline.train.lm import lm_loss
     from kiln.pipeline.train.loop import Step, build_optimizer
     from kiln.pipeline.train.params import TrainParams

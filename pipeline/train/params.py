@@ -11,7 +11,7 @@ from kiln.pipeline.config import Section
 from kiln.pipeline.errors import UserError
 
 if TYPE_CHECKING:
-    from kiln.model import ModelConfig
+    from kiln.model.config import ModelConfig
 
 
 MAX_PROCESSES = 1024
@@ -43,7 +43,7 @@ class ModelParams(Section):
 
     def config(self, vocab_size: int, **shape) -> ModelConfig:
         """The model package's config for this section, with `shape` (n_layer=..., ...) overriding it."""
-        from kiln.model import ModelConfig
+        from kiln.model.config import ModelConfig
 
         values = {k: v for k, v in dataclasses.asdict(self).items() if k != "size"}
         return ModelConfig(vocab_size=vocab_size, **(values | shape))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.model import save_model
+from kiln.model.checkpoint import save_model
 from kiln.pipeline import layout
 from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.progress import console
