@@ -312,7 +312,7 @@ def generate_command(
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Continue each --prompt with a trained model, stopping at <|endoftext|>."""
     from kiln.pipeline.evals.sampling import Sampling, TextModel
-    from kiln.pipeline.train.loop import pick_device
+    from kiln.pipeline.runtime import pick_device
 
     lm = TextModel(model, tokenizer, pick_device(device))
     outs = lm.complete(prompt, Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed))
@@ -338,7 +338,7 @@ def chat_command(
     """Talk to a chat model: each line you type is a user turn, the answer streams back (/reset starts over,
     /quit or end of input stops)."""
     from kiln.pipeline.evals.sampling import ChatSession, Sampling, TextModel
-    from kiln.pipeline.train.loop import pick_device
+    from kiln.pipeline.runtime import pick_device
 
     session = ChatSession(TextModel(model, tokenizer, pick_device(device)),
                           Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed), system)
@@ -778,15 +778,16 @@ def _is_utf8(data: bytes) -> bool:
 def _train_stage(stage: str, train, run) -> None:
     """Run a training stage's `run()`: with `train.nproc_per_node` > 1 and no launcher around this process, under
     torchrun on this machine instead; the process group is left however it ends, and rank 0 alone prints."""
+    from kiln.pipeline import runtime
     from kiln.pipeline.train import distributed
 
-    if train.nproc_per_node > 1 and not distributed.launched():
+    if train.nproc_per_node > 1 and not runtime.launched():
         raise typer.Exit(distributed.relaunch(train.nproc_per_node, sys.argv[1:]))
     try:
         metrics = run()
     finally:
-        distributed.leave()
-    if distributed.from_env().main:
+        runtime.leave()
+    if runtime.from_env().main:
         _print_metrics(stage, metrics)
 
 

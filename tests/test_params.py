@@ -406,14 +406,14 @@ def test_compile_mode_reaches_torch_compile(mode, autotune, cudagraphs):
 
 
 def test_auto_kernels_are_torch_until_kiln_measures_faster_under_compile(monkeypatch, capsys):
-    from kiln.pipeline.train import loop
+    from kiln.pipeline import runtime
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    loop._say_once.cache_clear()
-    assert [loop.resolve_kernels("auto", cuda) for _ in range(2)] == ["torch", "torch"]
-    assert capsys.readouterr().err.count(loop.AUTO_KERNELS_WHY) == 1  # said once, not per run
-    assert loop.resolve_kernels("triton", cuda) == "triton" and loop.resolve_kernels("auto", cpu) == "torch"
+    runtime._say_once.cache_clear()
+    assert [runtime.resolve_kernels("auto", cuda) for _ in range(2)] == ["torch", "torch"]
+    assert capsys.readouterr().err.count(runtime.AUTO_KERNELS_WHY) == 1  # said once, not per run
+    assert runtime.resolve_kernels("triton", cuda) == "triton" and runtime.resolve_kernels("auto", cpu) == "torch"
     params = build_section(TrainParams, {"kernels": "auto", "device": "cpu"})
-    assert loop.prepare_device(params).type == "cpu" and params.kernels == "torch"
-    monkeypatch.setattr(loop, "KILN_KERNELS_FASTER_UNDER_COMPILE", True)  # what a GPU session's result flips
-    assert loop.resolve_kernels("auto", cuda) == "triton" and loop.resolve_kernels("auto", cpu) == "torch"
+    assert runtime.prepare_device(params).type == "cpu" and params.kernels == "torch"
+    monkeypatch.setattr(runtime, "KILN_KERNELS_FASTER_UNDER_COMPILE", True)  # what a GPU session's result flips
+    assert runtime.resolve_kernels("auto", cuda) == "triton" and runtime.resolve_kernels("auto", cpu) == "torch"

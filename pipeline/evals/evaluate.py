@@ -48,7 +48,7 @@ from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.text.corpus import SURROGATE
 from kiln.pipeline.text.loader import ShardSet
 from kiln.pipeline.train.lm import byte_lengths, evaluate_lm
-from kiln.pipeline.train.loop import prepare_device
+from kiln.pipeline.runtime import prepare_device
 from kiln.pipeline.train.params import TrainParams
 
 REPORT = "report.md"  # in the metrics folder, beside eval.json

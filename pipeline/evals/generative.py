@@ -34,7 +34,7 @@ from kiln.pipeline.post.chat_data import PROMPT_FORMATS, load_prompts
 from kiln.pipeline.post.chat_format import ChatFormat
 from kiln.pipeline.post.corpus_task import held_out_items
 from kiln.pipeline.post.rewards import NamedReward, make_reward, score
-from kiln.pipeline.train.loop import autocast
+from kiln.pipeline.runtime import autocast
 
 PLAIN_SUFFIX = "\n\nAnswer:"
 

@@ -24,7 +24,7 @@ import torch
 
 from kiln.pipeline.evals.tasks import MCItem
 from kiln.pipeline.post.common import IGNORE
-from kiln.pipeline.train.loop import autocast
+from kiln.pipeline.runtime import autocast
 
 
 @dataclass(frozen=True)

@@ -28,9 +28,10 @@ from kiln.pipeline.post.corpus_task import TaskItem, prompt_items, task_items
 from kiln.pipeline.post.params import PostTrainParams
 from kiln.pipeline.progress import console
 from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline import runtime
 from kiln.pipeline.train import distributed
-from kiln.pipeline.train.distributed import World
-from kiln.pipeline.train.loop import autocast, prepare_device
+from kiln.pipeline.runtime import World
+from kiln.pipeline.runtime import autocast, prepare_device
 from kiln.pipeline.train.params import TrainParams
 
 IGNORE = -100
@@ -82,7 +83,7 @@ def start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokenize
     """Load the model a stage starts from, refusing a tokenizer other than the one it was trained with, and
     the stage's data rendered for its context length."""
     torch.manual_seed(params.seed)  # every rank draws the same adapter init
-    world = distributed.from_env()
+    world = runtime.from_env()
     device = prepare_device(train, world)
     try:
         model, meta = load_model(model_dir, device)

@@ -50,9 +50,10 @@ from kiln.pipeline.progress import console
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Panel, plot_png
-from kiln.pipeline.train.distributed import SINGLE, World
+from kiln.pipeline.runtime import SINGLE, World
 from kiln.pipeline.train.lm import CADENCE
-from kiln.pipeline.train.loop import Run, accumulation_steps, autocast, train
+from kiln.pipeline.train.loop import Run, accumulation_steps, train
+from kiln.pipeline.runtime import autocast
 from kiln.pipeline.train.params import TrainParams
 
 MODEL_DIR = layout.GRPO_MODEL

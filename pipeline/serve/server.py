@@ -418,7 +418,7 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     from kiln.pipeline.evals.sampling import TextModel
     from kiln.pipeline.post.chat_format import ChatFormat
     from kiln.pipeline.progress import console
-    from kiln.pipeline.train.loop import pick_device
+    from kiln.pipeline.runtime import pick_device
 
     for option, value in (("--block-size", block_size), ("--max-batch-tokens", max_batch_tokens),
                           ("--kv-blocks", kv_blocks if kv_blocks is not None else 1), ("--speculate", speculate)):

@@ -45,16 +45,8 @@ from kiln.pipeline.tools.bench import machine
 from kiln.pipeline.tools.bench_kernels import one_line
 from kiln.pipeline.tools.plan_memory import Shape, plan
 from kiln.pipeline.train.lm import lm_loss
-from kiln.pipeline.train.loop import (
-    PRECISIONS,
-    Step,
-    build_optimizer,
-    check_kernels,
-    compile_forward,
-    pick_device,
-    resolve_kernels,
-    setup_precision,
-)
+from kiln.pipeline.runtime import PRECISIONS, check_kernels, pick_device, resolve_kernels, setup_precision
+from kiln.pipeline.train.loop import Step, build_optimizer, compile_forward
 from kiln.pipeline.train.params import COMPILE_MODES, ModelParams, TrainParams
 from kiln.pipeline.train.stats import observing
 from kiln.pipeline.train.throughput import peak_flops

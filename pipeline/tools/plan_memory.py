@@ -40,7 +40,7 @@ from kiln.model.config import memory_available
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
-from kiln.pipeline.train.loop import pick_device
+from kiln.pipeline.runtime import pick_device
 
 ADAMW_BYTES = 8  # two fp32 moments
 

@@ -39,7 +39,7 @@ from kiln.model.checkpoint import first_non_finite
 from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.outputs import atomic_dir, exclusive, recover, write_json
 from kiln.pipeline.train import distributed
-from kiln.pipeline.train.distributed import SINGLE, World
+from kiln.pipeline.runtime import SINGLE, World
 
 NAME = re.compile(r"step_\d{8}")
 SHARDED = "dcp"

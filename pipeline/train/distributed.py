@@ -1,5 +1,6 @@
-"""Several processes, one run: torchrun's environment, DDP or FSDP2 around the model, and the collectives the
-training loop needs. PyTorch's engines do the distributed work; this module only decides how kiln uses them.
+"""Several processes, one run: DDP or FSDP2 around the model, and the collectives the training loop needs.
+PyTorch's engines do the distributed work; this module only decides how kiln uses them. Reading torchrun's
+environment and joining its process group is `kiln.pipeline.runtime`'s (every command that computes does it).
 
 - Launch: torchrun sets RANK, LOCAL_RANK and WORLD_SIZE. `kiln train` with `train.nproc_per_node > 1` and no
   such variables starts torchrun on itself, so the DVC command stays `kiln train`.
@@ -16,49 +17,17 @@ training loop needs. PyTorch's engines do the distributed work; this module only
 from __future__ import annotations
 
 import contextlib
-import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from kiln.pipeline.errors import UserError
 from kiln.pipeline.progress import console
-
-ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE")
-
-
-@dataclass(frozen=True)
-class World:
-    rank: int = 0
-    local_rank: int = 0
-    size: int = 1
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
-SINGLE = World()
-
+from kiln.pipeline.runtime import World
 
 def spread(world: World, parallel: str) -> str:
     """How a run is spread, for its first line: " x 2 processes (fsdp)", or "" for one process."""
     return f" x {world.size} processes ({parallel})" if world.size > 1 else ""
-
-
-def launched() -> bool:
-    """Whether this process was started by torchrun (or another launcher that sets its variables)."""
-    return "WORLD_SIZE" in os.environ
-
-
-def from_env() -> World:
-    """This process's place in a torchrun job, or SINGLE outside one."""
-    if not launched():
-        return SINGLE
-    rank, local_rank, size = (int(os.environ.get(k, 0)) for k in ENV)
-    return World(rank, local_rank, size)
 
 
 def relaunch(nproc: int, argv: list[str]) -> int:
@@ -79,29 +48,6 @@ def relaunch(nproc: int, argv: list[str]) -> int:
         codes = [f.exitcode for f in e.failures.values()]
         return next((c for c in codes if c > 0), 1)
     return 0
-
-
-def join(world: World, device: torch.device) -> torch.device:
-    """Join the process group (a no-op for one process); return the device this rank trains on."""
-    if world.size == 1:
-        return device
-    if device.type == "cuda":
-        if world.local_rank >= torch.cuda.device_count():
-            raise UserError(f"local rank {world.local_rank}: this machine has {torch.cuda.device_count()} GPUs; "
-                            "start at most that many processes per node (train.nproc_per_node)")
-        device = torch.device("cuda", world.local_rank)
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
-    if not world.main:
-        console.quiet = True
-    return device
-
-
-def leave() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def wrap(model: torch.nn.Module, parallel: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

@@ -18,10 +18,12 @@ from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.progress import console
 from kiln.pipeline.text.loader import ShardSet, TokenBatches
 from kiln.pipeline.text.tokens import load_tokenizer, token_bytes
+from kiln.pipeline import runtime
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
-from kiln.pipeline.train.distributed import SINGLE, World
-from kiln.pipeline.train.loop import Run, autocast, prepare_device, train
+from kiln.pipeline.runtime import SINGLE, World
+from kiln.pipeline.train.loop import Run, train
+from kiln.pipeline.runtime import autocast, prepare_device
 from kiln.pipeline.train.params import TrainParams
 from kiln.pipeline.train.ramp import BatchRamp
 
@@ -116,7 +118,7 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
     torchrun every rank calls it; the model it returns is then wrapped (see `distributed.full_state_dict`).
     `resume_from` and `command`: see `Checkpoints`."""
     seq_len = config.max_seq_len
-    world = distributed.from_env()
+    world = runtime.from_env()
     torch.manual_seed(params.seed)  # every rank builds the same initial weights
     device = prepare_device(params, world)
     # The model section was checked with the smallest vocabulary: the tokenizer's, or size auto's shape, may not

@@ -1,7 +1,7 @@
 """The one training loop: pretraining, the scaling sweep, SFT, DPO and GRPO use it with their losses.
 
-It owns the machinery that does not depend on the loss: device and precision, AdamW with decay on matrices
-only, warmup + cosine or WSD schedule, gradient accumulation to `train.batch_tokens` per step, clipping,
+It owns the machinery that does not depend on the loss (the device and precision it is handed come from
+`kiln.pipeline.runtime`): AdamW with decay on matrices only, warmup + cosine or WSD schedule, gradient accumulation to `train.batch_tokens` per step, clipping,
 periodic evaluation, checkpoints and resume, the NaN guard, throughput/MFU accounting and the curves. Under
 torchrun it trains the model wrapped in DDP or FSDP2 (`kiln.pipeline.train.distributed`): `batches` then yields this
 rank's share of each global micro-batch, and the loss it reports is the mean over ranks.
@@ -13,7 +13,6 @@ has `state_dict()` / `load_state_dict()`; `evaluate(model)` returns a dict of nu
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import resource
 import time
@@ -23,93 +22,16 @@ from pathlib import Path
 
 import torch
 
-from kiln.kernels.backend import interpreting
 from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.progress import Progress, console
+from kiln.pipeline.runtime import PRECISIONS, SINGLE, World, autocast
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Curves
-from kiln.pipeline.train.distributed import SINGLE, World
 from kiln.pipeline.train.params import TrainParams
 from kiln.pipeline.train.ramp import BatchRamp
 from kiln.pipeline.train.stats import StepStats, draw, observing
 from kiln.pipeline.train.throughput import peak_flops
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"params: train.device={name!r}: CUDA is not available on this machine")
-    return device
-
-
-def autocast(device: torch.device, precision: str):
-    """Mixed precision for the forward pass; fp32 runs without autocast (and with TF32 matmuls on CUDA)."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=PRECISIONS[precision])
-
-
-def setup_precision(device: torch.device, precision: str) -> None:
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = precision == "fp32"
-        torch.backends.cudnn.allow_tf32 = precision == "fp32"
-    if device.type == "cpu" and precision != "fp32":
-        console.print(f"warning: train.precision={precision} on CPU runs through slow autocast paths "
-                      "(~14x slower than fp32 on a CPU without bf16 instructions, measured by kiln bench train)", highlight=False)
-
-
-def check_kernels(kernels: str, device: torch.device, where: str) -> None:
-    """Refuse `triton` where the kernels cannot run, before a model is built rather than at its first forward."""
-    if kernels == "triton" and device.type != "cuda" and not interpreting():
-        raise UserError(f"{where}=triton: needs a CUDA device, or TRITON_INTERPRET=1 in the environment to run the "
-                        "kernels in Triton's (slow) CPU interpreter")
-
-
-# Whether kiln's kernels have measured faster than torch's in the compiled training step on a GPU, the way kiln
-# trains there (kernels/BENCHMARKS.md). Until a GPU session shows it (`make gpu-check`, its first table),
-# train.kernels=auto trains with torch's kernels on CUDA too; that session flips it.
-KILN_KERNELS_FASTER_UNDER_COMPILE = False
-AUTO_KERNELS_WHY = ("train.kernels=auto: torch's kernels (kiln's have not yet measured faster under torch.compile on "
-                    "a GPU: kernels/BENCHMARKS.md)")
-
-
-def resolve_kernels(kernels: str, device: torch.device) -> str:
-    """The kernels a model on `device` runs for train.kernels `kernels`: `auto` becomes triton or torch here, so
-    that the choice is made (and said) once rather than per op."""
-    if kernels != "auto":
-        return kernels
-    if device.type == "cuda" and KILN_KERNELS_FASTER_UNDER_COMPILE:
-        return "triton"
-    if device.type == "cuda":
-        _say_once(AUTO_KERNELS_WHY)
-    return "torch"  # off CUDA auto never launched Triton
-
-
-@functools.cache
-def _say_once(message: str) -> None:
-    """Print `message` the first time only: the scaling sweep prepares a device for each of its runs."""
-    console.print(message, highlight=False, soft_wrap=True)
-
-
-def prepare_device(params: TrainParams, world: World = SINGLE) -> torch.device:
-    """The device a run trains on (this rank's GPU in a torchrun job, which it joins), with its precision
-    settings made and its kernel choice checked; `params.kernels` auto is replaced by what it resolves to there
-    (every stage builds its model with `params.kernels` after this)."""
-    device = distributed.join(world, pick_device(params.device))
-    setup_precision(device, params.precision)
-    check_kernels(params.kernels, device, "params: train.kernels")
-    params.kernels = resolve_kernels(params.kernels, device)
-    return device
-
 
 def compile_forward(model: torch.nn.Module, params: TrainParams) -> Callable:
     """What the step calls for a forward: the model itself, or torch.compile of it in train.compile_mode."""

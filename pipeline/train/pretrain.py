@@ -17,6 +17,7 @@ from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.progress import console
 from kiln.pipeline.scaling.choice import SHAPE_KEYS, auto_size, describe
 from kiln.pipeline.text.loader import ShardSet
+from kiln.pipeline import runtime
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.curves import Panel, plot_png
 from kiln.pipeline.train.lm import LMData, train_lm
@@ -36,7 +37,7 @@ PANELS = [Panel("loss", "cross-entropy (nats/token)", {"loss": "train", "val_los
 def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, tokenizer_path: Path,
              out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, size_file: Path = layout.SIZE,
              resume_from: Path | None = None) -> dict:
-    if distributed.from_env().main:  # rank 0 alone writes, so it alone repairs what a killed write left
+    if runtime.from_env().main:  # rank 0 alone writes, so it alone repairs what a killed write left
         recover(out_dir)
     data = LMData.load(shards_dir, tokenizer_path)
     size = {}
@@ -51,7 +52,7 @@ def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, t
         config = model_params.config(data.train.vocab_size)
     model, result = train_lm(config, params, data, checkpoint_dir, CURVES_DIR, "pretrain", resume_from, "kiln pretrain")
     weights = distributed.full_state_dict(model)
-    if not distributed.from_env().main:
+    if not runtime.from_env().main:
         return result
     _, peak_source = peak_flops(model.tok_emb.weight.device, params.precision)
     save_model(weights, config, out_dir, {"tokenizer_sha256": data.tokenizer_sha256, "mfu_peak_source": peak_source})
