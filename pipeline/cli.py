@@ -49,7 +49,7 @@ ResumeOpt = Annotated[Path | None, typer.Option(help="A checkpoint (a step_NNNNN
 
 
 def SamplingOpt(help: str, kind: type = float):
-    """A sampling option of `generate` and `chat`: unset means the one default both share (evals/sampling.py)."""
+    """A sampling option of `generate` and `chat`: unset means the one default both share (serve/text_model.py)."""
     return Annotated[kind | None, typer.Option(help=f"{help} (default: kiln's sampling default)")]
 
 
@@ -311,7 +311,7 @@ def generate_command(
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Continue each --prompt with a trained model, stopping at <|endoftext|>."""
-    from kiln.pipeline.evals.sampling import Sampling, TextModel
+    from kiln.pipeline.serve.text_model import Sampling, TextModel
     from kiln.pipeline.runtime import pick_device
 
     lm = TextModel(model, tokenizer, pick_device(device))
@@ -337,7 +337,7 @@ def chat_command(
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Talk to a chat model: each line you type is a user turn, the answer streams back (/reset starts over,
     /quit or end of input stops)."""
-    from kiln.pipeline.evals.sampling import ChatSession, Sampling, TextModel
+    from kiln.pipeline.serve.text_model import ChatSession, Sampling, TextModel
     from kiln.pipeline.runtime import pick_device
 
     session = ChatSession(TextModel(model, tokenizer, pick_device(device)),

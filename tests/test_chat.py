@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.post.common import IGNORE, ExampleBatches, held_out
 from kiln.pipeline.post.dpo import dpo_loss
 from kiln.pipeline.text.tokens import load_tokenizer

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.post.chat_data import Pair, detect_format, load_conversations, load_pairs, read_rows
-from kiln.pipeline.post.chat_format import ROLES, ChatFormat
+from kiln.pipeline.tasks.chat_data import Pair, detect_format, load_conversations, load_pairs, read_rows
+from kiln.pipeline.tasks.chat_format import ROLES, ChatFormat
 from kiln.pipeline.text.tokens import load_tokenizer
 
 from conftest import assistant, raw_rows, summary, user, write_jsonl

@@ -15,7 +15,7 @@ from kiln.model.gpt import GPT
 from kiln.model.generate import generate as kiln_generate
 from kiln.pipeline.cli import app
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.post.chat_format import IM_END, ChatFormat
+from kiln.pipeline.tasks.chat_format import IM_END, ChatFormat
 from kiln.pipeline.text.tokens import EOT, load_tokenizer
 
 from conftest import make_documents

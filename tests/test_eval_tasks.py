@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.evals.tasks import TASK_FORMATS, MCItem, TaskSpec, detect_task_format, load_task
+from kiln.pipeline.tasks.tasks import TASK_FORMATS, MCItem, TaskSpec, detect_task_format, load_task
 
 KEY = "eval.tasks[2]"
 KEY_RE = re.escape(KEY)
@@ -510,8 +510,8 @@ def test_any_bytes_in_a_csv_gz_task_file_give_items_or_a_user_error(tmp_path, da
 def test_builtin_cloze_choices_are_the_lines_without_the_delimiter(shakespeare):
     # acc_norm divides by len(choice) in characters with no delimiter (lm-evaluation-harness,
     # lm_eval/api/task.py, ConfigurableTask.process_results): the built-in task must say what its choices are.
-    from kiln.pipeline.post.chat_format import ChatFormat
-    from kiln.pipeline.post.corpus_task import cloze_items
+    from kiln.pipeline.tasks.chat_format import ChatFormat
+    from kiln.pipeline.tasks.corpus_task import cloze_items
     from kiln.pipeline.text.tokens import load_tokenizer
 
     chat = ChatFormat(load_tokenizer(shakespeare.tokenizer, ordinary=True))

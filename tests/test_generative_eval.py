@@ -22,9 +22,9 @@ from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.evaluate import EvalParams
 from kiln.pipeline.evals.generative import GenTaskSpec, load_gen_task, plain_answer, run_gen_task
-from kiln.pipeline.evals.tasks import TaskSpec
+from kiln.pipeline.tasks.tasks import TaskSpec
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.text.tokens import load_tokenizer
 
 from conftest import fails_in_one_line, tree_bytes, user, write_jsonl, write_params

@@ -13,12 +13,12 @@ from kiln.model.checkpoint import load_model
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.post.chat_data import PromptAnswer
-from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.tasks.chat_data import PromptAnswer
+from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.post.common import IGNORE
 from kiln.pipeline.post.grpo import Prompts, Rollouts, completion_rows, encode_prompts
 from kiln.pipeline.post.grpo_params import GRPOParams
-from kiln.pipeline.post.rewards import make_reward
+from kiln.pipeline.tasks.rewards import make_reward
 from kiln.pipeline.text.tokens import load_tokenizer
 from tests.conftest import fails_in_one_line, tree_bytes, write_jsonl, write_params
 from tests.test_posttrain import save_base

@@ -181,23 +181,50 @@ def test_layering(name):
         assert not stages, f"{name} imports the stage module(s) {stages}"
 
 
-def test_no_import_cycle():
-    graph = {name: imports_of(path, packages=False) & set(MODULES) - {name} for name, path in MODULES.items()}
+def package_of(module: str) -> str | None:
+    """The pipeline package a module is in (`train` for kiln.pipeline.train.loop), "" for pipeline's own top-level
+    modules (runtime, config, errors, ...), None outside pipeline."""
+    parts = module.split(".")
+    if parts[:2] != ["kiln", "pipeline"] or len(parts) < 3:
+        return None
+    return parts[2] if len(parts) > 3 or (REPO / "pipeline" / parts[2]).is_dir() else ""
+
+
+def test_pipeline_packages_are_layers():
+    """No pipeline package imports one that imports it back, however indirectly (post and evals share the
+    `tasks` library; evals reads serve's model wrapper, serve never evals; train reads the size choice itself).
+    The CLI, which dispatches to every package, is left out."""
+    graph = {}
+    for name, path in MODULES.items():
+        if package_of(name) is None or name == "kiln.pipeline.cli":
+            continue
+        targets = {package_of(m) for m in imports_of(path, packages=False) if m != "kiln.pipeline.cli"}
+        graph.setdefault(package_of(name), set()).update(targets - {None, package_of(name)})
+    assert_acyclic(graph, "packages import each other")
+    assert {"tasks", "serve"} <= set(graph["evals"]) and "evals" not in graph["serve"] | graph["post"]
+
+
+def assert_acyclic(graph: dict[str, set[str]], what: str) -> None:
     done, active = set(), []
 
     def visit(name):
         if name in active:
-            raise AssertionError("import cycle: " + " -> ".join(active[active.index(name):] + [name]))
+            raise AssertionError(f"{what}: " + " -> ".join(active[active.index(name):] + [name]))
         if name in done:
             return
         active.append(name)
-        for other in sorted(graph[name]):
+        for other in sorted(graph.get(name, ())):
             visit(other)
         active.pop()
         done.add(name)
 
     for name in sorted(graph):
         visit(name)
+
+
+def test_no_import_cycle():
+    graph = {name: imports_of(path, packages=False) & set(MODULES) - {name} for name, path in MODULES.items()}
+    assert_acyclic(graph, "import cycle")
 
 
 # ---------------------------------------------------------------- the ground floor: what needs no torch

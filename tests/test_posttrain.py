@@ -20,10 +20,10 @@ from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.post.chat_data import Pair
-from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.tasks.chat_data import Pair
+from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.post.common import IGNORE
-from kiln.pipeline.post.corpus_task import task_items
+from kiln.pipeline.tasks.corpus_task import task_items
 from kiln.pipeline.post.dpo import dpo, pair_metrics
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows

@@ -12,10 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.post.chat_data import PROMPT_FORMATS, PromptAnswer, detect_format, load_prompts
-from kiln.pipeline.post.chat_format import ROLES, ChatFormat
-from kiln.pipeline.post.corpus_task import is_speaker, prompt_items, task_items
-from kiln.pipeline.post.rewards import make_reward, score
+from kiln.pipeline.tasks.chat_data import PROMPT_FORMATS, PromptAnswer, detect_format, load_prompts
+from kiln.pipeline.tasks.chat_format import ROLES, ChatFormat
+from kiln.pipeline.tasks.corpus_task import is_speaker, prompt_items, task_items
+from kiln.pipeline.tasks.rewards import make_reward, score
 from kiln.pipeline.text.tokens import load_tokenizer
 
 from conftest import assistant, raw_rows, summary, user, write_jsonl

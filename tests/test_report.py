@@ -8,7 +8,7 @@ import pytest
 
 from kiln.pipeline.evals.generative import GenResult, GenTask, GenTaskSpec
 from kiln.pipeline.evals.report import RESAMPLES, paired_bootstrap, report_markdown
-from kiln.pipeline.post.rewards import make_reward
+from kiln.pipeline.tasks.rewards import make_reward
 
 
 def loop_bootstrap(model, start, seed: int, resamples: int) -> tuple[float, float, float]:

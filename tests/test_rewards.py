@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.post.rewards import make_reward, normalize, score
+from kiln.pipeline.tasks.rewards import make_reward, normalize, score
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +292,7 @@ def test_user_function_from_sys_path(user_module, monkeypatch, tmp_path):
 
 def test_user_function_from_a_package_module():
     # pkg.mod:fn, here the module's own exact reward reached by its dotted path.
-    reward = make_reward("kiln.pipeline.post.rewards:exact_reward")
+    reward = make_reward("kiln.pipeline.tasks.rewards:exact_reward")
     assert score(reward, [("q", " Paris. ", "paris"), ("q", "Lyon", "paris")], "rollouts") == [1.0, 0.0]
 
 

@@ -10,7 +10,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.evals.sampling import Sampling, TextModel
+from kiln.pipeline.serve.text_model import Sampling, TextModel
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.text.tokens import EOT, load_tokenizer
 

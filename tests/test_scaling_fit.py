@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.scaling.choice import read_json
+from kiln.pipeline.train.size_choice import read_json
 from kiln.pipeline.scaling.fit import Runs, isoflop_fit, load_runs, natural, parametric_fit
 from kiln.pipeline.scaling.laws import compute_optimal, predict
 from kiln.pipeline.scaling.params import ScalingParams

@@ -17,7 +17,7 @@ from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.scaling.choice import count_params
+from kiln.pipeline.train.size_choice import count_params
 from kiln.pipeline.scaling.laws import compute_optimal
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.scaling.size import choose_size

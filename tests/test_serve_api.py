@@ -21,7 +21,7 @@ from kiln.model.checkpoint import load_model, save_model
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.text.tokens import EOT, load_tokenizer
 
 

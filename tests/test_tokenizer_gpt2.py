@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.text.prepare import prepare
 from kiln.pipeline.text.shard import ShardParams, shard
 from kiln.pipeline.text.shard_format import MANIFEST, ShardHeader, open_tokens

@@ -1,1 +1,1 @@
-"""Evaluation: the evaluate stage, task formats, scoring, sampling."""
+"""Evaluation: the evaluate stage, scoring, generative tasks, pass@k and the report."""

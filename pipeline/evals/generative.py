@@ -1,4 +1,4 @@
-"""Generative eval tasks: each model writes its own answer to each prompt and a reward (post/rewards.py) scores it.
+"""Generative eval tasks: each model writes its own answer to each prompt and a reward (tasks/rewards.py) scores it.
 
 A task is prompts with answers: `data: builtin` takes the built-in task's held-out "Who speaks first in this
 passage?" questions (val split only, the kind the grpo stage trains on, with passages fitted to leave room for
@@ -30,10 +30,10 @@ import numpy as np
 from kiln.model.generate import generate
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.pass_at_k import mean_pass_at_k
-from kiln.pipeline.post.chat_data import PROMPT_FORMATS, load_prompts
-from kiln.pipeline.post.chat_format import ChatFormat
-from kiln.pipeline.post.corpus_task import held_out_items
-from kiln.pipeline.post.rewards import NamedReward, make_reward, score
+from kiln.pipeline.tasks.chat_data import PROMPT_FORMATS, load_prompts
+from kiln.pipeline.tasks.chat_format import ChatFormat
+from kiln.pipeline.tasks.corpus_task import held_out_items
+from kiln.pipeline.tasks.rewards import NamedReward, make_reward, score
 from kiln.pipeline.runtime import autocast
 
 PLAIN_SUFFIX = "\n\nAnswer:"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.pipeline.evals.tasks import MCItem
+from kiln.pipeline.tasks.tasks import MCItem
 from kiln.pipeline.post.common import IGNORE
 from kiln.pipeline.runtime import autocast
 

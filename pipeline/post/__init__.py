@@ -1,1 +1,1 @@
-"""Post-training: the chat format, its data, SFT and DPO."""
+"""Post-training: SFT, DPO and GRPO, their losses, params and the skeleton they share."""

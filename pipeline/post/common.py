@@ -22,9 +22,9 @@ from kiln.model.checkpoint import load_model, save_model
 from kiln.model.lora import adapter_state_dict, apply_adapter, merged_state_dict
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.post.chat_data import load_conversations, load_pairs, load_prompts
-from kiln.pipeline.post.chat_format import ChatFormat, Rendered
-from kiln.pipeline.post.corpus_task import TaskItem, prompt_items, task_items
+from kiln.pipeline.tasks.chat_data import load_conversations, load_pairs, load_prompts
+from kiln.pipeline.tasks.chat_format import ChatFormat, Rendered
+from kiln.pipeline.tasks.corpus_task import TaskItem, prompt_items, task_items
 from kiln.pipeline.post.params import PostTrainParams
 from kiln.pipeline.progress import console
 from kiln.pipeline.text.tokens import load_tokenizer

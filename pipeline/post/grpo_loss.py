@@ -1,4 +1,4 @@
-"""GRPO's policy loss as plain tensor functions, for a future `grpo` stage: group-relative advantages and the
+"""GRPO's policy loss as plain tensor functions, which the `grpo` stage trains with: group-relative advantages and the
 clipped surrogate with its aggregations, kept apart from any model so each can be checked against hand-computed
 numbers and against TRL's own `GRPOTrainer._compute_loss` (trl 1.16, trl/trainer/grpo_trainer.py).
 

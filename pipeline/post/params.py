@@ -49,7 +49,7 @@ class PostTrainParams(Section):
     SEQUENCES: ClassVar[int] = 1  # sequences per example: a DPO pair is two
 
     def check(self) -> None:
-        from kiln.pipeline.post.chat_data import PREFERENCE_FORMATS, PROMPT_FORMATS, SFT_FORMATS
+        from kiln.pipeline.tasks.chat_data import PREFERENCE_FORMATS, PROMPT_FORMATS, SFT_FORMATS
 
         formats = {"sft": SFT_FORMATS, "dpo": PREFERENCE_FORMATS, "grpo": PROMPT_FORMATS}[self.SECTION]
         if self.format not in ("auto", *formats):

@@ -18,7 +18,7 @@ from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
-from kiln.pipeline.scaling.choice import count_params, describe, read_json
+from kiln.pipeline.train.size_choice import count_params, describe, read_json
 from kiln.pipeline.scaling.laws import PARAM_NAMES, compute_optimal, has_optimum, predict
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.train.params import ModelParams

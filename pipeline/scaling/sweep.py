@@ -36,7 +36,7 @@ from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import atomic_write_bytes, lock_path, write_metrics
 from kiln.pipeline.progress import console
-from kiln.pipeline.scaling.choice import count_params
+from kiln.pipeline.train.size_choice import count_params
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.train.checkpoints import run_name
 from kiln.pipeline.train.lm import CADENCE, LMData, lm_fingerprint, train_lm

@@ -6,7 +6,7 @@ request waits on its own queue. So every client's tokens come from the same batc
 stays free to accept connections while the model computes (torch releases the GIL inside its kernels).
 
 Text: a completion's prompt starts a document, as every pretraining document follows `<|endoftext|>`; a chat
-is rendered with the model's ChatML template (post/chat_format.py, what SFT taught). Tokens are decoded as they
+is rendered with the model's ChatML template (tasks/chat_format.py, what SFT taught). Tokens are decoded as they
 come, holding back a character split across tokens; `stop` strings end a completion where they begin (the
 string itself left out, as OpenAI does), and the engine request is aborted there. A client that disconnects
 mid-stream has its request aborted, so its blocks go back at once.
@@ -415,8 +415,8 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     import uvicorn
 
     from kiln.pipeline.errors import UserError
-    from kiln.pipeline.evals.sampling import TextModel
-    from kiln.pipeline.post.chat_format import ChatFormat
+    from kiln.pipeline.serve.text_model import TextModel
+    from kiln.pipeline.tasks.chat_format import ChatFormat
     from kiln.pipeline.progress import console
     from kiln.pipeline.runtime import pick_device
 

@@ -39,10 +39,10 @@ from kiln.model.hf import (
     to_kiln_tensors,
 )
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.evals.sampling import TextModel
+from kiln.pipeline.serve.text_model import TextModel
 from kiln.pipeline.layout import TOKENIZER_FILE
 from kiln.pipeline.outputs import atomic_dir, sha256_file, write_json
-from kiln.pipeline.post.chat_format import IM_END, IM_START, PAD
+from kiln.pipeline.tasks.chat_format import IM_END, IM_START, PAD
 from kiln.pipeline.progress import console
 from kiln.pipeline.text.tokens import EOT, load_tokenizer
 
@@ -55,7 +55,7 @@ HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
 # (kiln derives both from the config).
 NOT_WEIGHTS = re.compile(r"(^|\.)h\.\d+\.attn\.(masked_)?bias$|\.rotary_emb\.inv_freq$")
 
-# kiln's ChatML (kiln.pipeline.post.chat_format.ChatFormat.render) as a transformers chat template, the
+# kiln's ChatML (kiln.pipeline.tasks.chat_format.ChatFormat.render) as a transformers chat template, the
 # generation prompt included. Token ids match kiln's except where kiln's per-part encoding differs from
 # encoding the rendered string: a message that starts with a line break, or that contains special-token text
 # (kiln encodes it as plain text).

@@ -15,7 +15,7 @@ from kiln.model.checkpoint import save_model
 from kiln.pipeline import layout
 from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.progress import console
-from kiln.pipeline.scaling.choice import SHAPE_KEYS, auto_size, describe
+from kiln.pipeline.train.size_choice import SHAPE_KEYS, auto_size, describe
 from kiln.pipeline.text.loader import ShardSet
 from kiln.pipeline import runtime
 from kiln.pipeline.train import distributed

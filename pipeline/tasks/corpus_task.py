@@ -28,9 +28,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.evals.tasks import MCItem
-from kiln.pipeline.post.chat_data import Pair, PromptAnswer
-from kiln.pipeline.post.chat_format import ChatFormat
+from kiln.pipeline.tasks.tasks import MCItem
+from kiln.pipeline.tasks.chat_data import Pair, PromptAnswer
+from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.progress import console
 
 KINDS = ("title", "speaker", "continue")

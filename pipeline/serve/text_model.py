@@ -108,7 +108,7 @@ class ChatSession:
     oldest turns (after a system message) dropped when it no longer fits the context window."""
 
     def __init__(self, lm: TextModel, sampling: Sampling, system: str | None = None):
-        from kiln.pipeline.post.chat_format import ChatFormat
+        from kiln.pipeline.tasks.chat_format import ChatFormat
 
         sampling.check()
         self.lm, self.sampling, self.chat = lm, sampling, ChatFormat(lm.tokenizer)
