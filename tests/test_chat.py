@@ -8,7 +8,7 @@ import torch
 
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.post.common import IGNORE, ExampleBatches, held_out
-from kiln.pipeline.post.dpo import dpo_loss
+from kiln.pipeline.post.dpo_loss import dpo_loss
 from kiln.pipeline.text.tokens import load_tokenizer
 
 CONVERSATION = [

@@ -24,11 +24,11 @@ import dataclasses
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from kiln.pipeline import layout
 from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, answer_logps, answer_tokens, rows_sha256, start
+from kiln.pipeline.post.dpo_loss import batch_loss, dpo_loss
 from kiln.pipeline.post.params import DPOParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
 from kiln.pipeline.progress import console
@@ -53,37 +53,6 @@ PANELS = [Panel("DPO loss", "loss, mean over pairs", {"loss": "train", "val_loss
           Panel("learning rate", "lr", {"lr": "lr"})]
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, tokens: tuple[torch.Tensor, torch.Tensor], beta: float,
-             label_smoothing: float = 0.0, loss: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(loss per pair, chosen reward, rejected reward) from summed log-probabilities of shape (N,) and the
-    answers' lengths `tokens` (chosen, rejected).
-
-    h = (log pi(c) - log ref(c)) - (log pi(r) - log ref(r)), the implicit reward margin over beta.
-    sigmoid: -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)  (eps > 0: conservative DPO, which
-    assumes a share eps of the labels are flipped); ipo: (h' - 1 / (2 beta))^2 with h' = h but each log-ratio
-    divided by its answer's length, a squared loss that stops pushing once the margin reaches 1/(2 beta)
-    instead of driving it to infinity. The rewards are beta times the summed log-ratios for either loss.
-    """
-    chosen, rejected = policy_chosen - ref_chosen, policy_rejected - ref_rejected
-    if loss == "ipo":
-        losses = (chosen / tokens[0] - rejected / tokens[1] - 1 / (2 * beta)) ** 2
-    else:
-        h = chosen - rejected
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    return losses, beta * chosen.detach(), beta * rejected.detach()
-
-
-def batch_loss(params: DPOParams, losses: torch.Tensor, policy_chosen: torch.Tensor,
-               chosen_tokens: torch.Tensor) -> torch.Tensor:
-    """The mean of the pairs' losses, plus with `dpo.sft_weight` the chosen answers' NLL per token over the
-    batch (TRL's loss_type "sft", RPO's term): it keeps DPO from lowering what it prefers."""
-    loss = losses.mean()
-    if params.sft_weight:
-        loss = loss + params.sft_weight * -policy_chosen.sum() / chosen_tokens.sum()
-    return loss
-
-
 def pair_metrics(params: DPOParams, rows: PairRows, pc: torch.Tensor, pr: torch.Tensor,
                  prefix: str) -> tuple[dict, float]:
     """(TRL's reward and log-prob metrics under `prefix/`, the loss) for policy log-probs pc, pr."""
@@ -93,7 +62,8 @@ def pair_metrics(params: DPOParams, rows: PairRows, pc: torch.Tensor, pr: torch.
     metrics = {"rewards/chosen": chosen.mean(), "rewards/rejected": rejected.mean(),
                "rewards/margins": (chosen - rejected).mean(), "rewards/accuracies": (chosen > rejected).double().mean(),
                "logps/chosen": pc.mean(), "logps/rejected": pr.mean()}
-    return {f"{prefix}/{k}": v.item() for k, v in metrics.items()}, batch_loss(params, losses, pc, tokens[0]).item()
+    loss = batch_loss(losses, pc, tokens[0], params.sft_weight)
+    return {f"{prefix}/{k}": v.item() for k, v in metrics.items()}, loss.item()
 
 
 def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_path: Path, corpus_dir: Path,
@@ -126,7 +96,7 @@ def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_p
         pc, pr = answer_logps(m, torch.cat([xc, xr]), torch.cat([yc, yr])).split(len(xc))
         tokens = answer_tokens(yc), answer_tokens(yr)
         losses = dpo_loss(pc, pr, ref_c, ref_r, tokens, params.beta, params.label_smoothing, params.loss)[0]
-        return batch_loss(params, losses, pc, tokens[0])
+        return batch_loss(losses, pc, tokens[0], params.sft_weight)
 
     before = evaluate(model)
     tensors = (*train_rows.chosen, *train_rows.rejected, train_rows.ref_chosen.float(), train_rows.ref_rejected.float())
