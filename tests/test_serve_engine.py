@@ -12,7 +12,7 @@ import torch
 from kiln.model.generate import generate
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
-from kiln.pipeline.serve.engine import Engine, Request, Sampling
+from kiln.pipeline.serve.engine import Engine, Request, SamplingParams
 
 VOCAB = 97
 
@@ -56,7 +56,7 @@ def test_greedy_engine_equals_generate_token_for_token(arch, blocks, block_size,
     stop = 3
     expected = [generate(model, [p], 12, temperature=0.0, stop_ids=[stop])[0] for p in texts]
     engine = Engine(model, num_blocks=blocks, block_size=block_size, max_batch_tokens=budget)
-    requests = [Request(p, Sampling(max_tokens=12, stop_ids=(stop,)), id=str(i)) for i, p in enumerate(texts)]
+    requests = [Request(p, SamplingParams(max_tokens=12, stop_ids=(stop,)), id=str(i)) for i, p in enumerate(texts)]
     run_arriving(engine, requests, seed=budget)
     assert [r.output for r in requests] == expected
     assert (engine.preemptions > 0) == (blocks == 12)
@@ -72,16 +72,16 @@ def test_prefix_caching_skips_the_shared_prompt():
     counts = {}
     for caching in (False, True):
         engine = Engine(model, num_blocks=64, block_size=4, prefix_caching=caching)
-        first = engine.add(Request(texts[0], Sampling(max_tokens=3)))
+        first = engine.add(Request(texts[0], SamplingParams(max_tokens=3)))
         engine.step()  # blocks are shared once their keys and values are computed
-        outs = [first] + engine.run([Request(p, Sampling(max_tokens=3)) for p in texts[1:]])
+        outs = [first] + engine.run([Request(p, SamplingParams(max_tokens=3)) for p in texts[1:]])
         counts[caching] = engine.prefill_tokens
         assert [r.output for r in outs] == [generate(model, [p], 3, temperature=0.0)[0] for p in texts]
     # the first request computes the prompt; the other three only their last 2 tokens
     assert counts[False] == 4 * 34 and counts[True] == 34 + 3 * 2
     # all four at once, in 8-token steps: the others wait while the first computes the prompt, then share it
     engine = Engine(model, num_blocks=64, block_size=4, max_batch_tokens=8)
-    outs = engine.run([Request(p, Sampling(max_tokens=3)) for p in texts])
+    outs = engine.run([Request(p, SamplingParams(max_tokens=3)) for p in texts])
     assert engine.prefill_tokens == 34 + 3 * 2
     assert [r.output for r in outs] == [generate(model, [p], 3, temperature=0.0)[0] for p in texts]
 
@@ -89,10 +89,10 @@ def test_prefix_caching_skips_the_shared_prompt():
 def test_seeded_sampling_does_not_depend_on_the_batch():
     model = tiny()
     texts = prompts(5, seed=3)
-    sampling = Sampling(max_tokens=10, temperature=1.0, top_k=20, top_p=0.9, seed=1234)
+    sampling = SamplingParams(max_tokens=10, temperature=1.0, top_k=20, top_p=0.9, seed=1234)
     alone = Engine(model, num_blocks=64, block_size=4).run([Request(texts[0], sampling)])[0].output
     together = Engine(model, num_blocks=64, block_size=4, max_batch_tokens=9).run(
-        [Request(p, sampling if i == 0 else Sampling(max_tokens=10, temperature=1.0, seed=i)) for i, p in
+        [Request(p, sampling if i == 0 else SamplingParams(max_tokens=10, temperature=1.0, seed=i)) for i, p in
          enumerate(texts)])
     assert together[0].output == alone and len(alone) == 10
 
@@ -100,17 +100,17 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
 def test_abort_gives_the_blocks_back_and_bad_requests_are_refused():
     model = tiny()
     engine = Engine(model, num_blocks=8, block_size=4)
-    request = engine.add(Request(list(range(1, 10)), Sampling(max_tokens=5)))
+    request = engine.add(Request(list(range(1, 10)), SamplingParams(max_tokens=5)))
     engine.step()
     assert engine.pool.in_use() > 0
     engine.abort(request)
     assert engine.pool.in_use() == 0 and request.finish_reason == "abort" and not engine.has_work()
     with pytest.raises(ValueError, match="context is 64 tokens"):
-        engine.add(Request(list(range(60)), Sampling(max_tokens=10)))
+        engine.add(Request(list(range(60)), SamplingParams(max_tokens=10)))
     with pytest.raises(ValueError, match="8 blocks"):
-        engine.add(Request(list(range(30)), Sampling(max_tokens=10)))
+        engine.add(Request(list(range(30)), SamplingParams(max_tokens=10)))
     with pytest.raises(ValueError, match="at least one token"):
-        engine.add(Request([], Sampling(max_tokens=1)))
+        engine.add(Request([], SamplingParams(max_tokens=1)))
 
 
 @pytest.mark.parametrize(("draft_seed", "speculate", "blocks"), [(0, 4, 64), (5, 3, 64), (5, 4, 14)])
@@ -121,7 +121,7 @@ def test_speculative_greedy_equals_plain_greedy(draft_seed, speculate, blocks):
     texts = prompts(6, seed=11)
     expected = [generate(model, [p], 16, temperature=0.0, stop_ids=[3])[0] for p in texts]
     engine = Engine(model, num_blocks=blocks, block_size=4, max_batch_tokens=12, draft=draft, speculate=speculate)
-    requests = [Request(p, Sampling(max_tokens=16, stop_ids=(3,))) for p in texts]
+    requests = [Request(p, SamplingParams(max_tokens=16, stop_ids=(3,))) for p in texts]
     run_arriving(engine, requests, seed=draft_seed)
     assert [r.output for r in requests] == expected
     rate = engine.accepted / engine.drafted
@@ -130,7 +130,7 @@ def test_speculative_greedy_equals_plain_greedy(draft_seed, speculate, blocks):
 
 def test_speculative_sampling_is_reproducible_and_the_draft_must_match():
     model, draft = tiny(), tiny(seed=5)
-    sampling = Sampling(max_tokens=12, temperature=0.8, top_p=0.9, seed=3)
+    sampling = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=3)
     runs = [Engine(model, num_blocks=64, block_size=4, draft=draft).run([Request([5, 6, 7], sampling)])[0].output
             for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 12
@@ -144,5 +144,5 @@ def test_decode_through_the_triton_kernel_equals_generate():
     model = tiny()
     texts = prompts(3, seed=2)
     engine = Engine(model, num_blocks=32, block_size=4, backend="triton")
-    outs = engine.run([Request(p, Sampling(max_tokens=5)) for p in texts])
+    outs = engine.run([Request(p, SamplingParams(max_tokens=5)) for p in texts])
     assert [r.output for r in outs] == [generate(model, [p], 5, temperature=0.0)[0] for p in texts]

@@ -28,12 +28,12 @@ from kiln.pipeline.runtime import autocast
 
 
 @dataclass(frozen=True)
-class Request:
+class ScoringRequest:
     ids: tuple[int, ...]  # <|endoftext|> + context + continuation, cut to max_seq_len + 1 from the left
     n_target: int         # the continuation: the last n_target ids
 
 
-def encode_request(tokenizer, eot: int, context: str, continuation: str, max_len: int) -> Request | None:
+def encode_request(tokenizer, eot: int, context: str, continuation: str, max_len: int) -> ScoringRequest | None:
     """`max_len` is the model's context window; the request keeps the last max_len + 1 ids (the last is never
     an input), so a long context loses its start. None when the continuation alone has more than max_len
     tokens: lm-evaluation-harness refuses it (HFLM._loglikelihood_tokens asserts
@@ -45,11 +45,11 @@ def encode_request(tokenizer, eot: int, context: str, continuation: str, max_len
     target = tokenizer.encode(context + continuation).ids[len(context_ids):]
     if len(target) > max_len:
         return None
-    return Request(tuple([eot, *context_ids, *target][-(max_len + 1):]), len(target))
+    return ScoringRequest(tuple([eot, *context_ids, *target][-(max_len + 1):]), len(target))
 
 
 @torch.no_grad()
-def score_requests(model, requests: list[Request], groups: list[int], batch_rows: int,
+def score_requests(model, requests: list[ScoringRequest], groups: list[int], batch_rows: int,
                    precision: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log-probability (N,) float64, greedy (N,) bool) of each request's continuation; greedy = every
     continuation token is the model's argmax. `groups` are the sizes of consecutive runs of requests scored in

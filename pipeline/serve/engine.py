@@ -18,7 +18,7 @@ rejoins the front of the queue with its tokens so far, to be recomputed (its sha
 cached). A request is never refused for memory it could have once others finish; one that could never fit
 (more blocks than the pool) is refused when it is added.
 
-Sampling is per request: its own temperature, top-k, top-p and generator (seeded per request), so what a
+SamplingParams is per request: its own temperature, top-k, top-p and generator (seeded per request), so what a
 request draws does not depend on which others share its steps; greedy (temperature 0) is the argmax, the
 same tokens `kiln generate` gives.
 """
@@ -38,7 +38,7 @@ from kiln.pipeline.serve.speculative import accept, accept_greedy
 
 
 @dataclass(frozen=True)
-class Sampling:
+class SamplingParams:
     max_tokens: int
     temperature: float = 0.0
     top_k: int | None = None
@@ -50,7 +50,7 @@ class Sampling:
 @dataclass(eq=False)  # a request is itself: two with the same prompt and sampling are still two
 class Request:
     prompt: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     id: str = ""
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" (a stop id, kept in output) | "length" | "abort"

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from starlette.requests import Request as HTTPRequest  # FastAPI reads handler annotations from module globals
 
-from kiln.pipeline.serve.engine import Engine, Request, Sampling
+from kiln.pipeline.serve.engine import Engine, Request, SamplingParams
 
 # OpenAI options kiln does not implement, and the values of each that ask for nothing (clients send defaults)
 UNSUPPORTED = {"echo": (None, False), "best_of": (None, False, 1), "logprobs": (None, False),
@@ -150,7 +150,8 @@ class Service:
         self.worker = EngineThread(engine)
         self.created = int(time.time())
 
-    def sampling(self, body: dict, prompt_tokens: int, stop_ids: tuple[int, ...], default_max: int | None) -> Sampling:
+    def sampling(self, body: dict, prompt_tokens: int, stop_ids: tuple[int, ...],
+                 default_max: int | None) -> SamplingParams:
         n = body.get("n", 1)
         if n != 1:
             raise BadRequest(f"n={n!r}: kiln serves one choice per request (n=1)", "n")
@@ -176,7 +177,7 @@ class Service:
         top_k = body.get("top_k")  # vLLM's extension, accepted through extra_body
         if top_k is not None and top_k != -1:
             top_k = number(top_k, "top_k", int, low=1)
-        return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p < 1 else None,
+        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p < 1 else None,
                         top_k=None if top_k in (None, -1) else top_k, seed=seed, stop_ids=stop_ids)
 
     def stops(self, body: dict) -> list[str]:
@@ -220,7 +221,7 @@ class Service:
             turns.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
         return self.chat.prompt(turns)
 
-    def start_job(self, ids: list[int], sampling: Sampling, stops: list[str], decode) -> Job:
+    def start_job(self, ids: list[int], sampling: SamplingParams, stops: list[str], decode) -> Job:
         loop = asyncio.get_running_loop()
         job = Job(Request(ids, sampling, id=uuid.uuid4().hex), stops, decode)
 

@@ -22,7 +22,7 @@ from kiln.model.checkpoint import load_model
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.serve.engine import Engine, Request
-from kiln.pipeline.serve.engine import Sampling as RequestSampling
+from kiln.pipeline.serve.engine import SamplingParams
 from kiln.pipeline.text.corpus import SURROGATE
 from kiln.pipeline.text.tokens import EOT, load_tokenizer
 
@@ -46,7 +46,7 @@ class Sampling:
     def request(self, ids: list[int], max_tokens: int, stop_ids: list[int], index: int = 0) -> Request:
         """A request of `ids` for the engine, sampled with these settings; the `index`th of a call."""
         seed = None if self.seed is None else self.seed + index
-        return Request(ids, RequestSampling(max_tokens, self.temperature, self.top_k, self.top_p, seed,
+        return Request(ids, SamplingParams(max_tokens, self.temperature, self.top_k, self.top_p, seed,
                                             tuple(stop_ids)))
 
     def check(self) -> None:

@@ -47,7 +47,7 @@ from kiln.model.generate import decode_steps, left_pad
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
-from kiln.pipeline.serve.engine import Engine, Request, Sampling
+from kiln.pipeline.serve.engine import Engine, Request, SamplingParams
 from kiln.pipeline.tools.bench import machine
 
 
@@ -133,7 +133,7 @@ def run_engine(model: GPT, load: Workload, name: str, blocks: int, block_size: i
     """The engine, with requests added as their arrival time passes (request i sampled with seed + i)."""
     engine = Engine(model, blocks, block_size, budget, prefix_caching=prefix_caching, draft=draft,
                     speculate=speculate)
-    requests = [Request(p, Sampling(max_tokens=n, temperature=temperature, seed=seed + i))
+    requests = [Request(p, SamplingParams(max_tokens=n, temperature=temperature, seed=seed + i))
                 for i, (p, n) in enumerate(zip(load.prompts, load.outputs))]
     index = {id(r): i for i, r in enumerate(requests)}
     times: list[list[float]] = [[] for _ in requests]

@@ -133,7 +133,7 @@ class Checkpoints:
 
     def newest(self) -> Checkpoint | None:
         """The checkpoint to resume from, read and checked; the early read is reused while it is the newest."""
-        path = self.latest()
+        path = self.latest_path()
         if path is None:
             return None
         if self._read_early is None or self._read_early.path != path:
@@ -143,7 +143,7 @@ class Checkpoints:
     def _all(self) -> list[Path]:
         return _steps(self.folder)
 
-    def latest(self) -> Path | None:
+    def latest_path(self) -> Path | None:
         """The newest checkpoint of this run, else `resume_from`, else None to start from scratch."""
         mine = self._all()
         return mine[-1] if mine else self.resume_from
@@ -158,7 +158,7 @@ class Checkpoints:
 
     def advice(self) -> str:
         """How to go on after this run stopped: the last good checkpoint, and that nothing will be deleted."""
-        kept = self.latest()
+        kept = self.latest_path()
         if kept is None:
             return "No checkpoint was written; rerun with a lower learning rate (--set lr=...)."
         again = f" or go on from it: {self.command} --set lr=<lower> --resume-from {kept}" if self.command else ""
