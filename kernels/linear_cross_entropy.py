@@ -38,8 +38,15 @@ import torch.nn.functional as F
 import triton
 
 from kiln.kernels.backend import use_triton
-from kiln.kernels.cross_entropy import (check_args, loss_and_grad_rows, loss_dtype, needs_grad, reduce, reduced_loss,
-                                        scaled)
+from kiln.kernels.cross_entropy import (
+    check_args,
+    loss_and_grad_rows,
+    loss_dtype,
+    needs_grad,
+    reduce,
+    reduced_loss,
+    scaled,
+)
 from kiln.kernels.cross_entropy import reference as ce_reference
 
 

@@ -19,8 +19,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.model.atomic import atomic_dir
-from kiln.model.errors import StageError
 from kiln.model.config import ModelConfig
+from kiln.model.errors import StageError
 from kiln.model.gpt import GPT
 
 WEIGHTS = "model.safetensors"

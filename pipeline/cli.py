@@ -311,8 +311,8 @@ def generate_command(
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Continue each --prompt with a trained model, stopping at <|endoftext|>."""
-    from kiln.pipeline.serve.text_model import Sampling, TextModel
     from kiln.pipeline.runtime import pick_device
+    from kiln.pipeline.serve.text_model import Sampling, TextModel
 
     lm = TextModel(model, tokenizer, pick_device(device))
     outs = lm.complete(prompt, Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed))
@@ -337,8 +337,8 @@ def chat_command(
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Talk to a chat model: each line you type is a user turn, the answer streams back (/reset starts over,
     /quit or end of input stops)."""
-    from kiln.pipeline.serve.text_model import ChatSession, Sampling, TextModel
     from kiln.pipeline.runtime import pick_device
+    from kiln.pipeline.serve.text_model import ChatSession, Sampling, TextModel
 
     session = ChatSession(TextModel(model, tokenizer, pick_device(device)),
                           Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed), system)

@@ -277,3 +277,11 @@ def test_cli_help_imports_no_torch(args):
     assert result.returncode == 0 and "Usage" in result.stdout, result.stderr[-2000:]
     loaded = {line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time")}
     assert "typer" in loaded and "torch" not in loaded
+
+
+def test_evaluate_reads_little_of_train_and_not_its_loop():
+    """Evaluation measures models with the LM loss and the process-group sums; the training loop, its
+    checkpoints and curves are no business of it."""
+    modules = closure(stage_entry_modules(STAGES["evaluate"]["cmd"]))
+    train = {m for m in modules if m.startswith("kiln.pipeline.train.")}
+    assert len(train) <= 4 and "kiln.pipeline.train.loop" not in train, sorted(train)

@@ -35,20 +35,20 @@ from kiln.pipeline.config import Section, coerce
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.generative import GenResult, GenTask, GenTaskSpec, load_gen_task, run_gen_task
 from kiln.pipeline.evals.report import report_markdown
-from kiln.pipeline.serve.text_model import Sampling, TextModel
 from kiln.pipeline.evals.scoring import ChoiceTask
-from kiln.pipeline.tasks.tasks import TASK_FORMATS, Task, TaskSpec, load_task
 from kiln.pipeline.outputs import atomic_write_bytes, sha256_file, write_metrics
-from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.post.common import ChoiceScorer, load_chat_data
-from kiln.pipeline.tasks.corpus_task import cloze_items, held_out_items
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
 from kiln.pipeline.progress import Progress, console
+from kiln.pipeline.runtime import prepare_device
+from kiln.pipeline.serve.text_model import Sampling, TextModel
+from kiln.pipeline.tasks.chat_format import ChatFormat
+from kiln.pipeline.tasks.corpus_task import cloze_items, held_out_items
+from kiln.pipeline.tasks.tasks import TASK_FORMATS, Task, TaskSpec, load_task
 from kiln.pipeline.text.corpus import SURROGATE
 from kiln.pipeline.text.loader import ShardSet
-from kiln.pipeline.train.lm import byte_lengths, evaluate_lm
-from kiln.pipeline.runtime import prepare_device
+from kiln.pipeline.train.lm_eval import byte_lengths, evaluate_lm
 from kiln.pipeline.train.params import TrainParams
 
 REPORT = "report.md"  # in the metrics folder, beside eval.json

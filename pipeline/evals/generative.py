@@ -30,11 +30,11 @@ import numpy as np
 from kiln.model.generate import generate
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evals.pass_at_k import mean_pass_at_k
+from kiln.pipeline.runtime import autocast
 from kiln.pipeline.tasks.chat_data import PROMPT_FORMATS, load_prompts
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.tasks.corpus_task import held_out_items
 from kiln.pipeline.tasks.rewards import NamedReward, make_reward, score
-from kiln.pipeline.runtime import autocast
 
 PLAIN_SUFFIX = "\n\nAnswer:"
 

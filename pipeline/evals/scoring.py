@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.pipeline.tasks.tasks import MCItem
 from kiln.pipeline.post.common import IGNORE
 from kiln.pipeline.runtime import autocast
+from kiln.pipeline.tasks.tasks import MCItem
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,14 @@ from kiln.model.checkpoint import load_model, save_model
 from kiln.model.lora import adapter_state_dict, apply_adapter, merged_state_dict
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.post.params import PostTrainParams
+from kiln.pipeline.progress import console
+from kiln.pipeline.runtime import World, autocast, from_env, prepare_device
 from kiln.pipeline.tasks.chat_data import load_conversations, load_pairs, load_prompts
 from kiln.pipeline.tasks.chat_format import ChatFormat, Rendered
 from kiln.pipeline.tasks.corpus_task import TaskItem, prompt_items, task_items
-from kiln.pipeline.post.params import PostTrainParams
-from kiln.pipeline.progress import console
 from kiln.pipeline.text.tokens import load_tokenizer
-from kiln.pipeline import runtime
 from kiln.pipeline.train import distributed
-from kiln.pipeline.runtime import World
-from kiln.pipeline.runtime import autocast, prepare_device
 from kiln.pipeline.train.params import TrainParams
 
 IGNORE = -100
@@ -83,7 +81,7 @@ def start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokenize
     """Load the model a stage starts from, refusing a tokenizer other than the one it was trained with, and
     the stage's data rendered for its context length."""
     torch.manual_seed(params.seed)  # every rank draws the same adapter init
-    world = runtime.from_env()
+    world = from_env()
     device = prepare_device(train, world)
     try:
         model, meta = load_model(model_dir, device)

@@ -40,20 +40,19 @@ from kiln.model.lora import adapters_off, is_adapted
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import recover, write_metrics
-from kiln.pipeline.tasks.chat_data import PromptAnswer
-from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.post.common import IGNORE, ExampleBatches, start
 from kiln.pipeline.post.grpo_loss import group_advantages, policy_loss
 from kiln.pipeline.post.grpo_params import GRPOParams
-from kiln.pipeline.tasks.rewards import NamedReward, make_reward, score
 from kiln.pipeline.progress import console
+from kiln.pipeline.runtime import SINGLE, World, autocast
+from kiln.pipeline.tasks.chat_data import PromptAnswer
+from kiln.pipeline.tasks.chat_format import ChatFormat
+from kiln.pipeline.tasks.rewards import NamedReward, make_reward, score
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Panel, plot_png
-from kiln.pipeline.runtime import SINGLE, World
 from kiln.pipeline.train.lm import CADENCE
 from kiln.pipeline.train.loop import Run, accumulation_steps, train
-from kiln.pipeline.runtime import autocast
 from kiln.pipeline.train.params import TrainParams
 
 MODEL_DIR = layout.GRPO_MODEL

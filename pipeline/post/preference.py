@@ -8,10 +8,10 @@ import dataclasses
 import torch
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.tasks.chat_data import Pair
-from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.post.common import answer_tokens, fits, score_rows, to_rows
 from kiln.pipeline.progress import console
+from kiln.pipeline.tasks.chat_data import Pair
+from kiln.pipeline.tasks.chat_format import ChatFormat
 
 
 @dataclasses.dataclass

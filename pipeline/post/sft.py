@@ -18,10 +18,10 @@ import torch
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import recover, write_metrics
-from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, fits, rows_sha256, score_rows, start, to_rows
 from kiln.pipeline.post.params import SFTParams
 from kiln.pipeline.progress import console
+from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.text.corpus import iter_texts
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints

@@ -18,10 +18,10 @@ from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
-from kiln.pipeline.train.size_choice import count_params, describe, read_json
 from kiln.pipeline.scaling.laws import PARAM_NAMES, compute_optimal, has_optimum, predict
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.train.params import ModelParams
+from kiln.pipeline.train.size_choice import count_params, describe, read_json
 
 MAX_DEPTH = 256
 

@@ -36,11 +36,11 @@ from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import atomic_write_bytes, lock_path, write_metrics
 from kiln.pipeline.progress import console
-from kiln.pipeline.train.size_choice import count_params
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.train.checkpoints import run_name
 from kiln.pipeline.train.lm import CADENCE, LMData, lm_fingerprint, train_lm
 from kiln.pipeline.train.params import ModelParams, TrainParams
+from kiln.pipeline.train.size_choice import count_params
 
 COLUMNS = ("run", "params", "non_embedding_params", "tokens", "flops", "loss", "bpb", "seconds", "budget", "depth",
            "d_model", "n_head", "steps", "train_loss", "fingerprint")

@@ -416,10 +416,10 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     import uvicorn
 
     from kiln.pipeline.errors import UserError
-    from kiln.pipeline.serve.text_model import TextModel
-    from kiln.pipeline.tasks.chat_format import ChatFormat
     from kiln.pipeline.progress import console
     from kiln.pipeline.runtime import pick_device
+    from kiln.pipeline.serve.text_model import TextModel
+    from kiln.pipeline.tasks.chat_format import ChatFormat
 
     for option, value in (("--block-size", block_size), ("--max-batch-tokens", max_batch_tokens),
                           ("--kv-blocks", kv_blocks if kv_blocks is not None else 1), ("--speculate", speculate)):

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.tasks.task_files import is_row_file, read_row_file
-from kiln.pipeline.tasks.chat_format import ROLES
 from kiln.pipeline.progress import console
+from kiln.pipeline.tasks.chat_format import ROLES
+from kiln.pipeline.tasks.task_files import is_row_file, read_row_file
 from kiln.pipeline.text.corpus import SURROGATE
 
 SFT_FORMATS = ("messages", "alpaca", "dolly", "prompt_response")

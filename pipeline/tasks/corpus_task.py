@@ -28,10 +28,10 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.tasks.tasks import MCItem
+from kiln.pipeline.progress import console
 from kiln.pipeline.tasks.chat_data import Pair, PromptAnswer
 from kiln.pipeline.tasks.chat_format import ChatFormat
-from kiln.pipeline.progress import console
+from kiln.pipeline.tasks.tasks import MCItem
 
 KINDS = ("title", "speaker", "continue")
 QUESTIONS = {"title": "Which play is this passage from?", "speaker": "Who speaks first in this passage?",

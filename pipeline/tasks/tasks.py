@@ -21,8 +21,8 @@ from functools import partial
 from pathlib import Path
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.tasks.task_files import Row, is_row_file, read_csv_file, read_row_file
 from kiln.pipeline.tasks.chat_data import Skip, convert_rows, read_rows, reasons
+from kiln.pipeline.tasks.task_files import Row, is_row_file, read_csv_file, read_row_file
 from kiln.pipeline.text.corpus import SURROGATE
 
 TASK_FORMATS = ("query", "partial", "hellaswag", "lambada", "mmlu")

@@ -42,8 +42,8 @@ from rich.table import Table
 
 from kiln.model.checkpoint import load_model
 from kiln.model.config import ModelConfig
-from kiln.model.gpt import GPT
 from kiln.model.generate import decode_steps, left_pad
+from kiln.model.gpt import GPT
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console

@@ -36,16 +36,16 @@ import torch
 from rich.table import Table
 
 from kiln.kernels.backend import BACKENDS
-from kiln.model.gpt import GPT
 from kiln.model.config import memory_available
+from kiln.model.gpt import GPT
 from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import Progress, console
+from kiln.pipeline.runtime import PRECISIONS, check_kernels, pick_device, resolve_kernels, setup_precision
 from kiln.pipeline.tools.bench import machine
 from kiln.pipeline.tools.bench_kernels import one_line
 from kiln.pipeline.tools.plan_memory import Shape, plan
 from kiln.pipeline.train.lm import lm_loss
-from kiln.pipeline.runtime import PRECISIONS, check_kernels, pick_device, resolve_kernels, setup_precision
 from kiln.pipeline.train.loop import Step, build_optimizer, compile_forward
 from kiln.pipeline.train.params import COMPILE_MODES, ModelParams, TrainParams
 from kiln.pipeline.train.stats import observing

@@ -25,9 +25,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln.model.checkpoint import save_model
+from kiln.model.checkpoint import ADAPTER_WEIGHTS, read_json_object, save_model
 from kiln.model.config import ModelConfig
-from kiln.model.checkpoint import ADAPTER_WEIGHTS, read_json_object
 from kiln.model.hf import (
     EMBEDDING,
     hf_config,
@@ -39,11 +38,11 @@ from kiln.model.hf import (
     to_kiln_tensors,
 )
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.serve.text_model import TextModel
 from kiln.pipeline.layout import TOKENIZER_FILE
 from kiln.pipeline.outputs import atomic_dir, sha256_file, write_json
-from kiln.pipeline.tasks.chat_format import IM_END, IM_START, PAD
 from kiln.pipeline.progress import console
+from kiln.pipeline.serve.text_model import TextModel
+from kiln.pipeline.tasks.chat_format import IM_END, IM_START, PAD
 from kiln.pipeline.text.tokens import EOT, load_tokenizer
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"

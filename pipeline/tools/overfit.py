@@ -25,10 +25,10 @@ from kiln.model.gpt import GPT
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file, write_json
 from kiln.pipeline.progress import Progress, console
+from kiln.pipeline.runtime import prepare_device
 from kiln.pipeline.text.loader import ShardSet, TokenBatches
 from kiln.pipeline.train.lm import lm_loss
 from kiln.pipeline.train.loop import Step, build_optimizer
-from kiln.pipeline.runtime import prepare_device
 from kiln.pipeline.train.params import ModelParams, TrainParams
 
 

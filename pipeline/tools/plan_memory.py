@@ -35,8 +35,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from kiln.model.config import ModelConfig
-from kiln.model.config import memory_available
+from kiln.model.config import ModelConfig, memory_available
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console

@@ -38,8 +38,8 @@ from kiln.model.atomic import fsync_tree, replace_dir, writing
 from kiln.model.checkpoint import first_non_finite
 from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.outputs import atomic_dir, exclusive, recover, write_json
-from kiln.pipeline.train import distributed
 from kiln.pipeline.runtime import SINGLE, World
+from kiln.pipeline.train import distributed
 
 NAME = re.compile(r"step_\d{8}")
 SHARDED = "dcp"

@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from kiln.pipeline.progress import console
 from kiln.pipeline.runtime import World
 
+
 def spread(world: World, parallel: str) -> str:
     """How a run is spread, for its first line: " x 2 processes (fsdp)", or "" for one process."""
     return f" x {world.size} processes ({parallel})" if world.size > 1 else ""

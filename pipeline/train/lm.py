@@ -1,11 +1,10 @@
-"""Language-model training on token shards: the data, the loss, the evaluation in nats and bits per byte, and
-one call that trains a model of a given config. The pretrain stage and the scaling sweep both train through it;
-evaluate measures every model with the same `evaluate_lm`."""
+"""Language-model training on token shards: the data, the loss, and one call that trains a model of a given
+config. The pretrain stage and the scaling sweep both train through it; its evaluation in nats and bits per byte
+is `lm_eval.py`'s, which evaluate measures every model with too."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,14 +15,12 @@ from kiln.model.gpt import GPT
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.progress import console
+from kiln.pipeline.runtime import from_env, prepare_device
 from kiln.pipeline.text.loader import ShardSet, TokenBatches
-from kiln.pipeline.text.tokens import load_tokenizer, token_bytes
-from kiln.pipeline import runtime
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
-from kiln.pipeline.runtime import SINGLE, World
+from kiln.pipeline.train.lm_eval import byte_lengths, evaluate_lm
 from kiln.pipeline.train.loop import Run, train
-from kiln.pipeline.runtime import autocast, prepare_device
 from kiln.pipeline.train.params import TrainParams
 from kiln.pipeline.train.ramp import BatchRamp
 
@@ -31,7 +28,8 @@ from kiln.pipeline.train.ramp import BatchRamp
 # compile, kernels, recomputing activations, how the global batch is split into micro-batches and processes),
 # not what is trained: not part of the run's identity, so a run may resume across them.
 CADENCE = ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "log_every", "device", "compile",
-           "compile_mode", "kernels", "batch_size", "nproc_per_node", "parallel", "zero1", "activation_checkpointing", "stats_every")
+           "compile_mode", "kernels", "batch_size", "nproc_per_node", "parallel", "zero1", "activation_checkpointing",
+           "stats_every")
 # ... except that a batch ramp grows the batch a pass at a time, so there the split sets each step's batch.
 RAMP_SHAPE = ("batch_size", "nproc_per_node")
 
@@ -39,43 +37,6 @@ RAMP_SHAPE = ("batch_size", "nproc_per_node")
 def lm_loss(model, batch):
     x, y = batch
     return model(x, y)
-
-
-def byte_lengths(tokenizer_path: Path) -> torch.Tensor:
-    """UTF-8 bytes each token stands for; special tokens count 0 and are left out of bits-per-byte."""
-    tok = load_tokenizer(tokenizer_path)
-    specials = set(tok.get_added_tokens_decoder())
-    return torch.tensor([0 if i in specials else len(token_bytes(tok, i)) for i in range(tok.get_vocab_size())])
-
-
-@torch.no_grad()
-def evaluate_lm(model, shards: ShardSet, bytes_per_token: torch.Tensor, batch_size: int, seq_len: int,
-                max_tokens: int, precision: str, world: World = SINGLE) -> dict:
-    """Loss over every target token; bpb = nats over non-special targets / (ln 2 * their UTF-8 bytes).
-
-    The same val prefix whatever the world size: its batches are dealt out to the ranks and the sums added up.
-    Every rank runs as many forwards as the busiest one (an FSDP forward is collective); the spare ones count
-    for nothing."""
-    model.eval()
-    device = next(model.parameters()).device
-    lengths = bytes_per_token.to(device)
-    batches = TokenBatches(shards, batch_size, seq_len, random=False, rank=world.rank, world_size=world.size)
-    n_batches = min(math.ceil(max_tokens / (batch_size * seq_len)),
-                    math.ceil((shards.tokens - 1) // seq_len / batch_size))
-    sums = torch.zeros(4, dtype=torch.float64, device=device)  # nats, text nats, tokens, bytes
-    for i in range(math.ceil(n_batches / world.size)):
-        mine = i * world.size + world.rank < n_batches
-        if mine or i == 0:  # a rank left without a batch forwards the split's first one
-            x, y = (t.to(device) for t in next(batches if mine else TokenBatches(shards, batch_size, seq_len,
-                                                                                 random=False)))
-        with autocast(device, precision):
-            losses = model(x, y, reduction="none").double()
-        if mine:
-            b = lengths[y]
-            sums += torch.stack([losses.sum(), (losses * (b > 0)).sum(), losses.new_tensor(y.numel()),
-                                 b.sum().double()])
-    nats, text_nats, n_tokens, n_bytes = distributed.total(sums).tolist()
-    return {"val_loss": nats / n_tokens, "val_bpb": text_nats / (math.log(2) * n_bytes)}
 
 
 @dataclass
@@ -118,7 +79,7 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
     torchrun every rank calls it; the model it returns is then wrapped (see `distributed.full_state_dict`).
     `resume_from` and `command`: see `Checkpoints`."""
     seq_len = config.max_seq_len
-    world = runtime.from_env()
+    world = from_env()
     torch.manual_seed(params.seed)  # every rank builds the same initial weights
     device = prepare_device(params, world)
     # The model section was checked with the smallest vocabulary: the tokenizer's, or size auto's shape, may not

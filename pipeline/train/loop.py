@@ -33,6 +33,7 @@ from kiln.pipeline.train.ramp import BatchRamp
 from kiln.pipeline.train.stats import StepStats, draw, observing
 from kiln.pipeline.train.throughput import peak_flops
 
+
 def compile_forward(model: torch.nn.Module, params: TrainParams) -> Callable:
     """What the step calls for a forward: the model itself, or torch.compile of it in train.compile_mode."""
     return torch.compile(model, mode=params.compile_mode) if params.compile else model

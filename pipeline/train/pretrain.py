@@ -12,16 +12,15 @@ from pathlib import Path
 import torch
 
 from kiln.model.checkpoint import save_model
-from kiln.pipeline import layout
+from kiln.pipeline import layout, runtime
 from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.progress import console
-from kiln.pipeline.train.size_choice import SHAPE_KEYS, auto_size, describe
 from kiln.pipeline.text.loader import ShardSet
-from kiln.pipeline import runtime
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.curves import Panel, plot_png
 from kiln.pipeline.train.lm import LMData, train_lm
 from kiln.pipeline.train.params import ModelParams, TrainParams
+from kiln.pipeline.train.size_choice import SHAPE_KEYS, auto_size, describe
 from kiln.pipeline.train.throughput import peak_flops
 
 MODEL_DIR = layout.BASE_MODEL
