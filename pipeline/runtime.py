@@ -99,7 +99,8 @@ def setup_precision(device: torch.device, precision: str) -> None:
         torch.backends.cudnn.allow_tf32 = precision == "fp32"
     if device.type == "cpu" and precision != "fp32":
         console.print(f"warning: train.precision={precision} on CPU runs through slow autocast paths "
-                      "(~14x slower than fp32 on a CPU without bf16 instructions, measured by kiln bench train)", highlight=False)
+                      "(~14x slower than fp32 on a CPU without bf16 instructions, measured by kiln bench train)",
+                      highlight=False)
 
 
 def check_kernels(kernels: str, device: torch.device, where: str) -> None:

@@ -1,10 +1,11 @@
 """The one training loop: pretraining, the scaling sweep, SFT, DPO and GRPO use it with their losses.
 
 It owns the machinery that does not depend on the loss (the device and precision it is handed come from
-`kiln.pipeline.runtime`): AdamW with decay on matrices only, warmup + cosine or WSD schedule, gradient accumulation to `train.batch_tokens` per step, clipping,
-periodic evaluation, checkpoints and resume, the NaN guard, throughput/MFU accounting and the curves. Under
-torchrun it trains the model wrapped in DDP or FSDP2 (`kiln.pipeline.train.distributed`): `batches` then yields this
-rank's share of each global micro-batch, and the loss it reports is the mean over ranks.
+`kiln.pipeline.runtime`): AdamW with decay on matrices only, warmup + cosine or WSD schedule, gradient
+accumulation to `train.batch_tokens` per step, clipping, periodic evaluation, checkpoints and resume, the NaN
+guard, throughput/MFU accounting and the curves. Under torchrun it trains the model wrapped in DDP or FSDP2
+(`kiln.pipeline.train.distributed`): `batches` then yields this rank's share of each global micro-batch, and the
+loss it reports is the mean over ranks.
 
 `loss_fn(model, batch)` returns the mean loss of one micro-batch; `batches` yields micro-batches forever and
 has `state_dict()` / `load_state_dict()`; `evaluate(model)` returns a dict of numbers.
