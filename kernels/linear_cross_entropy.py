@@ -143,8 +143,8 @@ def _(grad_out, hidden, weight, targets, ignore_index, z_loss, chunk_size, grad_
 
 def _setup_context(ctx, inputs, output):
     hidden, weight, targets, ignore_index, z_loss, reduction, chunk_size, grad_hidden, grad_weight = inputs
-    ctx.reduction, ctx.wanted = reduction, (grad_hidden, grad_weight)
-    ctx.args = (ignore_index, z_loss, chunk_size, grad_hidden, grad_weight)
+    ctx.reduction = reduction
+    ctx.args = (ignore_index, z_loss, chunk_size, grad_hidden, grad_weight)  # the backward op's, after the tensors
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, targets)
     else:
@@ -153,11 +153,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _dh, _dw):
     if ctx.reduction == "none":
-        grads = linear_cross_entropy_backward_op(grad_out, *ctx.saved_tensors, *ctx.args)
+        dh, dw = linear_cross_entropy_backward_op(grad_out, *ctx.saved_tensors, *ctx.args)
     else:
-        grads = [scaled(g, grad_out) for g in ctx.saved_tensors]
-    dh, dw = (g if wanted else None for wanted, g in zip(ctx.wanted, grads))
-    return dh, dw, None, None, None, None, None, None, None
+        dh, dw = (scaled(g, grad_out) for g in ctx.saved_tensors)
+    grad_hidden, grad_weight = ctx.args[3:]
+    return dh if grad_hidden else None, dw if grad_weight else None, None, None, None, None, None, None, None
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
