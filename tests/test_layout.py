@@ -99,9 +99,8 @@ def trivial(path: Path) -> bool:
     return path.name == "__init__.py" and all(isinstance(n, ast.Expr) for n in body)
 
 
-def stage_entry_modules(cmd: str) -> set[str]:
-    """What a stage's `kiln ...` command imports: its command function's own (lazy) imports and the CLI's
-    module-level ones; cli.py itself is the dispatcher every command shares, not a stage's code."""
+def command_function(cmd: str):
+    """The function behind a `kiln ...` command line."""
     import typer
 
     from kiln.pipeline.cli import app
@@ -111,20 +110,29 @@ def stage_entry_modules(cmd: str) -> set[str]:
         if word.startswith("-") or not hasattr(command, "commands"):
             break
         command = command.commands[word]
-    function = inspect.unwrap(command.callback)
+    return inspect.unwrap(command.callback)
+
+
+def top_level_imports(path: Path) -> set[str]:
+    return {n for node in ast.parse(path.read_text()).body if isinstance(node, ast.ImportFrom) and node.module
+            for n in [node.module, *(f"{node.module}.{a.name}" for a in node.names)] if module_file(n)}
+
+
+def stage_entry_modules(cmd: str) -> set[str]:
+    """What a stage's `kiln ...` command imports: its command function's own (lazy) imports and its command
+    module's module-level ones. The module's other commands import their stages inside themselves, so its
+    whole-file imports are not this command's; cli.py, which only puts the groups together, is no stage's code."""
+    function = command_function(cmd)
     inner = set()
     for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(function)))):
         if isinstance(node, ast.ImportFrom) and node.module:
             inner |= {n for n in [node.module, *(f"{node.module}.{a.name}" for a in node.names)] if module_file(n)}
-    cli = REPO / "pipeline" / "cli.py"
-    top = {n for node in ast.parse(cli.read_text()).body if isinstance(node, ast.ImportFrom) and node.module
-           for n in [node.module] if module_file(n)}
-    return inner | top
+    return inner | top_level_imports(Path(inspect.getfile(function)))
 
 
 def stage_code(cmd: str) -> set[Path]:
-    files = {module_file(m) for m in closure(stage_entry_modules(cmd))}
-    return {f for f in files if f != REPO / "pipeline" / "cli.py" and not trivial(f)}
+    files = {module_file(m) for m in closure(stage_entry_modules(cmd))} | {Path(inspect.getfile(command_function(cmd)))}
+    return {f for f in files if not trivial(f)}
 
 
 def declared_code(deps: list[str]) -> set[Path]:
@@ -168,17 +176,23 @@ def test_every_stage_has_its_module():
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_layering(name):
-    """kernels <- model <- pipeline, never upward; no stage module imports another; only `kiln` runs cli."""
+    """kernels <- model <- pipeline, never upward; no stage module imports another; nothing but the CLI imports
+    its command modules."""
     imported = imports_of(MODULES[name])
     layer = name.split(".")[1]
     allowed = {"kernels": ("kiln.kernels",), "model": ("kiln.model", "kiln.kernels"),
                "pipeline": ("kiln.pipeline", "kiln.model", "kiln.kernels")}[layer]
     upward = sorted(m for m in imported if m != "kiln" and not m.startswith(allowed))
     assert not upward, f"{name} imports {upward} from a higher layer"
-    assert "kiln.pipeline.cli" not in imported or name == "kiln.pipeline.cli"
-    if name != "kiln.pipeline.cli":
+    if not dispatches(name):
+        assert not {m for m in imported if dispatches(m)}, f"{name} imports a command module"
         stages = sorted(m for m in imported & set(STAGE_MODULES.values()) if m != name)
         assert not stages, f"{name} imports the stage module(s) {stages}"
+
+
+def dispatches(module: str) -> bool:
+    """cli.py and its command modules: they import every stage, and nothing imports them but cli.py."""
+    return module == "kiln.pipeline.cli" or module.startswith("kiln.pipeline.commands")
 
 
 def package_of(module: str) -> str | None:
@@ -193,12 +207,12 @@ def package_of(module: str) -> str | None:
 def test_pipeline_packages_are_layers():
     """No pipeline package imports one that imports it back, however indirectly (post and evals share the
     `tasks` library; evals reads serve's model wrapper, serve never evals; train reads the size choice itself).
-    The CLI, which dispatches to every package, is left out."""
+    The CLI and its command modules, which dispatch to every package, are left out."""
     graph = {}
     for name, path in MODULES.items():
-        if package_of(name) is None or name == "kiln.pipeline.cli":
+        if package_of(name) is None or dispatches(name):
             continue
-        targets = {package_of(m) for m in imports_of(path, packages=False) if m != "kiln.pipeline.cli"}
+        targets = {package_of(m) for m in imports_of(path, packages=False)}
         graph.setdefault(package_of(name), set()).update(targets - {None, package_of(name)})
     assert_acyclic(graph, "packages import each other")
     assert {"tasks", "serve"} <= set(graph["evals"]) and "evals" not in graph["serve"] | graph["post"]

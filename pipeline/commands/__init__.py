@@ -1,0 +1,1 @@
+"""The commands of `kiln`, one module per group; pipeline/cli.py puts them together."""

@@ -1,0 +1,236 @@
+"""`kiln bench`: benchmarks that print a table and write JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kiln.pipeline import layout
+from kiln.pipeline.commands.shared import CorpusOpt, ParamsOpt, SetOpt, TokenizerOpt, reports_errors
+
+app = typer.Typer(help="Benchmarks that print a table and write JSON.", no_args_is_help=True)
+
+
+@app.command("shard")
+@reports_errors
+def bench_shard(corpus: CorpusOpt = layout.CORPUS, tokenizer: TokenizerOpt = layout.TOKENIZER,
+                split: str = "train",
+                max_mb: Annotated[float, typer.Option(help="Encode at most this many MB of text.")] = 8.0,
+                out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                layout.BENCH / "shard.json"):
+    """Sharding throughput against a single-process loop over HF `Tokenizer.encode`, in one run."""
+    from kiln.pipeline.tools.bench import bench_shard as run
+
+    run(corpus, tokenizer, split, max_mb, out)
+
+
+@app.command("data")
+@reports_errors
+def bench_data(params: ParamsOpt = layout.PARAMS,
+               scales: Annotated[str, typer.Option(help="Corpus sizes: copies of Shakespeare, comma-separated "
+                                                        "(x8, 40 MB, is past the size prepare starts workers at).")] =
+               "1,8",
+               max_mb: Annotated[float | None, typer.Option(help="Take at most this many MB of Shakespeare per "
+                                                              "copy (default: all of it).")] = None,
+               out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] = layout.BENCH / "data.json"):
+    """Throughput per core and peak memory of prepare, tokenizer and shard at two corpus sizes (the `data`,
+    `tokenizer` and `shard` params), each stage in its own process."""
+    from kiln.pipeline.errors import UserError
+    from kiln.pipeline.tools.bench_data import bench_data as run
+
+    try:
+        sizes = [int(s) for s in scales.split(",")]
+    except ValueError:
+        raise UserError(f"--scales {scales!r}: expected comma-separated integers, e.g. 1,8") from None
+    run(params, sizes, max_mb, out)
+
+
+@app.command("train")
+@reports_errors
+def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+                variants: Annotated[str, typer.Option(
+                    help="Comma-separated PRECISION-MODE[-KERNELS] list: PRECISION fp32|bf16|fp16, MODE "
+                         "eager|compile, KERNELS auto|triton|torch (default: --kernels). Rows run in this order, "
+                         "the first is the speedup baseline; put compile + triton last (a device-side assert ends "
+                         "the process; the rows before it are saved). On a CPU keep it short: bf16 runs over 10x "
+                         "slower than fp32 without bf16 instructions, and a compile variant compiles for ~40 s "
+                         "(less once cached).")] =
+                "fp32-eager,fp32-compile,bf16-eager,bf16-compile",
+                compile_modes: Annotated[str, typer.Option(
+                    help="Comma-separated torch.compile modes (as train.compile_mode): default, reduce-overhead, "
+                         "max-autotune-no-cudagraphs, max-autotune. Each compile variant runs in every one, a row "
+                         "each; the first is its own row's and the other rows' mode.")] = "default",
+                plan_batch: Annotated[bool, typer.Option(
+                    help="Also run each variant at the largest micro-batch `kiln plan memory` fits in the "
+                         "device's memory (--device-gb), a row beside it.")] = False,
+                device_gb: Annotated[float | None, typer.Option(
+                    help="Memory --plan-batch fits the micro-batch in, GB (default: the device's free memory).")]
+                = None,
+                vocab_size: Annotated[int, typer.Option(help="Vocabulary the random token ids come from.")] = 4096,
+                batch_size: Annotated[int, typer.Option(help="Sequences per step.")] = 16,
+                seq_len: Annotated[int | None, typer.Option(help="Tokens per sequence (default: model.max_seq_len).")]
+                = None,
+                steps: Annotated[int, typer.Option(help="Timed steps per variant.")] = 10,
+                warmup: Annotated[int, typer.Option(help="Untimed steps before them; the first one compiles.")] = 2,
+                device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
+                = "auto",
+                kernels: Annotated[str, typer.Option(help="auto | triton | torch, as train.kernels, for variants "
+                                                          "that name none.")] = "torch",
+                profile: Annotated[Path | None, typer.Option(
+                    help="A folder for a torch.profiler trace of 3 more steps per variant (Chrome/Perfetto JSON); "
+                         "prints each variant's top operators by self time.")] = None,
+                checkpointing: Annotated[bool, typer.Option(
+                    help="Also run each variant with its blocks recomputed in the backward "
+                         "(train.activation_checkpointing), a row beside it.")] = False,
+                stats_every: Annotated[int, typer.Option(
+                    help="Also run each variant with training statistics every this many steps "
+                         "(train.stats_every), a row beside it; 0: not.")] = 0,
+                out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                layout.BENCH / "train.json"):
+    """Training-step tokens/s, MFU and peak memory (beside plan memory's estimate), fp32 vs bf16, eager vs
+    torch.compile in its modes, torch vs Triton kernels, at a batch of your choice and plan memory's largest, in one
+    run; exits 1 if a row failed (its error is in the JSON and the table).
+
+    A step is forward, backward, clipping and AdamW on random token ids, for the shape in the `model` section
+    (`--set model.key=value` changes it).
+    """
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.tools.bench_train import bench_train as run
+    from kiln.pipeline.tools.bench_train import parse_compile_modes, parse_variants
+    from kiln.pipeline.train.params import ModelParams
+
+    run(load_section(ModelParams, params, set_), parse_variants(variants, kernels), vocab_size, batch_size, seq_len,
+        steps, warmup, device, out, profile, checkpointing, stats_every, parse_compile_modes(compile_modes),
+        plan_batch, device_gb)
+
+
+@app.command("generate")
+@reports_errors
+def bench_generate(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+                   model: Annotated[Path | None, typer.Option(
+                       help="A trained model folder (default: random weights in the `model` section's shape).")] = None,
+                   vocab_size: Annotated[int, typer.Option(help="Vocabulary of the random model.")] = 4096,
+                   batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,16",
+                   prompt_len: Annotated[int | None, typer.Option(help="Prompt tokens (default: half the context).")]
+                   = None,
+                   new_tokens: Annotated[int | None, typer.Option(
+                       help="Tokens generated per row (default: the rest of the context).")] = None,
+                   repeats: Annotated[int, typer.Option(help="Timed calls per variant (the median is reported).")] = 3,
+                   dtype: Annotated[str, typer.Option(help="Weights and cache dtype: fp32 | bf16 | fp16.")] = "fp32",
+                   device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
+                   = "auto",
+                   out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                   layout.BENCH / "generate.json"):
+    """Prefill and decode tokens/s of generation with and without the KV cache, for each batch size, in one run."""
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.tools.bench_generate import bench_generate as run
+    from kiln.pipeline.train.params import ModelParams
+
+    try:
+        sizes = [int(b) for b in batch_sizes.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"{batch_sizes!r}: expected comma-separated integers", param_hint="--batch-sizes")
+    run(load_section(ModelParams, params, set_), model, vocab_size, sizes, prompt_len, new_tokens, repeats, dtype,
+        device, out)
+
+
+@app.command("serve")
+@reports_errors
+def bench_serve(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+                model: Annotated[Path | None, typer.Option(
+                    help="A trained model folder (default: random weights in the `model` section's shape).")] = None,
+                draft: Annotated[Path | None, typer.Option(help="A draft model for the speculative row.")] = None,
+                vocab_size: Annotated[int, typer.Option(help="Vocabulary of the random model.")] = 4096,
+                requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 32,
+                rate: Annotated[float, typer.Option(help="Poisson arrivals per second (0: all at once).")] = 50.0,
+                batch: Annotated[int, typer.Option(help="Static batching's largest batch.")] = 16,
+                block_size: Annotated[int, typer.Option(help="Tokens per KV cache block.")] = 16,
+                max_batch_tokens: Annotated[int, typer.Option(help="Most tokens per engine step.")] = 256,
+                output_lengths: Annotated[str, typer.Option(help="geometric (long-tailed, mean an eighth of "
+                                                                 "the context) | uniform.")] = "geometric",
+                speculate: Annotated[int, typer.Option(help="Tokens the draft proposes per step.")] = 4,
+                seed: Annotated[int, typer.Option(help="Workload and random weights.")] = 0,
+                device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+                out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                layout.BENCH / "serve.json"):
+    """Output tokens/s, time to first token and inter-token latency of the serving engine against static
+    batching, prefix caching, speculative decoding at batch 1 and transformers' generate, in one run."""
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.tools.bench_serve import bench_serve as run
+    from kiln.pipeline.train.params import ModelParams
+
+    config = load_section(ModelParams, params, set_).config(vocab_size)
+    run(config, model, draft, requests, rate, batch, block_size, max_batch_tokens, seed, device, out, output_lengths,
+        speculate)
+
+
+@app.command("adapters")
+@reports_errors
+def bench_adapters(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
+                   tokenizer: TokenizerOpt = layout.TOKENIZER,
+                   tokens: Annotated[int, typer.Option(help="Tokens in the one training step taken.")] = 64,
+                   device: Annotated[str, typer.Option(help="auto (cuda, else cpu), cpu or cuda.")] = "auto",
+                   out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                   layout.BENCH / "adapters.json"):
+    """Weights, gradients and AdamW state of full, LoRA and QLoRA fine-tuning, for the `model` section's shape
+    and GPT-2 124M's (rank, alpha and targets from the `sft` section)."""
+    from kiln.pipeline.config import load_sections
+    from kiln.pipeline.post.params import SFTParams
+    from kiln.pipeline.text.tokens import load_tokenizer
+    from kiln.pipeline.tools.bench_adapters import bench_adapters as run
+    from kiln.pipeline.tools.bench_adapters import default_shapes
+    from kiln.pipeline.train.params import ModelParams
+
+    model, sft = load_sections((ModelParams, SFTParams), params, set_)
+    vocab = load_tokenizer(tokenizer).get_vocab_size() if tokenizer.is_file() else 1024
+    run(default_shapes(model.config(vocab)), sft.lora_rank, sft.lora_alpha, sft.lora_targets, device, tokens, out)
+
+
+@app.command("kernels")
+@reports_errors
+def bench_kernels(ops: Annotated[str | None, typer.Option(
+                      help="Comma-separated subset: rms_norm, swiglu, rope, cross_entropy, linear_cross_entropy, "
+                           "flash_attention, nf4_dequantize (default: all).")] = None,
+                  size: Annotated[str, typer.Option(
+                      help="full: the whole shape grid; quick: fewer shapes (a GPU minute or two); smoke: tiny "
+                           "shapes that also run on CPU through Triton's interpreter (checks the command, times "
+                           "nothing).")] = "full",
+                  compile_baseline: Annotated[bool, typer.Option(
+                      "--compile/--no-compile", help="Also time torch.compile of each reference.")] = True,
+                  out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                  layout.BENCH / "kernels.json"):
+    """Each Triton kernel vs torch eager, torch.compile and Liger-Kernel: ms, GB/s, % of copy bandwidth, peak
+    memory, goal met (CUDA; `--size smoke` on CPU)."""
+    from kiln.pipeline.tools.bench_kernels import bench_kernels as run
+
+    run(ops.split(",") if ops else None, size, compile_baseline, out)
+
+
+@app.command("gpu")
+@reports_errors
+def bench_gpu(size: Annotated[str, typer.Option(
+                  help="quick: every step in one short pass (limits summing to 8 minutes); full: every shape of "
+                       "the issue and the train grid (split it with --steps to fit 10-minute calls); smoke: toy "
+                       "shapes on a CPU, to check the command works.")] = "quick",
+              steps: Annotated[str | None, typer.Option(
+                  help="Comma-separated subset of env, train, kernels, tests, pretrain, generate (default: all, "
+                       "in this order).")]
+              = None,
+              out: Annotated[Path, typer.Option(help="Folder for the JSON, logs and curves.")] =
+              layout.BENCH / "gpu",
+              work: Annotated[Path | None, typer.Option(
+                  help="Scratch folder for the pretrain step's data and model (default: a new temp folder).")]
+              = None,
+              pack: Annotated[Path | None, typer.Option(
+                  help="Also archive --out into this .tgz after every step (what a cut-off run returns).")]
+              = None):
+    """The GPU session's whole measurement in one command, the headline first: the compiled training step with
+    torch's kernels and kiln's, then the kernel benchmarks, native kernel tests, a real pretrain run of the GPT-2
+    124M shape and generation; exits 1 if any step failed."""
+    from kiln.pipeline.tools.bench_gpu import bench_gpu as run
+
+    summary = run(size, steps.split(",") if steps else None, out, work, pack)
+    if any(step["status"] != "ok" for step in summary["steps"]):
+        raise typer.Exit(1)

@@ -1,0 +1,103 @@
+"""Running a trained model: `kiln generate`, `kiln chat` and `kiln serve` (the OpenAI HTTP API)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kiln.pipeline import layout
+from kiln.pipeline.commands.shared import SamplingOpt, TokenizerOpt, reports_errors
+
+app = typer.Typer()
+
+
+@app.command("generate")
+@reports_errors
+def generate_command(
+        prompt: Annotated[list[str], typer.Option(help="Text to continue (repeatable: one completion each).")],
+        model: Annotated[Path, typer.Option(help="A model folder (config.json + model.safetensors).")] =
+        layout.BASE_MODEL,
+        tokenizer: TokenizerOpt = layout.TOKENIZER,
+        max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to add (default: fill the context).")] = None,
+        temperature: SamplingOpt("0 is greedy.") = None,
+        top_k: SamplingOpt("Sample among the k likeliest tokens.", int) = None,
+        top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.") = None,
+        seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
+        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
+    """Continue each --prompt with a trained model, stopping at <|endoftext|>."""
+    from kiln.pipeline.runtime import pick_device
+    from kiln.pipeline.serve.text_model import Sampling, TextModel
+
+    lm = TextModel(model, tokenizer, pick_device(device))
+    outs = lm.complete(prompt, Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed))
+    for text, out in zip(prompt, outs, strict=True):
+        typer.echo(text + out)
+        if len(prompt) > 1:
+            typer.echo("-" * 40)
+
+
+@app.command("chat")
+@reports_errors
+def chat_command(
+        model: Annotated[Path, typer.Option(help="A chat model folder (SFT or DPO).")] = layout.DPO_MODEL,
+        tokenizer: TokenizerOpt = layout.TOKENIZER,
+        system: Annotated[str | None, typer.Option(help="A system message that opens the conversation.")] = None,
+        max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer (default: a quarter of the "
+                                                                "context).")] = None,
+        temperature: SamplingOpt("0 is greedy.") = None,
+        top_k: SamplingOpt("Sample among the k likeliest tokens.", int) = None,
+        top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.") = None,
+        seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
+        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
+    """Talk to a chat model: each line you type is a user turn, the answer streams back (/reset starts over,
+    /quit or end of input stops)."""
+    from kiln.pipeline.runtime import pick_device
+    from kiln.pipeline.serve.text_model import ChatSession, Sampling, TextModel
+
+    session = ChatSession(TextModel(model, tokenizer, pick_device(device)),
+                          Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed), system)
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        if line.strip() in ("/quit", "/exit"):
+            break
+        if line.strip() == "/reset":
+            session.turns = []
+            continue
+        if not line.strip():
+            continue
+        typer.echo("kiln> ", nl=False)
+        for piece in session.reply(line):
+            typer.echo(piece, nl=False)
+        typer.echo()
+
+
+@app.command("serve")
+@reports_errors
+def serve_command(
+        model: Annotated[Path, typer.Option(help="A model folder (config.json + model.safetensors).")] =
+        layout.DPO_MODEL,
+        tokenizer: TokenizerOpt = layout.TOKENIZER,
+        host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+        port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto",
+        kv_blocks: Annotated[int | None, typer.Option(help="KV cache blocks (default: 16 full contexts).")] = None,
+        block_size: Annotated[int, typer.Option(help="Tokens per KV cache block.")] = 16,
+        max_batch_tokens: Annotated[int, typer.Option(help="Most tokens one engine step runs (decodes, then "
+                                                           "prefill chunks).")] = 256,
+        name: Annotated[str | None, typer.Option(help="The model's name in the API (default: the folder's).")] =
+        None,
+        draft: Annotated[Path | None, typer.Option(help="A smaller model with the same tokenizer for speculative "
+                                                        "decoding.")] = None,
+        speculate: Annotated[int, typer.Option(help="Tokens the draft proposes per step.")] = 4):
+    """Serve a model over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on a
+    continuous-batching engine with a paged KV cache."""
+    from kiln.pipeline.serve.server import serve
+
+    serve(model, tokenizer, host, port, device, kv_blocks, block_size, max_batch_tokens, name, draft, speculate)

@@ -1,0 +1,57 @@
+"""What every command shares: its common options, how it reports a failure, how it prints metrics."""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from kiln.pipeline.errors import KilnError, UserError
+from kiln.pipeline.progress import console
+
+ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to read.")]
+SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
+CorpusOpt = Annotated[Path, typer.Option(help="Corpus folder with train.parquet and val.parquet.")]
+TokenizerOpt = Annotated[Path, typer.Option(help="The tokenizer.json to use.")]
+OutOpt = Annotated[Path, typer.Option(help="Output folder (replaced whole, only when the stage succeeds).")]
+ResumeOpt = Annotated[Path | None, typer.Option(help="A checkpoint (a step_NNNNNNNN folder, of any run) to go on from "
+                                                     "with these params while this run has none of its own.")]
+
+
+def SamplingOpt(help: str, kind: type = float):
+    """A sampling option of `generate` and `chat`: unset means the one default both share (serve/text_model.py)."""
+    return Annotated[kind | None, typer.Option(help=f"{help} (default: kiln's sampling default)")]
+
+
+
+
+def reports_errors(fn):
+    """Turn a KilnError into its one-line message and exit code instead of a traceback; refuse a non-finite
+    number in any float option (click parses `inf` and `nan`) before the command sees it."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            for name, value in kwargs.items():
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise UserError(f"--{name.replace('_', '-')}={value}: expected a finite number")
+            return fn(*args, **kwargs)
+        except KilnError as e:
+            # escape: a message quotes input, and "[/x]" in it would be read as rich markup
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:
+            console.print("interrupted; no output was written", highlight=False)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def print_metrics(stage: str, metrics: dict) -> None:
+    console.print(f"{stage}: " + ", ".join(f"{k}={v}" for k, v in metrics.items()), highlight=False)
+
+
