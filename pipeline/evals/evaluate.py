@@ -251,9 +251,33 @@ def samples_markdown(name: str, model_dir: Path, lm: TextModel, prompts: list[st
     return "\n".join(lines)
 
 
-def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOParams, shards_dir: Path,
-             tokenizer_path: Path, corpus_dir: Path, models_dir: Path = layout.MODELS,
-             metrics_dir: Path = layout.METRICS, samples_dir: Path = layout.SAMPLES) -> dict:
+@dataclass
+class Plan:
+    """What the stage checks and loads before it scores any model, so that bad input fails in seconds."""
+
+    dirs: dict[str, Path]  # each model's folder, in eval.models order
+    starts: dict[str, str | None]  # each model's starting model, when evaluated too
+    val: ShardSet
+    bytes_per_token: torch.Tensor
+    device: torch.device
+    first: TextModel  # the first model, loaded once for the checks and reused for its own scores
+    chat: ChatFormat
+    seq_len: int
+    tasks: dict[str, Task]
+    scorers: list[ChoiceTask]  # one per multiple-choice task
+    gen_tasks: list[GenTask]
+    post: PostTrainData | None
+    sampling: Sampling
+
+    def parts(self) -> int:
+        """Progress parts per model: val loss, each task, post-training, samples."""
+        return 2 + len(self.tasks) + len(self.gen_tasks) + (self.post is not None)
+
+
+def plan_evaluation(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOParams, shards_dir: Path,
+                    tokenizer_path: Path, corpus_dir: Path, models_dir: Path) -> Plan:
+    """Every model folder, the tokenizer, the val shards, every task and sample prompt checked and loaded, in the
+    order whose first failure is the cheapest to find."""
     dirs = check_models(params, models_dir)
     if not tokenizer_path.is_file():
         raise UserError(f"{tokenizer_path}: tokenizer not found (run `kiln tokenizer train` first)")
@@ -270,71 +294,101 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
     post = load_posttrain(sft, dpo, chat, seq_len, corpus_dir) if params.posttrain else None
     sampling = Sampling(params.max_new_tokens, params.temperature, params.top_k, params.top_p, params.seed)
     sampling.check()
+    return Plan(dirs, starts, val, bytes_per_token, device, first, chat, seq_len, tasks, scorers, gen_tasks, post,
+                sampling)
 
-    results: dict[str, dict[str, float]] = {}
-    pair_logps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    answers: list[dict[str, GenResult]] = [{} for _ in gen_tasks]  # per generative task, each model's answers
-    samples: dict[str, str] = {}
-    parts = 2 + len(tasks) + len(gen_tasks) + (post is not None)
-    with Progress("eval", unit="parts", total=len(dirs) * parts) as progress:
-        for name, model_dir in dirs.items():
-            lm = first if model_dir == dirs[params.models[0]] else TextModel(model_dir, tokenizer_path, device)
-            model, meta = lm.model.set_kernels(train.kernels), load_config(model_dir)[1]
-            if model.config.max_seq_len != seq_len:
-                raise UserError(f"{model_dir}: max_seq_len {model.config.max_seq_len}, but {dirs[params.models[0]]} "
-                                f"has {seq_len}; eval.models must share one context length")
-            torch.manual_seed(params.seed)
-            out = results[name] = {}
-            progress.advance(0, model=name, part="val loss")
-            lm_metrics = evaluate_lm(model, val, bytes_per_token, params.batch_size, seq_len, params.tokens,
-                                     train.precision)
-            out |= lm_metrics | {"val_ppl": math.exp(lm_metrics["val_loss"])}
-            progress.advance(1)
-            for task, scorer in zip(tasks.values(), scorers):
-                progress.advance(0, part=task.name)
-                out |= {f"{task.name}/{k}": v for k, v in scorer.score(model, params.batch_size,
-                                                                       train.precision).items()}
-                progress.advance(1)
-            for task, by_model in zip(gen_tasks, answers):
-                progress.advance(0, part=task.name)
-                by_model[name] = run_gen_task(task, model, chat, bool(meta.get("chat_format")), params.gen_batch_size,
-                                              train.precision, params.seed)
-                out |= {f"{task.name}/{k}": v for k, v in by_model[name].metrics.items()}
-                progress.advance(1)
-            if post is not None:
-                progress.advance(0, part="posttrain")
-                out |= {f"posttrain/{k.removeprefix('val_')}": v
-                        for k, v in post.scorer.accuracy(model, params.batch_size, train.precision).items()}
-                pc, pr = logps(model, post.pairs, params.batch_size, train.precision)
-                pair_logps[name] = (pc, pr)
-                out["posttrain/preference_accuracy"] = (pc > pr).double().mean().item()
-                if starts[name] in pair_logps:
-                    # DPO's implicit reward, measured against the model this one was trained from.
-                    ic, ir = pair_logps[starts[name]]
-                    out["posttrain/reward_accuracy"] = ((pc - ic) > (pr - ir)).double().mean().item()
-                progress.advance(1)
-            progress.advance(0, part="samples")
-            samples[name] = samples_markdown(name, model_dir, lm, params.samples, sampling,
-                                             chat if meta.get("chat_format") else None)
-            progress.advance(1)
-    for task, scorer in zip(tasks.values(), scorers):
+
+class Scores:
+    """What scoring every model gathers: its metrics, its generative tasks' answers, its samples page, and its
+    log-probabilities of the preference pairs (the reward accuracy of a model trained from it needs them)."""
+
+    def __init__(self, plan: Plan):
+        self.results: dict[str, dict[str, float]] = {}
+        self.answers: list[dict[str, GenResult]] = [{} for _ in plan.gen_tasks]  # per generative task, by model
+        self.samples: dict[str, str] = {}
+        self.pair_logps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def score_model(plan: Plan, params: EvalParams, train: TrainParams, name: str, model_dir: Path, tokenizer_path: Path,
+                scores: Scores, progress: Progress) -> None:
+    first = model_dir == plan.dirs[params.models[0]]
+    lm = plan.first if first else TextModel(model_dir, tokenizer_path, plan.device)
+    model, meta = lm.model.set_kernels(train.kernels), load_config(model_dir)[1]
+    if model.config.max_seq_len != plan.seq_len:
+        raise UserError(f"{model_dir}: max_seq_len {model.config.max_seq_len}, but {plan.dirs[params.models[0]]} "
+                        f"has {plan.seq_len}; eval.models must share one context length")
+    torch.manual_seed(params.seed)
+    out = scores.results[name] = {}
+    progress.advance(0, model=name, part="val loss")
+    lm_metrics = evaluate_lm(model, plan.val, plan.bytes_per_token, params.batch_size, plan.seq_len, params.tokens,
+                             train.precision)
+    out |= lm_metrics | {"val_ppl": math.exp(lm_metrics["val_loss"])}
+    progress.advance(1)
+    for task, scorer in zip(plan.tasks.values(), plan.scorers):
+        progress.advance(0, part=task.name)
+        out |= {f"{task.name}/{k}": v for k, v in scorer.score(model, params.batch_size, train.precision).items()}
+        progress.advance(1)
+    for task, by_model in zip(plan.gen_tasks, scores.answers):
+        progress.advance(0, part=task.name)
+        by_model[name] = run_gen_task(task, model, plan.chat, bool(meta.get("chat_format")), params.gen_batch_size,
+                                      train.precision, params.seed)
+        out |= {f"{task.name}/{k}": v for k, v in by_model[name].metrics.items()}
+        progress.advance(1)
+    if plan.post is not None:
+        progress.advance(0, part="posttrain")
+        out |= score_posttrain(plan, params, train, name, model, scores)
+        progress.advance(1)
+    progress.advance(0, part="samples")
+    scores.samples[name] = samples_markdown(name, model_dir, lm, params.samples, plan.sampling,
+                                            plan.chat if meta.get("chat_format") else None)
+    progress.advance(1)
+
+
+def score_posttrain(plan: Plan, params: EvalParams, train: TrainParams, name: str, model, scores: Scores) -> dict:
+    """The built-in task's held-out accuracy, the preference accuracy on DPO's held-out pairs and, against the
+    model this one was trained from when that one is evaluated too, DPO's implicit-reward accuracy."""
+    out = {f"posttrain/{k.removeprefix('val_')}": v
+           for k, v in plan.post.scorer.accuracy(model, params.batch_size, train.precision).items()}
+    pc, pr = logps(model, plan.post.pairs, params.batch_size, train.precision)
+    scores.pair_logps[name] = (pc, pr)
+    out["posttrain/preference_accuracy"] = (pc > pr).double().mean().item()
+    if plan.starts[name] in scores.pair_logps:
+        ic, ir = scores.pair_logps[plan.starts[name]]
+        out["posttrain/reward_accuracy"] = ((pc - ic) > (pr - ir)).double().mean().item()
+    return out
+
+
+def item_counts(plan: Plan) -> dict[str, int]:
+    """How many items each task scored and how many it left out as too long."""
+    counts = {}
+    for task, scorer in zip(plan.tasks.values(), plan.scorers):
+        counts |= {task.name: len(scorer.items), f"{task.name}/too_long": scorer.too_long}
+    for task in plan.gen_tasks:
+        counts |= {task.name: len(task.texts), f"{task.name}/too_long": task.too_long}
+    if plan.post is not None:
+        counts |= {"posttrain": len(plan.post.scorer.kinds), "posttrain_pairs": len(plan.post.pairs)}
+    return counts
+
+
+def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOParams, shards_dir: Path,
+             tokenizer_path: Path, corpus_dir: Path, models_dir: Path = layout.MODELS,
+             metrics_dir: Path = layout.METRICS, samples_dir: Path = layout.SAMPLES) -> dict:
+    p = plan_evaluation(params, train, sft, dpo, shards_dir, tokenizer_path, corpus_dir, models_dir)
+    scores = Scores(p)
+    with Progress("eval", unit="parts", total=len(p.dirs) * p.parts()) as progress:
+        for name, model_dir in p.dirs.items():
+            score_model(p, params, train, name, model_dir, tokenizer_path, scores, progress)
+    for task, scorer in zip(p.tasks.values(), p.scorers):
         console.print(f"{task.name}: {len(scorer.items):,} items scored"
                       + (f", {sum(task.skipped.values()):,} rows skipped" if task.skipped else ""), highlight=False)
-    metrics = report(results)
-    metrics["items"] = {}
-    for task, scorer in zip(tasks.values(), scorers):
-        metrics["items"] |= {task.name: len(scorer.items), f"{task.name}/too_long": scorer.too_long}
-    for task in gen_tasks:
-        metrics["items"] |= {task.name: len(task.texts), f"{task.name}/too_long": task.too_long}
-    if post is not None:
-        metrics["items"] |= {"posttrain": len(post.scorer.kinds), "posttrain_pairs": len(post.pairs)}
-    page = report_markdown(metrics, list(dirs), starts, list(zip(gen_tasks, answers)), params.seed,
+    metrics = report(scores.results) | {"items": item_counts(p)}
+    page = report_markdown(metrics, list(p.dirs), p.starts, list(zip(p.gen_tasks, scores.answers)), params.seed,
                            Path(os.path.relpath(samples_dir, metrics_dir)).as_posix())
-    for name, text in samples.items():
+    for name, text in scores.samples.items():
         atomic_write_bytes(samples_dir / f"{name}.md", text.encode("utf-8"))
     atomic_write_bytes(Path(metrics_dir) / REPORT, page.encode("utf-8"))
     write_metrics("eval", metrics, metrics_dir)
-    print_table(results, list(dirs))
+    print_table(scores.results, list(p.dirs))
     return metrics
 
 
