@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from kiln.pipeline.config import Section, build_section
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.train.params import TrainParams
+from kiln.pipeline.train.params import TrainParams, loop_keys
 
 # Beyond any training run there has been (~1e25 FLOPs); a bound keeps C^a and C/(6N) far from overflow.
 MAX_FLOPS = 1e30
@@ -24,8 +24,8 @@ class ScalingParams(Section):
     """The IsoFLOP sweep (budgets x depths), the fit's bootstrap, and the budget `model.size: auto` sizes for.
 
     A depth L gives a model of d_model = aspect * L and n_head = d_model / head_dim; the rest of the shape
-    comes from the `model` section. The keys after `approach` are the training loop's (train.*), for the sweep
-    alone."""
+    comes from the `model` section. The keys it shares with `train` (batch_tokens, eval_tokens and those after
+    `approach`) are the training loop's, for the sweep alone (the sweep sets each run's length, batch and eval)."""
 
     SECTION: ClassVar[str] = "scaling"
     budgets: list[float] = dataclasses.field(default_factory=lambda: [1e11, 1.5e11, 2e11])
@@ -54,10 +54,6 @@ class ScalingParams(Section):
     grad_clip: float = 1.0
     stats_every: int = 0
 
-    TRAIN_KEYS: ClassVar[tuple[str, ...]] = ("seed", "device", "precision", "kernels", "compile", "batch_size", "lr",
-                                             "min_lr", "schedule", "decay_fraction", "weight_decay", "beta1",
-                                             "beta2", "grad_clip", "stats_every")
-
     def check(self) -> None:
         if len(set(self.budgets)) < 2 or not all(0 < c <= MAX_FLOPS for c in self.budgets):
             raise self.bad("budgets", f"at least 2 different FLOP budgets in (0, {MAX_FLOPS:g}] (the fit needs 2 "
@@ -85,7 +81,7 @@ class ScalingParams(Section):
         """The loop's settings every sweep run starts from (the sweep sets its length, batch and eval), checked
         by TrainParams' own rules and reported under their scaling.* names."""
         try:
-            return build_section(TrainParams, {k: getattr(self, k) for k in self.TRAIN_KEYS})
+            return build_section(TrainParams, loop_keys(self))
         except UserError as e:
             raise UserError(str(e).replace("params: train.", "params: scaling.", 1)) from None
 

@@ -141,3 +141,11 @@ class TrainParams(Section):
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise self.bad(name, "a number in [0, 1)")
+
+
+def loop_keys(section: Section) -> dict:
+    """The keys a training section shares with `train` (lr, min_lr, weight_decay, ...) and their values: a
+    section declares its own as fields of the same name, with its own defaults, and they reach the loop's
+    TrainParams by that name, so no list of them is kept anywhere else."""
+    shared = {f.name for f in dataclasses.fields(TrainParams)}
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name in shared}
