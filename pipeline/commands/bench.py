@@ -21,7 +21,7 @@ def bench_shard(corpus: CorpusOpt = layout.CORPUS, tokenizer: TokenizerOpt = lay
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                 layout.BENCH / "shard.json"):
     """Sharding throughput against a single-process loop over HF `Tokenizer.encode`, in one run."""
-    from kiln.pipeline.tools.bench import bench_shard as run
+    from kiln.pipeline.tools.bench_shard import bench_shard as run
 
     run(corpus, tokenizer, split, max_mb, out)
 

@@ -22,7 +22,7 @@ from kiln.model.lora import apply_adapter
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
-from kiln.pipeline.tools.bench import machine
+from kiln.pipeline.tools.machine import machine
 from kiln.pipeline.train.loop import build_optimizer
 from kiln.pipeline.train.params import TrainParams
 

@@ -33,7 +33,7 @@ from rich.table import Table
 from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
-from kiln.pipeline.tools.bench import machine
+from kiln.pipeline.tools.machine import machine
 
 POLL_S = 0.02
 # Each stage: its command (run in the scale's folder, on the params file) and the module it spends its time in.

@@ -25,8 +25,8 @@ from kiln.model.gpt import GPT
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import Progress, console
-from kiln.pipeline.tools.bench import machine
 from kiln.pipeline.tools.bench_train import resolve_device, synchronize
+from kiln.pipeline.tools.machine import machine
 from kiln.pipeline.train.params import ModelParams
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -138,7 +138,7 @@ def _sets(items: list[str]) -> list[str]:
 
 def environment() -> dict:
     """What the numbers were measured on: recorded with them, as BENCHMARKS.md quotes them."""
-    from kiln.pipeline.tools.bench import machine, package_version
+    from kiln.pipeline.tools.machine import machine, package_version
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
            "triton": package_version("triton"), "liger_kernel": package_version("liger-kernel"), "machine": machine(),

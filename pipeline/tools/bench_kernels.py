@@ -44,7 +44,7 @@ from kiln.kernels.launch import picked
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
-from kiln.pipeline.tools.bench import machine, package_version
+from kiln.pipeline.tools.machine import machine, package_version
 
 DTYPE = torch.bfloat16
 BF16 = 2  # bytes per element

@@ -48,7 +48,7 @@ from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
 from kiln.pipeline.serve.engine import Engine, Request, SamplingParams
-from kiln.pipeline.tools.bench import machine
+from kiln.pipeline.tools.machine import machine
 
 
 @dataclass

@@ -42,8 +42,8 @@ from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.runtime import PRECISIONS, check_kernels, pick_device, resolve_kernels, setup_precision
-from kiln.pipeline.tools.bench import machine
 from kiln.pipeline.tools.bench_kernels import one_line
+from kiln.pipeline.tools.machine import machine
 from kiln.pipeline.tools.plan_memory import Shape, plan
 from kiln.pipeline.train.lm import lm_loss
 from kiln.pipeline.train.loop import Step, build_optimizer, compile_forward

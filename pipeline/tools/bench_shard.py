@@ -1,14 +1,9 @@
-"""`kiln bench ...`: throughput measured side by side in one run, printed as a table and saved as JSON.
-
-Ratios taken in one process on one machine are what these benchmarks claim; absolute numbers depend on the
-machine, which is recorded with them.
-"""
+"""`kiln bench shard`: the tokenizer backends `kiln data shard` can use, timed side by side on one slice of the
+corpus, printed as a table and saved as JSON, with whether each gives the baseline's ids."""
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -18,19 +13,9 @@ from rich.table import Table
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
-
-
-def machine() -> dict:
-    return {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "processor": platform.processor() or platform.machine()}
-
-
-def package_version(distribution: str) -> str | None:
-    """The installed version of a distribution (PyPI name), or None when it is not installed."""
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+from kiln.pipeline.text.corpus import iter_texts
+from kiln.pipeline.text.tokens import batch_encoder, load_tokenizer
+from kiln.pipeline.tools.machine import machine
 
 
 def timed(fn, repeats: int) -> tuple[float, object]:
@@ -44,11 +29,6 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 
 def bench_shard(corpus: Path, tokenizer: Path, split: str, max_mb: float, out: Path, repeats: int = 3) -> dict:
-    # Imported here, not at the top, so that bench_train can use `machine()` on a GPU machine that has torch
-    # but not the tokenizer stack.
-    from kiln.pipeline.text.corpus import iter_texts
-    from kiln.pipeline.text.tokens import batch_encoder, load_tokenizer
-
     path = corpus / f"{split}.parquet"
     if not path.is_file():
         raise UserError(f"{path}: corpus split not found (run `kiln data prepare` first)")
