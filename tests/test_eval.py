@@ -16,7 +16,7 @@ from kiln.model.checkpoint import save_model
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
-from kiln.pipeline.evals.scoring import ChoiceTask, choice_accuracy, encode_request
+from kiln.pipeline.evaluate.scoring import ChoiceTask, choice_accuracy, encode_request
 from kiln.pipeline.tasks.tasks import MCItem
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.text.tokens import EOT, load_tokenizer

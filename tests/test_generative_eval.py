@@ -1,4 +1,4 @@
-"""Generative eval tasks (pipeline/evals/generative.py): pass@k against counts made here from raw generations,
+"""Generative eval tasks (pipeline/evaluate/generative.py): pass@k against counts made here from raw generations,
 chat and plain prompts, prompts too long for the context, params validation, and `kiln evaluate` end to end
 (metrics, report.md, a reward that raises)."""
 
@@ -20,8 +20,8 @@ from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.evals.evaluate import EvalParams
-from kiln.pipeline.evals.generative import GenTaskSpec, load_gen_task, plain_answer, run_gen_task
+from kiln.pipeline.evaluate.params import EvalParams
+from kiln.pipeline.evaluate.generative import GenTaskSpec, load_gen_task, plain_answer, run_gen_task
 from kiln.pipeline.tasks.tasks import TaskSpec
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.tasks.chat_format import ChatFormat

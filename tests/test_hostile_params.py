@@ -23,7 +23,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.pipeline.config import SECTIONS, build_section, load_section
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.evals.evaluate import EvalParams
+from kiln.pipeline.evaluate.params import EvalParams
 from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.scaling.params import ScalingParams

@@ -164,7 +164,7 @@ STAGE_MODULES = {"prepare": "kiln.pipeline.text.prepare", "tokenizer": "kiln.pip
                  "scaling_fit": "kiln.pipeline.scaling.fit", "scaling_size": "kiln.pipeline.scaling.size",
                  "pretrain": "kiln.pipeline.train.pretrain", "sft": "kiln.pipeline.post.sft",
                  "dpo": "kiln.pipeline.post.dpo", "grpo": "kiln.pipeline.post.grpo",
-                 "evaluate": "kiln.pipeline.evals.evaluate"}
+                 "evaluate": "kiln.pipeline.evaluate.evaluate"}
 MODULES = {module_name(p): p for folder in ("kernels", "model", "pipeline") for p in (REPO / folder).rglob("*.py")}
 
 
@@ -205,8 +205,9 @@ def package_of(module: str) -> str | None:
 
 
 def test_pipeline_packages_are_layers():
-    """No pipeline package imports one that imports it back, however indirectly (post and evals share the
-    `tasks` library; evals reads serve's model wrapper, serve never evals; train reads the size choice itself).
+    """No pipeline package imports one that imports it back, however indirectly (post and evaluate share the
+    `tasks` library; evaluate reads serve's model wrapper, serve never reads evaluate; train reads the size
+    choice itself).
     The CLI and its command modules, which dispatch to every package, are left out."""
     graph = {}
     for name, path in MODULES.items():
@@ -215,7 +216,7 @@ def test_pipeline_packages_are_layers():
         targets = {package_of(m) for m in imports_of(path, packages=False)}
         graph.setdefault(package_of(name), set()).update(targets - {None, package_of(name)})
     assert_acyclic(graph, "packages import each other")
-    assert {"tasks", "serve"} <= set(graph["evals"]) and "evals" not in graph["serve"] | graph["post"]
+    assert {"tasks", "serve"} <= set(graph["evaluate"]) and "evaluate" not in graph["serve"] | graph["post"]
 
 
 def assert_acyclic(graph: dict[str, set[str]], what: str) -> None:

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import SECTIONS, build_section, load_section, read_params_file
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.evals.evaluate import EvalParams
+from kiln.pipeline.evaluate.params import EvalParams
 from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.scaling.params import ScalingParams

@@ -6,7 +6,7 @@ from math import comb
 
 import pytest
 
-from kiln.pipeline.evals.pass_at_k import mean_pass_at_k, pass_at_k
+from kiln.pipeline.evaluate.pass_at_k import mean_pass_at_k, pass_at_k
 
 
 def closed_form(n: int, c: int, k: int) -> Fraction:

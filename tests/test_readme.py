@@ -23,7 +23,7 @@ from typer.main import get_command
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section, read_params_file
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.evals.evaluate import EvalParams
+from kiln.pipeline.evaluate.params import EvalParams
 from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.scaling.params import ScalingParams

@@ -1,4 +1,4 @@
-"""metrics/report.md (pipeline/evals/report.py) on constructed results: the table and its deltas, the paired
+"""metrics/report.md (pipeline/evaluate/report.py) on constructed results: the table and its deltas, the paired
 bootstrap against a plain resampling loop written here, and the samples section."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kiln.pipeline.evals.generative import GenResult, GenTask, GenTaskSpec
-from kiln.pipeline.evals.report import RESAMPLES, paired_bootstrap, report_markdown
+from kiln.pipeline.evaluate.generative import GenResult, GenTask, GenTaskSpec
+from kiln.pipeline.evaluate.report import RESAMPLES, paired_bootstrap, report_markdown
 from kiln.pipeline.tasks.rewards import make_reward
 
 

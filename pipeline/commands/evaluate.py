@@ -32,7 +32,8 @@ def evaluate_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     data; bare `--set` keys mean eval. `kiln eval` is an alias.
     """
     from kiln.pipeline.config import load_sections
-    from kiln.pipeline.evals.evaluate import EvalParams, evaluate
+    from kiln.pipeline.evaluate.evaluate import evaluate
+    from kiln.pipeline.evaluate.params import EvalParams
     from kiln.pipeline.post.params import DPOParams, SFTParams
     from kiln.pipeline.train.params import TrainParams
 

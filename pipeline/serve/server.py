@@ -280,9 +280,6 @@ def sse(payload: dict | str) -> str:
 def create_app(service: Service):
     """The FastAPI app: /health, /v1/models, /v1/completions, /v1/chat/completions."""
     from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
@@ -290,6 +287,17 @@ def create_app(service: Service):
         yield
 
     app = FastAPI(title="kiln serve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    add_error_handlers(app)
+    add_model_routes(app, service)
+    add_completion_routes(app, service)
+    return app
+
+
+def add_error_handlers(app) -> None:
+    """Every error in OpenAI's shape: kiln's own BadRequest, and the HTTP and validation errors FastAPI raises."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(BadRequest)
     async def bad_request(_, e: BadRequest):
@@ -304,6 +312,10 @@ def create_app(service: Service):
     @app.exception_handler(RequestValidationError)
     async def invalid(_, e: RequestValidationError):
         return JSONResponse(error_body(f"invalid request: {e.errors()[0].get('msg', e)}"), status_code=400)
+
+
+def add_model_routes(app, service: Service) -> None:
+    """GET /health, /v1/models and /v1/models/{name}."""
 
     @app.get("/health")
     async def health():
@@ -323,85 +335,110 @@ def create_app(service: Service):
                              "model_not_found")
         return model_card(service)
 
-    async def parse(http: HTTPRequest) -> dict:
-        try:
-            body = json.loads(await http.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"the request body is not valid JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body: expected a JSON object")
-        if body.get("model") != service.name:
-            if not isinstance(body.get("model"), str):
-                raise BadRequest("model: expected the name of a model (GET /v1/models lists them)", "model")
-            raise BadRequest(f"model {body['model']!r} does not exist (this server has {service.name!r})", "model",
-                             404, "model_not_found")
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise BadRequest("stream: expected true or false", "stream")
-        return body
 
-    async def respond(body: dict, job: Job, chat: bool):
-        created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + job.request.id
-        obj = "chat.completion" if chat else "text_completion"
-        prompt_tokens = len(job.request.prompt)
-
-        def usage():
-            return {"prompt_tokens": prompt_tokens, "completion_tokens": len(job.ids),
-                    "total_tokens": prompt_tokens + len(job.ids)}
-
-        def chunk(piece: str | None, finish: str | None, role: bool = False) -> dict:
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-            return {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
-                    "model": service.name, "choices": [choice]}
-
-        if not body.get("stream"):
-            text = "".join([piece async for piece in service.tokens(job)])
-            choice = {"index": 0, "logprobs": None, "finish_reason": job.finish_reason}
-            choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            return JSONResponse({"id": rid, "object": obj, "created": created, "model": service.name,
-                                 "choices": [choice], "usage": usage()})
-
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-
-        async def events():
-            try:
-                if chat:
-                    yield sse(chunk(None, None, role=True))
-                async for piece in service.tokens(job):
-                    yield sse(chunk(piece, None))
-                yield sse(chunk(None, job.finish_reason))
-                if include_usage:
-                    yield sse({"id": rid, "object": obj + (".chunk" if chat else ""), "created": created,
-                               "model": service.name, "choices": [], "usage": usage()})
-                yield sse("[DONE]")
-            finally:  # the client went away (the generator is closed) or the job ended: either way, stop it
-                if job.finish_reason is None:
-                    service.worker.abort(job.request)
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+def add_completion_routes(app, service: Service) -> None:
+    """POST /v1/completions and /v1/chat/completions: parse the body, start the job, answer whole or streamed."""
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
-        body = await parse(http)
+        body = await parse_body(service, http)
         ids = service.completion_prompt(body)
         sampling = service.sampling(body, len(ids), (service.eot,), default_max=16)
         decode = lambda out: service.tokenizer.decode([t for t in out if t != service.eot])  # noqa: E731
-        return await respond(body, service.start_job(ids, sampling, service.stops(body), decode), chat=False)
+        return await respond(service, body, service.start_job(ids, sampling, service.stops(body), decode),
+                             chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
-        body = await parse(http)
+        body = await parse_body(service, http)
         ids = service.chat_prompt(body)
         chat = service.chat
         sampling = service.sampling(body, len(ids), (chat.im_end, chat.eot), default_max=None)
-        return await respond(body, service.start_job(ids, sampling, service.stops(body), chat.parse_reply),
+        return await respond(service, body, service.start_job(ids, sampling, service.stops(body), chat.parse_reply),
                              chat=True)
 
-    return app
+
+async def parse_body(service: Service, http: HTTPRequest) -> dict:
+    """The request's JSON object, checked as far as both routes share it: the model is this one, `stream` a bool."""
+    try:
+        body = json.loads(await http.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body: expected a JSON object")
+    if body.get("model") != service.name:
+        if not isinstance(body.get("model"), str):
+            raise BadRequest("model: expected the name of a model (GET /v1/models lists them)", "model")
+        raise BadRequest(f"model {body['model']!r} does not exist (this server has {service.name!r})", "model",
+                         404, "model_not_found")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("stream: expected true or false", "stream")
+    return body
+
+
+async def respond(service: Service, body: dict, job: Job, chat: bool):
+    """The job's completion (`chat`: chat completion), as one JSON object or, if the body asks to `stream`, as
+    server-sent events."""
+    reply = Reply(service, job, chat)
+    if not body.get("stream"):
+        return await reply.whole()
+    return reply.streamed(include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
+
+
+class Reply:
+    """One job's answer in OpenAI's shape, named and dated when the answer starts."""
+
+    def __init__(self, service: Service, job: Job, chat: bool):
+        self.service, self.job, self.chat = service, job, chat
+        self.created, self.id = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + job.request.id
+        self.object = "chat.completion" if chat else "text_completion"
+        self.prompt_tokens = len(job.request.prompt)
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.job.ids),
+                "total_tokens": self.prompt_tokens + len(self.job.ids)}
+
+    def chunk(self, piece: str | None, finish: str | None, role: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+        return {"id": self.id, "object": self.object + (".chunk" if self.chat else ""), "created": self.created,
+                "model": self.service.name, "choices": [choice]}
+
+    async def whole(self):
+        """The finished completion as one JSON response."""
+        from fastapi.responses import JSONResponse
+
+        text = "".join([piece async for piece in self.service.tokens(self.job)])
+        choice = {"index": 0, "logprobs": None, "finish_reason": self.job.finish_reason}
+        choice |= {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
+                             "model": self.service.name, "choices": [choice], "usage": self.usage()})
+
+    def streamed(self, include_usage: bool):
+        """A chunk per new piece of text, then one with the finish reason (and one with the usage, if asked)."""
+        from fastapi.responses import StreamingResponse
+
+        return StreamingResponse(self.events(include_usage), media_type="text/event-stream")
+
+    async def events(self, include_usage: bool):
+        service, job = self.service, self.job
+        try:
+            if self.chat:
+                yield sse(self.chunk(None, None, role=True))
+            async for piece in service.tokens(job):
+                yield sse(self.chunk(piece, None))
+            yield sse(self.chunk(None, job.finish_reason))
+            if include_usage:
+                yield sse({"id": self.id, "object": self.object + (".chunk" if self.chat else ""),
+                           "created": self.created, "model": service.name, "choices": [], "usage": self.usage()})
+            yield sse("[DONE]")
+        finally:  # the client went away (the generator is closed) or the job ended: either way, stop it
+            if job.finish_reason is None:
+                service.worker.abort(job.request)
 
 
 def model_card(service: Service) -> dict:

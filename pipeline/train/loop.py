@@ -147,93 +147,141 @@ def train(model: torch.nn.Module, run: Run) -> dict:
 
 
 def _train(model: torch.nn.Module, run: Run) -> dict:
-    params, world = run.params, run.world
-    device = next(model.parameters()).device
-    accum = accumulation_steps(params, run.micro_batch_tokens, world.size)
-    model = distributed.wrap(model, params.parallel, PRECISIONS[params.precision], device)
-    if distributed.is_sharded(model) and (held := distributed.frozen_bytes(model))[1]:
-        console.print(f"{run.name}: FSDP shards the frozen weights: {held[0]:,} of {held[1]:,} bytes on each rank",
-                      highlight=False)
-    optimizer = build_optimizer(model, params, device, zero1=params.zero1 and world.size > 1)
-    scaler = torch.amp.GradScaler(device.type, enabled=params.precision == "fp16")
-    step, seconds_before, loss = 0, 0.0, float("nan")
-    latest = run.checkpoints.newest()
-    if latest is not None:
-        state = run.checkpoints.load(latest, model, optimizer, scaler)
-        run.batches.load_state_dict(state["loader"])
-        step, seconds_before, loss = state["step"], state.get("train_seconds", 0.0), state.get("train_loss", loss)
-        console.print(f"{run.name}: resuming from {latest.path} (step {step})", highlight=False)
-    elif world.main and (others := run.checkpoints.others()):
-        console.print(f"{run.name}: no checkpoint of these params in {run.checkpoints.root}, only of others (newest "
-                      f"{others[-1]}); starting afresh beside them, and they stay"
-                      + (" (--resume-from one of them goes on from it with these params)"
-                         if run.checkpoints.command else ""), highlight=False)
-    forward = compile_forward(model, params)
-    take_step = Step(model, forward, optimizer, scaler, run.loss_fn, accum, params, device)
-
-    def stop(loss: float) -> None:
-        raise StageError(f"{run.name}: loss is {loss} at step {step + 1}; stopped. {run.checkpoints.advice()}")
-
-    curves = Curves(run.curves_dir, step, write=world.main)
-    peak = peak_flops(device, params.precision)[0] if run.flops_per_token else None
-    ramp = BatchRamp(params.batch_tokens, run.micro_batch_tokens * world.size, params.batch_ramp_tokens)
-    last_eval: dict = {}
-    timer_tokens, timer_start = 0, time.perf_counter()
-    start = time.perf_counter()
-    model.train()
-    with Progress(run.name, unit="steps", total=run.total_steps, start=step) as progress:
-        while step < run.total_steps:
-            lr = lr_at(step, run.total_steps, params) * ramp.lr_scale(step)
-            observe = bool(params.stats_every) and world.main and (step + 1) % params.stats_every == 0
-            with observing(model, observe) as inspect:  # hooks for this step only
-                loss, norm = take_step(run.batches, lr, stop, ramp.accumulation(step), inspect)
-            timer_tokens += ramp.tokens(step)
-            step += 1
-            if inspect is not None:
-                curves.add(step, {k: round(v, 6) for k, v in inspect.results().items()})
-            if step % params.log_every == 0 or step == run.total_steps:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                elapsed = time.perf_counter() - timer_start
-                tps = timer_tokens / elapsed
-                grad_norm = distributed.whole(norm).item()
-                extra = run.log_metrics() if run.log_metrics else {}
-                curves.add(step, {"loss": round(loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
-                                  "tokens_per_s": round(tps, 1),
-                                  **({"batch_tokens": ramp.tokens(step - 1)} if params.batch_ramp_tokens else {}),
-                                  **{k: round(v, 5) for k, v in extra.items()}})
-                if peak and device.type == "cpu" and run.flops_per_token * tps > peak * world.size:
-                    # above 100%: a measured CPU peak can only be too low (the machine was busy), measure again
-                    peak, _ = peak_flops(device, params.precision)
-                mfu = run.flops_per_token * tps / (peak * world.size) if peak else None  # tps counts every rank
-                progress.advance(0, loss=loss, **{k: round(extra[k], 3) for k in run.show if k in extra}, lr=lr,
-                                 **{"tok/s": round(tps)},
-                                 **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
-                timer_tokens, timer_start = 0, time.perf_counter()
+    training = Training(model, run)
+    params, due = run.params, training.due
+    with Progress(run.name, unit="steps", total=run.total_steps, start=training.step) as progress:
+        while training.step < run.total_steps:
+            lr, norm = training.take_step()
+            if due(params.log_every):
+                training.log(progress, lr, norm)
             progress.advance(1)
-            if step % params.eval_every == 0 or step == run.total_steps:
-                last_eval = evaluate(run, model, step)
-                curves.add(step, {k: round(v, 5) for k, v in last_eval.items()})
-                model.train()
-            if step % params.checkpoint_every == 0 or step == run.total_steps:
-                run.checkpoints.save(step, model, optimizer, scaler, run.batches.state_dict(),
-                                     {"train_seconds": seconds_before + time.perf_counter() - start,
-                                      "train_loss": loss})
-    if not last_eval:  # resumed from the final checkpoint: nothing trained, but the metrics still need it
-        last_eval = evaluate(run, model, step)
-    curves.end()
-    if params.stats_every and world.main:
-        draw(run.curves_dir)
-    seconds = seconds_before + time.perf_counter() - start
-    tokens = ramp.seen(step)
-    tps = tokens / seconds if seconds else 0.0
-    result = {"train_loss": round(loss, 5), **{k: round(v, 5) for k, v in last_eval.items()}, "steps": step,
-              "tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tps, 1)}
-    peak, _ = peak_flops(device, params.precision)  # again: on a CPU the best of two measurements
-    if peak and run.flops_per_token:
-        result["mfu"] = round(run.flops_per_token * tps / (peak * world.size), 5)
-    result["peak_memory_gb"] = round(peak_memory_bytes(device) / 1e9, 3)
-    return result
+            if due(params.eval_every):
+                training.evaluate()
+            if due(params.checkpoint_every):
+                training.checkpoint()
+    return training.summary()
+
+
+class Training:
+    """One call of `train` under way: the wrapped model, its optimizer and scaler, the step reached, the clocks,
+    the curves. Building it resumes from the newest checkpoint of these params, if there is one."""
+
+    def __init__(self, model: torch.nn.Module, run: Run):
+        params, world = run.params, run.world
+        self.run, self.device = run, next(model.parameters()).device
+        accum = accumulation_steps(params, run.micro_batch_tokens, world.size)
+        self.model = model = distributed.wrap(model, params.parallel, PRECISIONS[params.precision], self.device)
+        if distributed.is_sharded(model) and (held := distributed.frozen_bytes(model))[1]:
+            console.print(f"{run.name}: FSDP shards the frozen weights: {held[0]:,} of {held[1]:,} bytes on each rank",
+                          highlight=False)
+        self.optimizer = build_optimizer(model, params, self.device, zero1=params.zero1 and world.size > 1)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=params.precision == "fp16")
+        self.step, self.seconds_before, self.loss = self.resume()
+        forward = compile_forward(model, params)
+        self.optimizer_step = Step(model, forward, self.optimizer, self.scaler, run.loss_fn, accum, params, self.device)
+        self.curves = Curves(run.curves_dir, self.step, write=world.main)
+        self.peak = peak_flops(self.device, params.precision)[0] if run.flops_per_token else None
+        self.ramp = BatchRamp(params.batch_tokens, run.micro_batch_tokens * world.size, params.batch_ramp_tokens)
+        self.last_eval: dict = {}
+        self.timer_tokens, self.timer_start = 0, time.perf_counter()  # since the last log
+        self.start = time.perf_counter()
+        model.train()
+
+    def resume(self) -> tuple[int, float, float]:
+        """(step, training seconds, last loss) of the newest checkpoint, loaded into the model, optimizer, scaler and
+        batches; (0, 0, NaN) for a fresh start."""
+        run = self.run
+        step, seconds_before, loss = 0, 0.0, float("nan")
+        latest = run.checkpoints.newest()
+        if latest is not None:
+            state = run.checkpoints.load(latest, self.model, self.optimizer, self.scaler)
+            run.batches.load_state_dict(state["loader"])
+            step, seconds_before, loss = state["step"], state.get("train_seconds", 0.0), state.get("train_loss", loss)
+            console.print(f"{run.name}: resuming from {latest.path} (step {step})", highlight=False)
+        elif run.world.main and (others := run.checkpoints.others()):
+            console.print(f"{run.name}: no checkpoint of these params in {run.checkpoints.root}, only of others "
+                          f"(newest {others[-1]}); starting afresh beside them, and they stay"
+                          + (" (--resume-from one of them goes on from it with these params)"
+                             if run.checkpoints.command else ""), highlight=False)
+        return step, seconds_before, loss
+
+    def due(self, every: int) -> bool:
+        """Whether the step just taken is a multiple of `every`, or the last: that one is always logged, evaluated
+        and checkpointed, whatever the cadence."""
+        return self.step % every == 0 or self.step == self.run.total_steps
+
+    def stop(self, loss: float) -> None:
+        """The NaN guard (`Step`'s on_bad_loss): names the step about to be taken and the way on from there."""
+        raise StageError(f"{self.run.name}: loss is {loss} at step {self.step + 1}; stopped. "
+                         f"{self.run.checkpoints.advice()}")
+
+    def take_step(self) -> tuple[float, torch.Tensor]:
+        """One optimizer step at the scheduled lr and (ramped) batch; (lr, gradient norm)."""
+        params, ramp, step = self.run.params, self.ramp, self.step
+        lr = lr_at(step, self.run.total_steps, params) * ramp.lr_scale(step)
+        observe = bool(params.stats_every) and self.run.world.main and (step + 1) % params.stats_every == 0
+        with observing(self.model, observe) as inspect:  # hooks for this step only
+            self.loss, norm = self.optimizer_step(self.run.batches, lr, self.stop, ramp.accumulation(step), inspect)
+        self.timer_tokens += ramp.tokens(step)
+        self.step += 1
+        if inspect is not None:
+            self.curves.add(self.step, {k: round(v, 6) for k, v in inspect.results().items()})
+        return lr, norm
+
+    def log(self, progress: Progress, lr: float, norm: torch.Tensor) -> None:
+        """The step's loss, lr and gradient norm, and the throughput (and MFU) since the last log, to the curves and
+        the progress line."""
+        run, params, world, device, step = self.run, self.run.params, self.run.world, self.device, self.step
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - self.timer_start
+        tps = self.timer_tokens / elapsed
+        grad_norm = distributed.whole(norm).item()
+        extra = run.log_metrics() if run.log_metrics else {}
+        self.curves.add(step, {"loss": round(self.loss, 5), "lr": lr, "grad_norm": round(grad_norm, 5),
+                               "tokens_per_s": round(tps, 1),
+                               **({"batch_tokens": self.ramp.tokens(step - 1)} if params.batch_ramp_tokens else {}),
+                               **{k: round(v, 5) for k, v in extra.items()}})
+        if self.peak and device.type == "cpu" and run.flops_per_token * tps > self.peak * world.size:
+            # above 100%: a measured CPU peak can only be too low (the machine was busy), measure again
+            self.peak, _ = peak_flops(device, params.precision)
+        mfu = run.flops_per_token * tps / (self.peak * world.size) if self.peak else None  # tps counts every rank
+        progress.advance(0, loss=self.loss, **{k: round(extra[k], 3) for k in run.show if k in extra}, lr=lr,
+                         **{"tok/s": round(tps)},
+                         **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
+        self.timer_tokens, self.timer_start = 0, time.perf_counter()
+
+    def evaluate(self) -> None:
+        self.last_eval = evaluate(self.run, self.model, self.step)
+        self.curves.add(self.step, {k: round(v, 5) for k, v in self.last_eval.items()})
+        self.model.train()
+
+    def checkpoint(self) -> None:
+        self.run.checkpoints.save(self.step, self.model, self.optimizer, self.scaler, self.run.batches.state_dict(),
+                                  {"train_seconds": self.seconds(), "train_loss": self.loss})
+
+    def seconds(self) -> float:
+        """Training time over every run of these params, resumed ones included."""
+        return self.seconds_before + time.perf_counter() - self.start
+
+    def summary(self) -> dict:
+        """The run's metrics: the last loss and evaluation, steps, tokens, time, throughput, MFU, peak memory."""
+        run, params, world, device, step = self.run, self.run.params, self.run.world, self.device, self.step
+        if not self.last_eval:  # resumed from the final checkpoint: nothing trained, but the metrics still need it
+            self.last_eval = evaluate(run, self.model, step)
+        self.curves.end()
+        if params.stats_every and world.main:
+            draw(run.curves_dir)
+        seconds = self.seconds()
+        tokens = self.ramp.seen(step)
+        tps = tokens / seconds if seconds else 0.0
+        result = {"train_loss": round(self.loss, 5), **{k: round(v, 5) for k, v in self.last_eval.items()},
+                  "steps": step, "tokens": tokens, "seconds": round(seconds, 2), "tokens_per_s": round(tps, 1)}
+        peak, _ = peak_flops(device, params.precision)  # again: on a CPU the best of two measurements
+        if peak and run.flops_per_token:
+            result["mfu"] = round(run.flops_per_token * tps / (peak * world.size), 5)
+        result["peak_memory_gb"] = round(peak_memory_bytes(device) / 1e9, 3)
+        return result
 
 
 def evaluate(run: Run, model: torch.nn.Module, step: int) -> dict:

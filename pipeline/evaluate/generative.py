@@ -5,7 +5,7 @@ passage?" questions (val split only, the kind the grpo stage trains on, with pas
 `max_new_tokens`), any other `data` is read by `load_prompts` (prompt_answer or gsm8k rows). Every prompt is
 answered once greedily, which gives `pass@1` and `mean_reward` and the per-prompt rewards the report pairs models
 on, and, with `samples: n`, n times at `temperature`, which gives `sampled/pass@k` for k = 1, 2, 4, ... <= n with
-the unbiased estimator of Chen et al. 2021 (evals/pass_at_k.py). A completion is right when its reward is at least
+the unbiased estimator of Chen et al. 2021 (evaluate/pass_at_k.py). A completion is right when its reward is at least
 1 (full marks), as the grpo stage counts its held-out pass@1.
 
 How a model is asked depends on what it was trained on. A chat model (metadata `chat_format`) gets the messages
@@ -29,7 +29,7 @@ import numpy as np
 
 from kiln.model.generate import generate
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.evals.pass_at_k import mean_pass_at_k
+from kiln.pipeline.evaluate.pass_at_k import mean_pass_at_k
 from kiln.pipeline.runtime import autocast
 from kiln.pipeline.tasks.chat_data import PROMPT_FORMATS, load_prompts
 from kiln.pipeline.tasks.chat_format import ChatFormat

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kiln.pipeline.evals.generative import GenResult, GenTask
+from kiln.pipeline.evaluate.generative import GenResult, GenTask
 
 RESAMPLES = 10_000
 SHOWN = 3  # prompts of each generative task shown with every model's answer
