@@ -9,7 +9,7 @@ import torch
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.post.common import IGNORE, ExampleBatches, held_out
 from kiln.pipeline.post.dpo_loss import dpo_loss
-from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.text.bpe import load_tokenizer
 
 CONVERSATION = [
     {"role": "system", "content": "You answer in verse."},

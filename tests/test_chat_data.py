@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.tasks.chat_data import Pair, detect_format, load_conversations, load_pairs, read_rows
 from kiln.pipeline.tasks.chat_format import ROLES, ChatFormat
-from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.text.bpe import load_tokenizer
 
 from conftest import assistant, raw_rows, summary, user, write_jsonl
 

@@ -16,7 +16,7 @@ from kiln.model.generate import generate as kiln_generate
 from kiln.pipeline.cli import app
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.tasks.chat_format import IM_END, ChatFormat
-from kiln.pipeline.text.tokens import EOT, load_tokenizer
+from kiln.pipeline.text.bpe import EOT, load_tokenizer
 
 from conftest import make_documents
 

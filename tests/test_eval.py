@@ -19,7 +19,7 @@ from kiln.pipeline.cli import app
 from kiln.pipeline.evaluate.scoring import ChoiceTask, choice_accuracy, encode_request
 from kiln.pipeline.tasks.tasks import MCItem
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.text.tokens import EOT, load_tokenizer
+from kiln.pipeline.text.bpe import EOT, load_tokenizer
 
 
 def scrambled(vocab_size: int, max_seq_len: int, seed: int = 0) -> GPT:

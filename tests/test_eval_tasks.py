@@ -512,7 +512,7 @@ def test_builtin_cloze_choices_are_the_lines_without_the_delimiter(shakespeare):
     # lm_eval/api/task.py, ConfigurableTask.process_results): the built-in task must say what its choices are.
     from kiln.pipeline.tasks.chat_format import ChatFormat
     from kiln.pipeline.tasks.corpus_task import cloze_items
-    from kiln.pipeline.text.tokens import load_tokenizer
+    from kiln.pipeline.text.bpe import load_tokenizer
 
     chat = ChatFormat(load_tokenizer(shakespeare.tokenizer, ordinary=True))
     items = cloze_items(shakespeare.corpus, chat, 128, 8, seed=0)

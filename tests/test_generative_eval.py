@@ -25,7 +25,7 @@ from kiln.pipeline.evaluate.generative import GenTaskSpec, load_gen_task, plain_
 from kiln.pipeline.tasks.tasks import TaskSpec
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.tasks.chat_format import ChatFormat
-from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.text.bpe import load_tokenizer
 
 from conftest import fails_in_one_line, tree_bytes, user, write_jsonl, write_params
 

@@ -19,7 +19,7 @@ from kiln.pipeline.post.common import IGNORE
 from kiln.pipeline.post.grpo import Prompts, Rollouts, completion_rows, encode_prompts
 from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.tasks.rewards import make_reward
-from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.text.bpe import load_tokenizer
 from tests.conftest import fails_in_one_line, tree_bytes, write_jsonl, write_params
 from tests.test_posttrain import save_base
 from tests.test_train import KILL_IN_SECOND_SAVE, kiln

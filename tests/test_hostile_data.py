@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.text.tokens import check_byte_level, load_tokenizer, tiktoken_encoding
+from kiln.pipeline.text.bpe import check_byte_level, load_tokenizer, tiktoken_encoding
 
 from conftest import fails_in_one_line, tree_bytes, write_params
 

@@ -15,7 +15,7 @@ from kiln.model.checkpoint import save_model
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.text.bpe import load_tokenizer
 
 from conftest import fails_in_one_line, tree_bytes, write_params
 

@@ -30,7 +30,7 @@ from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.text.shard import ShardParams
 from kiln.pipeline.text.sources import DataParams
 from kiln.pipeline.text.tokenizer import TokenizerParams
-from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.text.bpe import load_tokenizer
 from kiln.pipeline.train.params import ModelParams, TrainParams
 
 from conftest import fails_in_one_line, tree_bytes, write_params

@@ -43,7 +43,7 @@ def test_wheel_holds_one_top_level_package(tmp_path):
 # ---------------------------------------------------------------- the import graph, read off the source
 
 def module_file(name: str) -> Path | None:
-    """The file of a kiln module (`kiln.pipeline.text.tokens` -> pipeline/text/tokens.py), None if not kiln's."""
+    """The file of a kiln module (`kiln.pipeline.text.bpe` -> pipeline/text/bpe.py), None if not kiln's."""
     if name != "kiln" and not name.startswith("kiln."):
         return None
     parts = name.split(".")[1:]

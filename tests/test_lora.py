@@ -164,7 +164,7 @@ def test_peft_loads_the_exported_adapter_to_the_same_logits(tiny, tmp_path, arch
 
     from kiln.model.checkpoint import save_model
     from kiln.pipeline.outputs import sha256_file
-    from kiln.pipeline.text.tokens import load_tokenizer
+    from kiln.pipeline.text.bpe import load_tokenizer
 
     vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
     torch.manual_seed(0)
@@ -247,7 +247,7 @@ def test_bad_adapter_params_fail_in_one_line(tiny, project, setting, names):
     if setting.pop("arch", None) == "gpt2":
         from kiln.model.checkpoint import save_model
         from kiln.pipeline.outputs import sha256_file
-        from kiln.pipeline.text.tokens import load_tokenizer
+        from kiln.pipeline.text.bpe import load_tokenizer
 
         vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
         config = ModelConfig(vocab_size=vocab, n_layer=1, n_head=2, n_kv_head=2, d_model=64, max_seq_len=64,
@@ -260,7 +260,7 @@ def test_bad_adapter_params_fail_in_one_line(tiny, project, setting, names):
 def test_qlora_refuses_a_width_that_is_not_whole_nf4_blocks(tiny, project):
     from kiln.model.checkpoint import save_model
     from kiln.pipeline.outputs import sha256_file
-    from kiln.pipeline.text.tokens import load_tokenizer
+    from kiln.pipeline.text.bpe import load_tokenizer
 
     vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
     config = ModelConfig(vocab_size=vocab, n_layer=1, n_head=2, n_kv_head=2, d_model=96, max_seq_len=64)

@@ -27,7 +27,7 @@ from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.text.shard import ShardParams
 from kiln.pipeline.text.sources import DataParams
 from kiln.pipeline.text.tokenizer import TokenizerParams
-from kiln.pipeline.text.tokens import SPECIAL_TOKENS
+from kiln.pipeline.text.bpe import SPECIAL_TOKENS
 from kiln.pipeline.train.params import ModelParams, TrainParams
 
 from conftest import write_params

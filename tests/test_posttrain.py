@@ -28,7 +28,7 @@ from kiln.pipeline.post.dpo import dpo, pair_metrics
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
 from kiln.pipeline.post.sft import sft, text_rows
-from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.text.bpe import load_tokenizer
 from kiln.pipeline.train.params import TrainParams
 
 ANSWERS = ["Claudius", "Gertrude", "Ophelia", "Polonius", "Laertes", "Horatio", "Yorick", "Osric"]

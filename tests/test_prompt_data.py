@@ -16,7 +16,7 @@ from kiln.pipeline.tasks.chat_data import PROMPT_FORMATS, PromptAnswer, detect_f
 from kiln.pipeline.tasks.chat_format import ROLES, ChatFormat
 from kiln.pipeline.tasks.corpus_task import is_speaker, prompt_items, task_items
 from kiln.pipeline.tasks.rewards import make_reward, score
-from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.text.bpe import load_tokenizer
 
 from conftest import assistant, raw_rows, summary, user, write_jsonl
 

@@ -12,7 +12,7 @@ from kiln.pipeline.cli import app
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.serve.text_model import Sampling, TextModel
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.text.tokens import EOT, load_tokenizer
+from kiln.pipeline.text.bpe import EOT, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.tasks.chat_format import ChatFormat
-from kiln.pipeline.text.tokens import EOT, load_tokenizer
+from kiln.pipeline.text.bpe import EOT, load_tokenizer
 
 
 def free_port() -> int:

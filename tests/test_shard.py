@@ -16,7 +16,7 @@ from kiln.pipeline.errors import UserError
 from kiln.pipeline.text.loader import ShardSet, TokenBatches
 from kiln.pipeline.text.shard import ShardParams, shard
 from kiln.pipeline.text.shard_format import HEADER_BYTES
-from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.text.bpe import load_tokenizer
 
 from conftest import build, tree_bytes
 

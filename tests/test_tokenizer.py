@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.text.tokenizer import TokenizerParams, train_tokenizer
-from kiln.pipeline.text.tokens import SPECIAL_TOKENS, load_tokenizer, tiktoken_encoding
+from kiln.pipeline.text.bpe import SPECIAL_TOKENS, load_tokenizer, tiktoken_encoding
 
 from conftest import build, make_documents
 

@@ -30,7 +30,7 @@ from kiln.pipeline.text.shard import ShardParams, shard
 from kiln.pipeline.text.shard_format import MANIFEST, ShardHeader, open_tokens
 from kiln.pipeline.text.sources import DataParams
 from kiln.pipeline.text.tokenizer import TokenizerParams, gpt2_folder, read_gpt2_files, train_tokenizer
-from kiln.pipeline.text.tokens import EOT, SPECIAL_TOKENS, load_tokenizer, tiktoken_encoding
+from kiln.pipeline.text.bpe import EOT, SPECIAL_TOKENS, load_tokenizer, tiktoken_encoding
 from kiln.pipeline.train.lm_eval import byte_lengths
 
 # tiktoken_ext/openai_public.py's r50k_pat_str, the split of its `gpt2` encoding: written out so that the reference

@@ -178,7 +178,7 @@ def bench_adapters(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     and GPT-2 124M's (rank, alpha and targets from the `sft` section)."""
     from kiln.pipeline.config import load_sections
     from kiln.pipeline.post.params import SFTParams
-    from kiln.pipeline.text.tokens import load_tokenizer
+    from kiln.pipeline.text.bpe import load_tokenizer
     from kiln.pipeline.tools.bench_adapters import bench_adapters as run
     from kiln.pipeline.tools.bench_adapters import default_shapes
     from kiln.pipeline.train.params import ModelParams

@@ -54,8 +54,8 @@ def data_inspect(path: Annotated[Path, typer.Argument(help="A shard file (.bin).
                  tokenizer: TokenizerOpt = layout.TOKENIZER,
                  tokens: Annotated[int, typer.Option("-n", "--tokens", help="How many tokens to decode.")] = 64):
     """Print a shard's header, token count and its first tokens decoded."""
+    from kiln.pipeline.text.bpe import load_tokenizer
     from kiln.pipeline.text.shard_format import ShardHeader, open_tokens
-    from kiln.pipeline.text.tokens import load_tokenizer
 
     header = ShardHeader.read(path)
     ids = [int(i) for i in open_tokens(path, header)[:tokens]]

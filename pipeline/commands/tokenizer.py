@@ -39,8 +39,8 @@ def tokenizer_encode(text: Annotated[str, typer.Argument(help="Text to encode ('
                      tokenizer: TokenizerOpt = layout.TOKENIZER):
     """Print the ids of TEXT, then its pieces (special-token text becomes the special token)."""
     from kiln.pipeline.errors import UserError
+    from kiln.pipeline.text.bpe import load_tokenizer, token_bytes
     from kiln.pipeline.text.corpus import SURROGATE
-    from kiln.pipeline.text.tokens import load_tokenizer, token_bytes
 
     tok = load_tokenizer(tokenizer)
     text = sys.stdin.read() if text == "-" else text
@@ -59,7 +59,7 @@ def tokenizer_decode(ids: Annotated[list[str], typer.Argument(help="Token ids, s
                      tokenizer: TokenizerOpt = layout.TOKENIZER):
     """Print the text of token IDS."""
     from kiln.pipeline.errors import UserError
-    from kiln.pipeline.text.tokens import load_tokenizer
+    from kiln.pipeline.text.bpe import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     words = [w for item in ids for w in item.replace(",", " ").split()]

@@ -25,10 +25,9 @@ from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.post.params import PostTrainParams
 from kiln.pipeline.progress import console
 from kiln.pipeline.runtime import World, autocast, from_env, prepare_device
-from kiln.pipeline.tasks.chat_data import load_conversations, load_pairs, load_prompts
 from kiln.pipeline.tasks.chat_format import ChatFormat, Rendered
-from kiln.pipeline.tasks.corpus_task import TaskItem, prompt_items, task_items
-from kiln.pipeline.text.tokens import load_tokenizer
+from kiln.pipeline.tasks.corpus_task import TaskItem
+from kiln.pipeline.text.bpe import load_tokenizer
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.params import TrainParams
 
@@ -231,21 +230,14 @@ class ChatData:
 
 
 def load_chat_data(params: PostTrainParams, chat: ChatFormat, seq_len: int, corpus_dir: Path) -> ChatData:
-    section = params.SECTION
+    """The section's examples: its built-in task's, or its dataset's rows split by hash (post/params.py has what
+    each section's data is)."""
     if params.data == "builtin":
         if params.max_examples is None:
             raise params.bad("max_examples", "the number of items to derive when data is builtin")
-        if section == "grpo":
-            # Passages fitted to leave room for a whole completion, so that no prompt is dropped as too long.
-            train, val = prompt_items(corpus_dir, chat, seq_len - params.max_new_tokens, params.max_examples,
-                                      params.val_examples, params.seed)
-            return ChatData(train, val, [])
-        train, val = task_items(corpus_dir, chat, seq_len, params.max_examples, params.val_examples, params.seed)
-        convert = TaskItem.pair if section == "dpo" else TaskItem.conversation
-        return ChatData([convert(i) for i in train], [convert(i) for i in val], val)
-    load = {"sft": load_conversations, "dpo": load_pairs, "grpo": load_prompts}[section]
+        return ChatData(*params.builtin(corpus_dir, chat, seq_len))
     cap = None if params.max_examples is None else params.max_examples + params.val_examples
-    rows = load(params.data, params.format, params.split, cap, f"{params.SECTION}.data")
+    rows = params.loader()(params.data, params.format, params.split, cap, f"{params.SECTION}.data")
     keys = [json.dumps(row if isinstance(row, list) else vars(row), sort_keys=True) for row in rows]
     train, val = held_out(keys, params.val_examples)
     return ChatData([rows[i] for i in train[:params.max_examples]], [rows[i] for i in val], [])

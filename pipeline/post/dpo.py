@@ -20,23 +20,25 @@ log-probabilities; `train/` on a fixed sample of training pairs, `val/` on the h
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
 
 from kiln.pipeline import layout
-from kiln.pipeline.outputs import recover, write_metrics
-from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, answer_logps, answer_tokens, rows_sha256, start
+from kiln.pipeline.post.common import (
+    ChoiceScorer,
+    ExampleBatches,
+    Start,
+    answer_logps,
+    answer_tokens,
+    rows_sha256,
+    start,
+)
 from kiln.pipeline.post.dpo_loss import batch_loss, dpo_loss
 from kiln.pipeline.post.params import DPOParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
-from kiln.pipeline.progress import console
-from kiln.pipeline.train import distributed
-from kiln.pipeline.train.checkpoints import Checkpoints
-from kiln.pipeline.train.curves import Panel, plot_png
-from kiln.pipeline.train.lm import CADENCE
-from kiln.pipeline.train.loop import Run, accumulation_steps, train
+from kiln.pipeline.post.stage import Stage, run_stage
+from kiln.pipeline.train.curves import Panel
 from kiln.pipeline.train.params import TrainParams
 
 MODEL_DIR = layout.DPO_MODEL
@@ -70,9 +72,12 @@ def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_p
         out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR,
         resume_from: Path | None = None) -> dict:
     s = start(params, train_params, sft_dir, tokenizer_path, corpus_dir)
+    return run_stage(s, lambda: dpo_stage(params, s, sft_dir), out_dir, checkpoint_dir, curves_dir, resume_from)
+
+
+def dpo_stage(params: DPOParams, s: Start, sft_dir: Path) -> Stage:
+    """DPO's pair rows with the reference's log-probabilities, its loss and its held-out measures."""
     model, loop, chat, data, seq_len, world = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len, s.world
-    if world.main:  # rank 0 alone writes, so it alone repairs what a killed write of the model left
-        recover(out_dir)
     train_rows = pair_rows(data.train, chat, seq_len, "dpo train")
     val_rows = pair_rows(data.val, chat, seq_len, "dpo held-out")
     for rows in (train_rows, val_rows):  # the reference, once: the model is still the SFT model here
@@ -98,28 +103,19 @@ def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_p
         losses = dpo_loss(pc, pr, ref_c, ref_r, tokens, params.beta, params.label_smoothing, params.loss)[0]
         return batch_loss(losses, pc, tokens[0], params.sft_weight)
 
-    before = evaluate(model)
     tensors = (*train_rows.chosen, *train_rows.rejected, train_rows.ref_chosen.float(), train_rows.ref_rejected.float())
-    fingerprint = {**s.identity(), "data": rows_sha256(*tensors[:4]),
-                   "dpo": {"beta": params.beta, "label_smoothing": params.label_smoothing, "loss": params.loss,
-                           "sft_weight": params.sft_weight},
-                   "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
-    micro = 2 * params.batch_size * seq_len
-    run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=loss_fn,
-              batches=ExampleBatches(tensors, params.batch_size, accumulation_steps(loop, micro, world.size),
-                                     params.seed, rank=world.rank, world_size=world.size),
-              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints, world,
-                                                         resume_from, "kiln dpo"),
-              curves_dir=curves_dir, flops_per_token=s.flops_per_token(), name="dpo", world=world)
-    console.print(f"dpo: {len(train_rows):,} train and {len(val_rows):,} held-out pairs, {params.loss} loss, "
-                  f"beta {params.beta}, {loop.max_steps} steps x {params.batch_examples} pairs, from {sft_dir}"
-                  f"{distributed.spread(world, loop.parallel)}", highlight=False)
-    result = train(model, run)
-    s.save(out_dir)
-    if not world.main:
-        return result
-    metrics = {**result, "pairs": len(train_rows), "val_pairs": len(val_rows),
-               "sft": {k: round(v, 5) for k, v in before.items() if not k.startswith(("train/rewards", "val/rewards"))}}
-    plot_png(curves_dir, curves_dir / "curves.png", PANELS, f"dpo: {len(train_rows):,} pairs, {result['steps']} steps")
-    write_metrics("dpo", metrics)
-    return metrics
+    return Stage(
+        name="dpo", loss_fn=loss_fn,
+        batches=lambda accum: ExampleBatches(tensors, params.batch_size, accum, params.seed, rank=world.rank,
+                                             world_size=world.size),
+        evaluate=evaluate, data=rows_sha256(*tensors[:4]),
+        fingerprint={"dpo": {"beta": params.beta, "label_smoothing": params.label_smoothing, "loss": params.loss,
+                             "sft_weight": params.sft_weight}},
+        micro_batch_tokens=2 * params.batch_size * seq_len,
+        summary=f"{len(train_rows):,} train and {len(val_rows):,} held-out pairs, {params.loss} loss, beta "
+                f"{params.beta}, {loop.max_steps} steps x {params.batch_examples} pairs, from {sft_dir}",
+        panels=PANELS, title=f"{len(train_rows):,} pairs",
+        # before training the policy is its own reference: its rewards (log-ratios of 0) say nothing
+        metrics=lambda result, before: {**result, "pairs": len(train_rows), "val_pairs": len(val_rows),
+                                        "sft": {k: round(v, 5) for k, v in before.items()
+                                                if not k.startswith(("train/rewards", "val/rewards"))}})

@@ -25,7 +25,6 @@ the sampled positions), clip_ratio/* and kl. Held out: greedy pass@1 and mean re
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import time
@@ -39,20 +38,18 @@ from kiln.model.generate import generate
 from kiln.model.lora import adapters_off, is_adapted
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.outputs import recover, write_metrics
-from kiln.pipeline.post.common import IGNORE, ExampleBatches, start
+from kiln.pipeline.post.common import IGNORE, ExampleBatches, Start, start
 from kiln.pipeline.post.grpo_loss import group_advantages, policy_loss
 from kiln.pipeline.post.grpo_params import GRPOParams
+from kiln.pipeline.post.stage import Stage, run_stage
 from kiln.pipeline.progress import console
 from kiln.pipeline.runtime import SINGLE, World, autocast
 from kiln.pipeline.tasks.chat_data import PromptAnswer
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.tasks.rewards import NamedReward, make_reward, score
 from kiln.pipeline.train import distributed
-from kiln.pipeline.train.checkpoints import Checkpoints
-from kiln.pipeline.train.curves import Panel, plot_png
-from kiln.pipeline.train.lm import CADENCE
-from kiln.pipeline.train.loop import Run, accumulation_steps, train
+from kiln.pipeline.train.curves import Panel
+from kiln.pipeline.train.loop import accumulation_steps
 from kiln.pipeline.train.params import TrainParams
 
 MODEL_DIR = layout.GRPO_MODEL
@@ -278,9 +275,14 @@ def grpo(params: GRPOParams, train_params: TrainParams, start_dir: Path, tokeniz
          resume_from: Path | None = None) -> dict:
     reward = make_reward(params.reward, params.reward_pattern)  # a bad reward fails before the model loads
     s = start(params, train_params, start_dir, tokenizer_path, corpus_dir)
+    return run_stage(s, lambda: grpo_stage(params, s, reward, start_dir), out_dir, checkpoint_dir, curves_dir,
+                     resume_from)
+
+
+def grpo_stage(params: GRPOParams, s: Start, reward: NamedReward, start_dir: Path) -> Stage:
+    """GRPO's prompts and the rollouts that sample and score completions of them as training goes, its policy
+    loss and its held-out greedy rewards."""
     model, loop, chat, seq_len, world = s.model, s.loop, s.chat, s.model.config.max_seq_len, s.world
-    if world.main:  # rank 0 alone writes, so it alone repairs what a killed write of the model left
-        recover(out_dir)
     prompts = encode_prompts(s.data.train, chat, seq_len, params.max_new_tokens, "grpo train")
     val = encode_prompts(s.data.val, chat, seq_len, params.max_new_tokens, "grpo held-out")
     micro = params.batch_size * seq_len
@@ -294,35 +296,27 @@ def grpo(params: GRPOParams, train_params: TrainParams, start_dir: Path, tokeniz
                                           "grpo held-out"))
         return {"val/reward": float(rewards.mean()), "val/pass@1": float((rewards >= 1).mean())}
 
-    before = evaluate(model)
+    def metrics(result: dict, before: dict) -> dict:
+        # The loop's tokens count every row as max_seq_len long; what GRPO moves is completions, counted here.
+        return {**{k: v for k, v in result.items() if k not in ("tokens", "tokens_per_s")},
+                "prompts": len(prompts), "val_prompts": len(val), "start": {k: round(v, 5) for k, v in before.items()},
+                "rollout_tokens_per_s": round(rollouts.tokens / rollouts.seconds, 1) if rollouts.seconds else 0.0,
+                "generate_share": round(rollouts.seconds / result["seconds"], 4) if result["seconds"] else 0.0}
+
     data = json.dumps([prompts.ids, prompts.texts, prompts.answers]).encode()
-    fingerprint = {**s.identity(), "data": hashlib.sha256(data).hexdigest(),
-                   "grpo": {k: getattr(params, k) for k in ("group_size", "epochs", "temperature", "top_p",
-                                                            "max_new_tokens", "epsilon_low", "epsilon_high", "beta",
-                                                            "loss_type", "scale_rewards", "reward", "reward_pattern")},
-                   "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
-    run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=rollouts.loss,
-              batches=rollouts, evaluate=evaluate,
-              checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints, world, resume_from,
-                                      "kiln grpo"),
-              # The loop counts every row as max_seq_len tokens; a rollout row is a prompt and a short completion,
-              # and sampling takes a third of the time: an MFU from those counts would be fiction.
-              curves_dir=curves_dir, flops_per_token=0.0, name="grpo",
-              log_metrics=rollouts.log_metrics, show=("reward",), world=world)
-    console.print(f"grpo: {len(prompts):,} train and {len(val):,} held-out prompts, {loop.max_steps} steps x "
-                  f"{rollouts.per_rollout} prompts x {params.group_size} completions, {reward.label}, "
-                  f"{params.loss_type} loss, from {start_dir}{distributed.spread(world, loop.parallel)}",
-                  highlight=False)
-    result = train(model, run)
-    s.save(out_dir)
-    if not world.main:
-        return result
-    # The loop's tokens count every row as max_seq_len long; what GRPO moves is completions, counted here.
-    metrics = {**{k: v for k, v in result.items() if k not in ("tokens", "tokens_per_s")},
-               "prompts": len(prompts), "val_prompts": len(val), "start": {k: round(v, 5) for k, v in before.items()},
-               "rollout_tokens_per_s": round(rollouts.tokens / rollouts.seconds, 1) if rollouts.seconds else 0.0,
-               "generate_share": round(rollouts.seconds / result["seconds"], 4) if result["seconds"] else 0.0}
-    plot_png(curves_dir, curves_dir / "curves.png", PANELS,
-             f"grpo: {len(prompts):,} prompts x {params.group_size}, {result['steps']} steps")
-    write_metrics("grpo", metrics)
-    return metrics
+    return Stage(
+        name="grpo", loss_fn=rollouts.loss, evaluate=evaluate,
+        batches=lambda accum: rollouts,  # built above for these same accumulation steps
+        data=hashlib.sha256(data).hexdigest(),
+        fingerprint={"grpo": {k: getattr(params, k) for k in ("group_size", "epochs", "temperature", "top_p",
+                                                              "max_new_tokens", "epsilon_low", "epsilon_high",
+                                                              "beta", "loss_type", "scale_rewards", "reward",
+                                                              "reward_pattern")}},
+        micro_batch_tokens=micro,
+        summary=f"{len(prompts):,} train and {len(val):,} held-out prompts, {loop.max_steps} steps x "
+                f"{rollouts.per_rollout} prompts x {params.group_size} completions, {reward.label}, "
+                f"{params.loss_type} loss, from {start_dir}",
+        panels=PANELS, title=f"{len(prompts):,} prompts x {params.group_size}", metrics=metrics,
+        # The loop counts every row as max_seq_len tokens; a rollout row is a prompt and a short completion,
+        # and sampling takes a third of the time: an MFU from those counts would be fiction.
+        flops_per_token=0.0, log_metrics=rollouts.log_metrics, show=("reward",))

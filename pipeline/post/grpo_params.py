@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 from kiln.pipeline.post.grpo_loss import LOSS_TYPES
 from kiln.pipeline.post.params import PostTrainParams
+
+if TYPE_CHECKING:
+    from kiln.pipeline.tasks.chat_data import PromptAnswer
+    from kiln.pipeline.tasks.chat_format import ChatFormat
 
 
 @dataclass
@@ -71,3 +77,24 @@ class GRPOParams(PostTrainParams):
             raise self.bad("beta", "a number >= 0")
         if self.loss_type not in LOSS_TYPES:
             raise self.bad("loss_type", f"one of {', '.join(LOSS_TYPES)}")
+
+    def formats(self) -> tuple[str, ...]:
+        from kiln.pipeline.tasks.chat_data import PROMPT_FORMATS
+
+        return PROMPT_FORMATS
+
+    def loader(self) -> Callable[..., list]:
+        from kiln.pipeline.tasks.chat_data import load_prompts
+
+        return load_prompts
+
+    def builtin(self, corpus_dir: Path, chat: ChatFormat,
+                seq_len: int) -> tuple[list[PromptAnswer], list[PromptAnswer], list]:
+        """The built-in task's items as prompts with their answers, and no multiple-choice items: GRPO's own
+        held-out measure is greedy pass@1."""
+        from kiln.pipeline.tasks.corpus_task import prompt_items
+
+        # Passages fitted to leave room for a whole completion, so that no prompt is dropped as too long.
+        train, val = prompt_items(corpus_dir, chat, seq_len - self.max_new_tokens, self.max_examples,
+                                  self.val_examples, self.seed)
+        return train, val, []

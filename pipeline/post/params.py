@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
 from kiln.model.lora import ADAPTERS, TARGETS
 from kiln.pipeline.config import Section, build_section
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.train.params import TrainParams
+from kiln.pipeline.train.params import TrainParams, loop_keys
+
+if TYPE_CHECKING:
+    from kiln.pipeline.tasks.chat_data import Pair
+    from kiln.pipeline.tasks.chat_format import ChatFormat
+    from kiln.pipeline.tasks.corpus_task import TaskItem
 
 
 @dataclass
@@ -17,9 +24,11 @@ class PostTrainParams(Section):
     """What SFT, DPO and GRPO share: their data and the optimisation that differs from pretraining.
 
     The device, precision, kernels, compile, Adam betas, gradient clipping and checkpoint retention come from
-    the `train` section, so one `-S train.precision=bf16` changes every training stage alike."""
+    the `train` section, so one `-S train.precision=bf16` changes every training stage alike.
 
-    SECTION: ClassVar[str] = "sft"
+    Each section declares its own data (`formats`, `loader`, `example`, `builtin`), so that the checks here and
+    the loading in post/common.py serve every section without naming one."""
+
     # builtin (questions derived from the corpus) | hf:<dataset>[:<config>] | a .json/.jsonl/.parquet[.gz] file
     data: str = "builtin"
     format: str = "auto"
@@ -48,10 +57,29 @@ class PostTrainParams(Section):
 
     SEQUENCES: ClassVar[int] = 1  # sequences per example: a DPO pair is two
 
-    def check(self) -> None:
-        from kiln.pipeline.tasks.chat_data import PREFERENCE_FORMATS, PROMPT_FORMATS, SFT_FORMATS
+    # The readers live in pipeline/tasks/ and are imported when called, so importing a section loads no data code.
+    def formats(self) -> tuple[str, ...]:
+        """The dataset formats `format` may name besides auto."""
+        raise NotImplementedError
 
-        formats = {"sft": SFT_FORMATS, "dpo": PREFERENCE_FORMATS, "grpo": PROMPT_FORMATS}[self.SECTION]
+    def loader(self) -> Callable[..., list]:
+        """The pipeline/tasks/chat_data.py function that reads this section's examples from a dataset or file."""
+        raise NotImplementedError
+
+    def example(self, item: TaskItem) -> object:
+        """A built-in task item as this section's example."""
+        raise NotImplementedError
+
+    def builtin(self, corpus_dir: Path, chat: ChatFormat, seq_len: int) -> tuple[list, list, list[TaskItem]]:
+        """The built-in task: (train examples, held-out examples, the held-out multiple-choice items behind the
+        accuracy)."""
+        from kiln.pipeline.tasks.corpus_task import task_items
+
+        train, val = task_items(corpus_dir, chat, seq_len, self.max_examples, self.val_examples, self.seed)
+        return [self.example(i) for i in train], [self.example(i) for i in val], val
+
+    def check(self) -> None:
+        formats = self.formats()
         if self.format not in ("auto", *formats):
             raise self.bad("format", f"auto or one of {', '.join(formats)}")
         if not self.data.strip():
@@ -82,15 +110,14 @@ class PostTrainParams(Section):
             raise UserError(str(e).replace("params: train.", f"params: {self.SECTION}.", 1)) from None
 
     def loop_params(self, train: TrainParams, seq_len: int) -> TrainParams:
-        """The one loop's params: this section's schedule and batch over `train`'s engine settings."""
+        """The one loop's params: this section's keys of the same name as `train`'s (its schedule, seed and
+        cadence) over `train`'s engine settings, with its batch in sequences."""
         return build_section(TrainParams, {
-            **dataclasses.asdict(train), "max_steps": self.max_steps, "tokens": None, "seed": self.seed,
+            **dataclasses.asdict(train), **loop_keys(self), "tokens": None,
             "batch_ramp_tokens": 0,  # pretraining's: post-training starts from a trained model
+            # this section counts examples, the loop sequences
             "batch_size": self.batch_size * self.SEQUENCES,
-            "batch_tokens": self.batch_examples * self.SEQUENCES * seq_len,
-            "lr": self.lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps,
-            "weight_decay": self.weight_decay, "eval_every": self.eval_every,
-            "checkpoint_every": self.checkpoint_every, "log_every": self.log_every})
+            "batch_tokens": self.batch_examples * self.SEQUENCES * seq_len})
 
     def adapter_spec(self) -> dict:
         """What shapes the adapted model: the run's fingerprint and the saved adapter's config."""
@@ -116,6 +143,19 @@ class SFTParams(PostTrainParams):
             raise self.bad("text_share", "a number in [0, 1)")
         if not self.text_weight > 0:
             raise self.bad("text_weight", "a positive number")
+
+    def formats(self) -> tuple[str, ...]:
+        from kiln.pipeline.tasks.chat_data import SFT_FORMATS
+
+        return SFT_FORMATS
+
+    def loader(self) -> Callable[..., list]:
+        from kiln.pipeline.tasks.chat_data import load_conversations
+
+        return load_conversations
+
+    def example(self, item: TaskItem) -> list[dict]:
+        return item.conversation()
 
 
 @dataclass
@@ -146,4 +186,17 @@ class DPOParams(PostTrainParams):
             raise self.bad("sft_weight", "a number >= 0")
         if self.loss == "ipo" and self.label_smoothing:
             raise self.bad("label_smoothing", "0 with dpo.loss=ipo (label smoothing is a sigmoid-loss variant)")
+
+    def formats(self) -> tuple[str, ...]:
+        from kiln.pipeline.tasks.chat_data import PREFERENCE_FORMATS
+
+        return PREFERENCE_FORMATS
+
+    def loader(self) -> Callable[..., list]:
+        from kiln.pipeline.tasks.chat_data import load_pairs
+
+        return load_pairs
+
+    def example(self, item: TaskItem) -> Pair:
+        return item.pair()
 

@@ -9,7 +9,6 @@ accuracy of picking the true answer among four, measured on the base model befor
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -17,17 +16,13 @@ import torch
 
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.outputs import recover, write_metrics
-from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, fits, rows_sha256, score_rows, start, to_rows
+from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, Start, fits, rows_sha256, score_rows, start, to_rows
 from kiln.pipeline.post.params import SFTParams
+from kiln.pipeline.post.stage import Stage, run_stage
 from kiln.pipeline.progress import console
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.text.corpus import iter_texts
-from kiln.pipeline.train import distributed
-from kiln.pipeline.train.checkpoints import Checkpoints
-from kiln.pipeline.train.curves import Panel, plot_png
-from kiln.pipeline.train.lm import CADENCE
-from kiln.pipeline.train.loop import Run, accumulation_steps, train
+from kiln.pipeline.train.curves import Panel
 from kiln.pipeline.train.params import TrainParams
 
 MODEL_DIR = layout.SFT_MODEL
@@ -81,9 +76,13 @@ def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_
         out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR,
         resume_from: Path | None = None) -> dict:
     s = start(params, train_params, base_dir, tokenizer_path, corpus_dir)
-    model, loop, chat, data, seq_len, world = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len, s.world
-    if world.main:  # rank 0 alone writes, so it alone repairs what a killed write of the model left
-        recover(out_dir)
+    return run_stage(s, lambda: sft_stage(params, s, base_dir, corpus_dir), out_dir, checkpoint_dir, curves_dir,
+                     resume_from)
+
+
+def sft_stage(params: SFTParams, s: Start, base_dir: Path, corpus_dir: Path) -> Stage:
+    """SFT's rows (the examples', then the corpus text's), its weighted loss and its held-out measures."""
+    loop, chat, data, seq_len, world = s.loop, s.chat, s.data, s.model.config.max_seq_len, s.world
     x, y = rows_of(data.train, chat, seq_len, "sft train")
     n_text = round(len(x) * params.text_share / (1 - params.text_share))
     weights = torch.ones(len(x))
@@ -101,27 +100,16 @@ def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_
             out["val_loss"] = -score_rows(m, val_x, val_y, params.batch_size, loop.precision).sum().item() / val_targets
         return out
 
-    before = evaluate(model)
-    fingerprint = {**s.identity(), "data": rows_sha256(x, y, weights),
-                   "train": {k: v for k, v in dataclasses.asdict(loop).items() if k not in CADENCE}}
-    micro = params.batch_size * seq_len
-    run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=masked_loss,
-              batches=ExampleBatches((x, y, weights), params.batch_size, accumulation_steps(loop, micro, world.size),
-                                     params.seed, per_token=True, rank=world.rank, world_size=world.size),
-              evaluate=evaluate, checkpoints=Checkpoints(checkpoint_dir, fingerprint, loop.keep_checkpoints, world,
-                                                         resume_from, "kiln sft"),
-              curves_dir=curves_dir, flops_per_token=s.flops_per_token(), name="sft", world=world)
     examples = len(x) - n_text
-    console.print(f"sft: {examples:,} train examples ({(y[:examples] != -100).float().sum(1).mean():.1f} answer "
-                  f"tokens each on average) and {n_text:,} rows of corpus text, {len(val_x):,} held-out examples, "
-                  f"{loop.max_steps} steps x {params.batch_examples} rows, from {base_dir}"
-                  f"{distributed.spread(world, loop.parallel)}", highlight=False)
-    result = train(model, run)
-    s.save(out_dir)
-    if not world.main:
-        return result
-    metrics = {**result, "examples": examples, "text_rows": n_text, "val_examples": len(val_x),
-               "base": {k: round(v, 5) for k, v in before.items()}}
-    plot_png(curves_dir, curves_dir / "curves.png", PANELS, f"sft: {len(x):,} examples, {result['steps']} steps")
-    write_metrics("sft", metrics)
-    return metrics
+    return Stage(
+        name="sft", loss_fn=masked_loss,
+        batches=lambda accum: ExampleBatches((x, y, weights), params.batch_size, accum, params.seed, per_token=True,
+                                             rank=world.rank, world_size=world.size),
+        evaluate=evaluate, data=rows_sha256(x, y, weights), micro_batch_tokens=params.batch_size * seq_len,
+        summary=f"{examples:,} train examples ({(y[:examples] != -100).float().sum(1).mean():.1f} answer tokens "
+                f"each on average) and {n_text:,} rows of corpus text, {len(val_x):,} held-out examples, "
+                f"{loop.max_steps} steps x {params.batch_examples} rows, from {base_dir}",
+        panels=PANELS, title=f"{len(x):,} examples",
+        metrics=lambda result, before: {**result, "examples": examples, "text_rows": n_text,
+                                        "val_examples": len(val_x),
+                                        "base": {k: round(v, 5) for k, v in before.items()}})

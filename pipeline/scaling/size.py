@@ -70,7 +70,7 @@ def scaling_size(scaling: ScalingParams, model: ModelParams, fit_path: Path, tok
         console.print("scaling size: model.size is fixed; the pretrain stage uses the model section as it is",
                       highlight=False)
     else:
-        from kiln.pipeline.text.tokens import load_tokenizer
+        from kiln.pipeline.text.bpe import load_tokenizer
 
         fit = read_json(fit_path, "scaling fit", "run `kiln scaling fit` first")
         vocab_size = load_tokenizer(tokenizer_path).get_vocab_size()

@@ -38,8 +38,8 @@ from kiln.pipeline.outputs import atomic_write_bytes, lock_path, write_metrics
 from kiln.pipeline.progress import console
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.train.checkpoints import run_name
-from kiln.pipeline.train.lm import CADENCE, LMData, lm_fingerprint, train_lm
-from kiln.pipeline.train.params import ModelParams, TrainParams
+from kiln.pipeline.train.lm import LMData, lm_fingerprint, train_lm
+from kiln.pipeline.train.params import ModelParams, TrainParams, run_identity
 from kiln.pipeline.train.size_choice import count_params
 
 COLUMNS = ("run", "params", "non_embedding_params", "tokens", "flops", "loss", "bpb", "seconds", "budget", "depth",
@@ -89,8 +89,7 @@ def plan(scaling: ScalingParams, model: ModelParams, vocab_size: int, tokenizer_
             identity = {"model": config.to_dict(), "tokenizer_sha256": tokenizer_sha256,
                         # pretrain's identity, plus the eval budget (here the final eval is the result) and
                         # the micro-batch, which picks the windows a one-process run draws
-                        "train": {k: v for k, v in dataclasses.asdict(run_train).items()
-                                  if k not in CADENCE or k in ("eval_every", "eval_tokens", "batch_size")}}
+                        "train": run_identity(run_train, ("eval_every", "eval_tokens", "batch_size"))}
             fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
             runs.append(SweepRun(f"C{budget:.3g}_L{depth}", budget, depth, config, n, n_non_embedding, run_train,
                                  fingerprint))

@@ -22,8 +22,8 @@ from kiln.model.checkpoint import load_model
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.serve.engine import Engine, Request, SamplingParams
+from kiln.pipeline.text.bpe import EOT, load_tokenizer
 from kiln.pipeline.text.corpus import SURROGATE
-from kiln.pipeline.text.tokens import EOT, load_tokenizer
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.text.tokens import EOT
+from kiln.pipeline.text.bpe import EOT
 
 ROLES = ("system", "user", "assistant")
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"

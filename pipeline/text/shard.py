@@ -33,12 +33,19 @@ import pyarrow.compute as pc
 from kiln.pipeline import layout
 from kiln.pipeline.config import Section
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.outputs import (atomic_dir, atomic_write_bytes, exclusive, lock_path, sha256_file, write_json,
-                                   write_metrics)
+from kiln.pipeline.outputs import (
+    atomic_dir,
+    atomic_write_bytes,
+    exclusive,
+    lock_path,
+    sha256_file,
+    write_json,
+    write_metrics,
+)
 from kiln.pipeline.progress import Progress
+from kiln.pipeline.text.bpe import EOT, batch_encoder, load_tokenizer
 from kiln.pipeline.text.corpus import SPLITS, open_split, text_batches
 from kiln.pipeline.text.shard_format import MANIFEST, VERSION, ShardHeader, shard_name, token_dtype
-from kiln.pipeline.text.tokens import EOT, batch_encoder, load_tokenizer
 
 PROGRESS = "progress.json"
 # Documents per encode call: their ids as Python lists (~36 bytes a token) are most of what a batch holds, ~11 MB

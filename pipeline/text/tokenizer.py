@@ -36,8 +36,8 @@ from kiln.pipeline.errors import UserError
 from kiln.pipeline.layout import TOKENIZER_FILE
 from kiln.pipeline.outputs import atomic_dir, write_metrics
 from kiln.pipeline.progress import console
+from kiln.pipeline.text.bpe import SPECIAL_TOKENS, resolve_pattern
 from kiln.pipeline.text.corpus import iter_texts, open_split
-from kiln.pipeline.text.tokens import SPECIAL_TOKENS, resolve_pattern
 
 
 @dataclass
@@ -55,7 +55,7 @@ class TokenizerParams(Section):
     max_chars: int = 2_000_000_000
 
     def check(self) -> None:
-        from kiln.pipeline.text.tokens import SPECIAL_TOKENS, resolve_pattern
+        from kiln.pipeline.text.bpe import SPECIAL_TOKENS, resolve_pattern
 
         if self.source not in ("train", "gpt2"):
             raise self.bad("source", "'train' or 'gpt2'")

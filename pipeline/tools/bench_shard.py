@@ -13,8 +13,8 @@ from rich.table import Table
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
+from kiln.pipeline.text.bpe import batch_encoder, load_tokenizer
 from kiln.pipeline.text.corpus import iter_texts
-from kiln.pipeline.text.tokens import batch_encoder, load_tokenizer
 from kiln.pipeline.tools.machine import machine
 
 

@@ -43,7 +43,7 @@ from kiln.pipeline.outputs import atomic_dir, sha256_file, write_json
 from kiln.pipeline.progress import console
 from kiln.pipeline.serve.text_model import TextModel
 from kiln.pipeline.tasks.chat_format import IM_END, IM_START, PAD
-from kiln.pipeline.text.tokens import EOT, load_tokenizer
+from kiln.pipeline.text.bpe import EOT, load_tokenizer
 
 CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 TORCH_WEIGHTS, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"

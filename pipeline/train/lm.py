@@ -4,7 +4,6 @@ is `lm_eval.py`'s, which evaluate measures every model with too."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,16 +20,11 @@ from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.lm_eval import byte_lengths, evaluate_lm
 from kiln.pipeline.train.loop import Run, train
-from kiln.pipeline.train.params import TrainParams
+from kiln.pipeline.train.params import TrainParams, run_identity
 from kiln.pipeline.train.ramp import BatchRamp
 
-# Params that change the cadence of logging and saving, or only how the same math is computed (device,
-# compile, kernels, recomputing activations, how the global batch is split into micro-batches and processes),
-# not what is trained: not part of the run's identity, so a run may resume across them.
-CADENCE = ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "log_every", "device", "compile",
-           "compile_mode", "kernels", "batch_size", "nproc_per_node", "parallel", "zero1", "activation_checkpointing",
-           "stats_every")
-# ... except that a batch ramp grows the batch a pass at a time, so there the split sets each step's batch.
+# A batch ramp grows the batch a pass at a time, so there how the global batch is split sets each step's batch:
+# these keys are then part of the run's identity.
 RAMP_SHAPE = ("batch_size", "nproc_per_node")
 
 
@@ -69,7 +63,7 @@ def lm_fingerprint(config: ModelConfig, params: TrainParams, tokenizer_sha256: s
     """What makes two runs the same run: checkpoints of another fingerprint are another run's."""
     keep = RAMP_SHAPE if params.batch_ramp_tokens else ()
     return {"model": config.to_dict(), "tokenizer_sha256": tokenizer_sha256,
-            "train": {k: v for k, v in dataclasses.asdict(params).items() if k not in CADENCE or k in keep}}
+            "train": run_identity(params, keep)}
 
 
 def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_dir: Path, curves_dir: Path,

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from kiln.pipeline.runtime import SINGLE, World, autocast
+from kiln.pipeline.text.bpe import load_tokenizer, token_bytes
 from kiln.pipeline.text.loader import ShardSet, TokenBatches
-from kiln.pipeline.text.tokens import load_tokenizer, token_bytes
 from kiln.pipeline.train import distributed
 
 

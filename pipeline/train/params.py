@@ -149,3 +149,17 @@ def loop_keys(section: Section) -> dict:
     TrainParams by that name, so no list of them is kept anywhere else."""
     shared = {f.name for f in dataclasses.fields(TrainParams)}
     return {f.name: getattr(section, f.name) for f in dataclasses.fields(section) if f.name in shared}
+
+
+# The train keys that change the cadence of logging and saving, or only how the same math is computed (device,
+# compile, kernels, recomputing activations, how the global batch is split into micro-batches and processes),
+# not what is trained: outside a run's identity, so a run may resume across them.
+OUTSIDE_IDENTITY = ("eval_every", "eval_tokens", "checkpoint_every", "keep_checkpoints", "log_every", "device",
+                    "compile", "compile_mode", "kernels", "batch_size", "nproc_per_node", "parallel", "zero1",
+                    "activation_checkpointing", "stats_every")
+
+
+def run_identity(params: TrainParams, keep: tuple[str, ...] = ()) -> dict:
+    """The train keys that make two runs the same run (a checkpoint's fingerprint holds them), with the keys of
+    `keep` put back from OUTSIDE_IDENTITY where a stage's runs depend on them."""
+    return {k: v for k, v in dataclasses.asdict(params).items() if k not in OUTSIDE_IDENTITY or k in keep}
