@@ -8,11 +8,13 @@ import random
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from kiln.model.generate import generate
 from kiln.model.config import ModelConfig
+from kiln.model.generate import generate
 from kiln.model.gpt import GPT
-from kiln.pipeline.serve.engine import Engine, Request, SamplingParams
+from kiln.pipeline.serve.engine import Engine
+from kiln.pipeline.serve.request import Request, SamplingParams
 
 VOCAB = 97
 
@@ -39,7 +41,7 @@ def run_arriving(engine: Engine, requests: list[Request], seed: int) -> None:
         while pending and (not engine.has_work() or rng.random() < 0.3):
             engine.add(pending.pop(0))
         engine.step()
-        for r in engine.running:  # blocks for the tokens it has (cached, or to be fed next), no more
+        for r in engine.scheduler.running:  # blocks for the tokens it has (cached, or to be fed next), no more
             assert engine.pool.blocks_for(r.computed) <= len(r.table) <= engine.pool.blocks_for(len(r.tokens))
     assert engine.pool.in_use() == 0
 
@@ -59,10 +61,10 @@ def test_greedy_engine_equals_generate_token_for_token(arch, blocks, block_size,
     requests = [Request(p, SamplingParams(max_tokens=12, stop_ids=(stop,)), id=str(i)) for i, p in enumerate(texts)]
     run_arriving(engine, requests, seed=budget)
     assert [r.output for r in requests] == expected
-    assert (engine.preemptions > 0) == (blocks == 12)
+    assert (engine.scheduler.preemptions > 0) == (blocks == 12)
     assert all(r.finish_reason == ("stop" if r.output[-1] == stop else "length") for r in requests)
     if shared:  # requests that arrived after the system prompt was computed skipped its cached block
-        assert engine.prefill_tokens < sum(len(p) for p in texts)
+        assert engine.scheduler.prefill_tokens < sum(len(p) for p in texts)
 
 
 def test_prefix_caching_skips_the_shared_prompt():
@@ -75,14 +77,14 @@ def test_prefix_caching_skips_the_shared_prompt():
         first = engine.add(Request(texts[0], SamplingParams(max_tokens=3)))
         engine.step()  # blocks are shared once their keys and values are computed
         outs = [first] + engine.run([Request(p, SamplingParams(max_tokens=3)) for p in texts[1:]])
-        counts[caching] = engine.prefill_tokens
+        counts[caching] = engine.scheduler.prefill_tokens
         assert [r.output for r in outs] == [generate(model, [p], 3, temperature=0.0)[0] for p in texts]
     # the first request computes the prompt; the other three only their last 2 tokens
     assert counts[False] == 4 * 34 and counts[True] == 34 + 3 * 2
     # all four at once, in 8-token steps: the others wait while the first computes the prompt, then share it
     engine = Engine(model, num_blocks=64, block_size=4, max_batch_tokens=8)
     outs = engine.run([Request(p, SamplingParams(max_tokens=3)) for p in texts])
-    assert engine.prefill_tokens == 34 + 3 * 2
+    assert engine.scheduler.prefill_tokens == 34 + 3 * 2
     assert [r.output for r in outs] == [generate(model, [p], 3, temperature=0.0)[0] for p in texts]
 
 
@@ -124,7 +126,7 @@ def test_speculative_greedy_equals_plain_greedy(draft_seed, speculate, blocks):
     requests = [Request(p, SamplingParams(max_tokens=16, stop_ids=(3,))) for p in texts]
     run_arriving(engine, requests, seed=draft_seed)
     assert [r.output for r in requests] == expected
-    rate = engine.accepted / engine.drafted
+    rate = engine.scheduler.accepted / engine.scheduler.drafted
     assert rate == 1.0 if draft_seed == 0 else rate < 0.2
 
 
@@ -146,3 +148,50 @@ def test_decode_through_the_triton_kernel_equals_generate():
     engine = Engine(model, num_blocks=32, block_size=4, backend="triton")
     outs = engine.run([Request(p, SamplingParams(max_tokens=5)) for p in texts])
     assert [r.output for r in outs] == [generate(model, [p], 5, temperature=0.0)[0] for p in texts]
+
+
+class Crossings(TorchDispatchMode):
+    """Every crossing between Python's or numpy's data and a tensor during a step: a tensor made from host data
+    (`torch.tensor`, `from_numpy`, `as_tensor`: aten.lift_fresh), a copy between devices, and a read back
+    (`item`, `int`, `bool`: aten._local_scalar_dense; `tolist` and `numpy`, which do not dispatch, counted by
+    wrapping them). On a GPU each is a transfer, and a read back a sync."""
+
+    def __init__(self):
+        super().__init__()
+        self.to_device = self.to_host = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            self.to_device += 1
+        elif func is torch.ops.aten._local_scalar_dense.default:
+            self.to_host += 1
+        elif func is torch.ops.aten.copy_.default and args[0].device != args[1].device:
+            self.to_device += args[0].device.type != "cpu"
+            self.to_host += args[0].device.type == "cpu"
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 9])
+def test_a_step_crosses_to_the_device_once_and_back_once(batch, monkeypatch):
+    """Greedy, sampled and seeded requests together, prefills in chunks beside decodes: at most one copy to the
+    device and one read back per step, whatever the batch."""
+    model = tiny()
+    engine = Engine(model, num_blocks=64, block_size=4, max_batch_tokens=24)
+    kinds = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, top_k=20, top_p=0.9),
+             SamplingParams(max_tokens=8, temperature=1.2, seed=5)]
+    for i, p in enumerate(prompts(batch, seed=batch)):
+        engine.add(Request(p, kinds[i % 3]))
+    reads = []
+    for name in ("tolist", "numpy"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _o=original, **k: (reads.append(1), _o(self, *a, **k))[1])
+    steps = 0
+    while engine.has_work():
+        reads.clear()
+        with Crossings() as crossings:
+            engine.step()
+        steps += 1
+        assert crossings.to_device <= 1 and crossings.to_host + len(reads) <= 1, (steps, crossings.to_device,
+                                                                                 crossings.to_host, len(reads))
+    assert steps >= 8  # the prefills and every decode were checked

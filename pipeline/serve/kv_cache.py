@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from kiln.kernels.paged_attention import paged_attention
 from kiln.model.config import ModelConfig
+from kiln.pipeline.serve.transfer import HostToDevice
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,15 @@ class PagedKVCache:
     """Keys and values for `num_blocks` blocks of `block_size` tokens, every layer, and the step being run."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=None,
-                 backend: str = "auto"):
+                 backend: str = "auto", step_tokens: int = 256):
         shape = (config.n_layer, num_blocks, block_size, config.n_kv_head, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.block_size, self.backend = block_size, backend
         self.segments: list[Segment] = []
+        # room for most steps of `step_tokens` new tokens (ids, positions, slots, logit rows, block tables,
+        # prefill contexts); one that needs more grows it
+        self.transfer = HostToDevice(self.k.device, 8 * step_tokens + 4 * config.max_seq_len + num_blocks)
 
     @property
     def device(self) -> torch.device:
@@ -56,15 +60,15 @@ class PagedKVCache:
     def bytes_per_block(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
-    def begin(self, segments: list[Segment]) -> None:
-        """Set the step's segments: the model's next forward runs their new tokens, in this order."""
+    def begin(self, segments: list[Segment], extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+        """Set the step's segments: the model's next forward runs their new tokens, in this order. Every index
+        the step needs, with the caller's `extra` arrays (token ids, sampling settings), crosses to the device
+        in one copy; the extra arrays come back as device tensors."""
         for s in segments:
             if s.count < 1 or not 1 <= s.logits <= s.count or len(s.table) * self.block_size < s.start + s.count:
                 raise ValueError(f"segment at {s.start} + {s.count} tokens does not fit its {len(s.table)} blocks")
         self.segments = segments
         self.offsets = [0, *itertools.accumulate(s.count for s in segments)]  # where each starts in the flat batch
-        # Every index the step needs is built on the host and crosses to the device once per tensor: on a GPU a
-        # small tensor per segment (or per layer) cost more than the model's arithmetic.
         decodes = [i for i, s in enumerate(segments) if s.count == 1]
         width = max((len(segments[i].table) for i in decodes), default=0)
         self.prefills = [i for i, s in enumerate(segments) if s.count > 1]
@@ -82,13 +86,19 @@ class PagedKVCache:
                                    dtype=np.int64),
             "context_slots": np.concatenate([np.zeros(0, dtype=np.int64), *contexts]),
         }
-        for name, array in host.items():
-            setattr(self, name, torch.from_numpy(array).to(self.device))
+        self.longest_decode = max((segments[i].start + 1 for i in decodes), default=0)
+        extra = extra or {}
+        if set(extra) & set(host):
+            raise ValueError(f"extra arrays {sorted(set(extra) & set(host))}: names the cache uses")
+        on_device = self.transfer.upload(host | extra)
+        for name in host:
+            setattr(self, name, on_device[name])
         # each prefill's context slots and causal mask, shared by every layer: query i is token start + i and
         # sees every key up to and including itself
         self.prefill_slots = self.context_slots.split([len(c) for c in contexts])
         self.prefill_masks = [self.positions[self.offsets[i]:self.offsets[i + 1], None] >= torch.arange(
             len(c), device=self.device)[None, :] for i, c in zip(self.prefills, contexts)]
+        return {name: on_device[name] for name in extra}
 
     def _slots(self, table: list[int], start: int, stop: int) -> np.ndarray:
         """The pool slots (block x block_size + offset) of positions [start, stop) of a sequence in `table`."""
@@ -108,8 +118,8 @@ class PagedKVCache:
         if len(self.decode_rows):
             queries = q[0].transpose(0, 1)[self.decode_rows]
             out[self.decode_rows] = paged_attention(queries, k_pool.to(q.dtype), v_pool.to(q.dtype),
-                                                    self.decode_tables, self.decode_lens,
-                                                    backend=self.backend).to(out.dtype)
+                                                    self.decode_tables, self.decode_lens, backend=self.backend,
+                                                    longest=self.longest_decode).to(out.dtype)
         for i, slots, mask in zip(self.prefills, self.prefill_slots, self.prefill_masks):
             first, count = self.offsets[i], self.segments[i].count
             keys = flat_k[slots].transpose(0, 1)[None].to(q.dtype)  # (1, H_kv, context, D)

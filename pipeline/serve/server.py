@@ -30,7 +30,8 @@ from pathlib import Path
 
 from starlette.requests import Request as HTTPRequest  # FastAPI reads handler annotations from module globals
 
-from kiln.pipeline.serve.engine import Engine, Request, SamplingParams
+from kiln.pipeline.serve.engine import Engine
+from kiln.pipeline.serve.request import Request, RequestStatus, SamplingParams
 
 # OpenAI options kiln does not implement, and the values of each that ask for nothing (clients send defaults)
 UNSUPPORTED = {"echo": (None, False), "best_of": (None, False, 1), "logprobs": (None, False),
@@ -62,7 +63,7 @@ class EngineThread:
 
     def submit(self, request: Request, on_token) -> None:
         """Queue `request`; `on_token(request, token)` is called on the engine thread for each new token, and
-        once more with token None when it has finished (or failed: `request.finish_reason` says which)."""
+        once more with token None when it has finished (or was refused: `request.status` says which)."""
         self.inbox.put(("add", request, on_token))
 
     def abort(self, request: Request) -> None:
@@ -82,7 +83,7 @@ class EngineThread:
                     try:
                         self.engine.add(request)
                     except ValueError as e:
-                        request.finish_reason = f"error: {e}"
+                        request.status, request.error = RequestStatus.FINISHED_REFUSED, str(e)
                         on_token(request, None)
                         continue
                     listeners[id(request)] = on_token
@@ -238,9 +239,9 @@ class Service:
             if request is None:
                 raise RuntimeError(f"the engine failed: {self.worker.failure!r}")
             if token is None:
+                if request.status is RequestStatus.FINISHED_REFUSED:
+                    raise BadRequest(request.error)
                 reason = request.finish_reason or "length"
-                if reason.startswith("error: "):
-                    raise BadRequest(reason[len("error: "):])
                 if job.finish_reason is None and (piece := job.advance(last=True)):
                     yield piece
                 job.finish_reason = job.finish_reason or ("length" if reason == "length" else "stop")
@@ -320,9 +321,9 @@ def add_model_routes(app, service: Service) -> None:
     @app.get("/health")
     async def health():
         engine = service.engine  # counters read across threads: a snapshot, not a transaction
-        return {"status": "ok", "running": len(engine.running), "waiting": len(engine.waiting),
+        return {"status": "ok", "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                 "kv_blocks_in_use": engine.pool.in_use(), "kv_blocks": engine.pool.num_blocks,
-                "aborted": engine.aborted}
+                "aborted": engine.scheduler.aborted}
 
     @app.get("/v1/models")
     async def models():

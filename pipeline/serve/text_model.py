@@ -21,7 +21,8 @@ import torch
 from kiln.model.checkpoint import load_model
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.serve.engine import Engine, Request, SamplingParams
+from kiln.pipeline.serve.engine import Engine
+from kiln.pipeline.serve.request import Request, SamplingParams
 from kiln.pipeline.text.bpe import EOT, load_tokenizer
 from kiln.pipeline.text.corpus import SURROGATE
 

@@ -47,7 +47,8 @@ from kiln.model.gpt import GPT
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
-from kiln.pipeline.serve.engine import Engine, Request, SamplingParams
+from kiln.pipeline.serve.engine import Engine
+from kiln.pipeline.serve.request import Request, SamplingParams
 from kiln.pipeline.tools.machine import machine
 
 
@@ -152,13 +153,13 @@ def run_engine(model: GPT, load: Workload, name: str, blocks: int, block_size: i
             times[index[id(request)]].append(stamp)
         peak_blocks = max(peak_blocks, engine.pool.in_use())
         # KV held beyond one block per running sequence of the tokens it holds (0 is the goal)
-        held = sum(engine.pool.blocks_for(r.length) for r in engine.running)
+        held = sum(engine.pool.blocks_for(r.length) for r in engine.scheduler.running)
         over = max(over, engine.pool.in_use() - held)
     extra = {"kv_blocks_peak": peak_blocks, "kv_slots_peak": peak_blocks * block_size,
-             "kv_blocks_over_need": over, "prefill_tokens": engine.prefill_tokens,
-             "preemptions": engine.preemptions}
+             "kv_blocks_over_need": over, "prefill_tokens": engine.scheduler.prefill_tokens,
+             "preemptions": engine.scheduler.preemptions}
     if draft is not None:
-        extra["acceptance_rate"] = round(engine.accepted / max(engine.drafted, 1), 4)
+        extra["acceptance_rate"] = round(engine.scheduler.accepted / max(engine.scheduler.drafted, 1), 4)
     return summarise(name, load, times, start, extra)
 
 

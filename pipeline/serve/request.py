@@ -1,0 +1,58 @@
+"""A request to the engine: its prompt, how to sample it, what it generated so far and where it stands."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+
+
+class RequestStatus(enum.Enum):
+    """Where a request stands. A finished status's value is its OpenAI `finish_reason`."""
+
+    WAITING = "waiting"  # queued, or preempted and queued again at the front
+    RUNNING = "running"  # holding blocks, scheduled every step
+    FINISHED_STOPPED = "stop"  # a stop id came out (it is kept in the output)
+    FINISHED_LENGTH = "length"  # max_tokens came out
+    FINISHED_ABORTED = "abort"  # the client went away
+    FINISHED_REFUSED = "refused"  # the engine would not take it (`Request.error` says why)
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass(eq=False)  # a request is itself: two with the same prompt and sampling are still two
+class Request:
+    prompt: list[int]
+    sampling: SamplingParams
+    id: str = ""
+    output: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    error: str | None = None  # why it was refused
+    # the scheduler's books
+    table: list[int] = field(default_factory=list)  # the blocks holding its tokens' keys and values
+    computed: int = 0  # tokens whose keys and values are in the cache
+    draft_computed: int = 0  # the same in the draft model's cache (speculative decoding)
+    order: int = 0  # arrival: preemption takes the newest
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def length(self) -> int:  # len(tokens), without building the list: the scheduler asks every step
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

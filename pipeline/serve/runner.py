@@ -1,0 +1,134 @@
+"""The model runner: a step's plan in, every request's new tokens out, with one transfer each way.
+
+Everything the step needs on the device (the token ids, the cache's positions, slots and block tables, which
+rows sample and with what temperature, top-k and top-p) is packed on the host and crosses in one copy
+(`kv_cache.HostToDevice`); the model runs the flat batch over the paged cache; `sampler.sample` draws every
+sampling row's token on the device; the tokens come back in one read. A step with no row to sample reads
+nothing back.
+
+Speculative decoding (a draft model) keeps its per-request acceptance (serve/speculative.py): each verified
+draft reads its row back, so its steps cost more than one transfer; what it saves is target forwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+
+import numpy as np
+import torch
+
+from kiln.model.generate import sampling_probs
+from kiln.pipeline.serve.kv_cache import PagedKVCache, Segment
+from kiln.pipeline.serve.request import Request
+from kiln.pipeline.serve.sampler import sample
+from kiln.pipeline.serve.scheduler import ScheduledSequence, StepResult
+from kiln.pipeline.serve.speculative import accept, accept_greedy
+
+
+class ModelRunner:
+    """Runs `model` (and a `draft`, for speculative decoding) over `cache` (and `draft_cache`)."""
+
+    def __init__(self, model, cache: PagedKVCache, draft=None, draft_cache: PagedKVCache | None = None):
+        self.model, self.cache, self.draft, self.draft_cache = model, cache, draft, draft_cache
+        self.vocab_size = model.config.vocab_size
+        # a seeded request's own generator, created at its first draw, gone with the request
+        self.generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
+
+    @property
+    def device(self) -> torch.device:
+        return self.cache.device
+
+    @torch.no_grad()
+    def execute(self, plan: list[ScheduledSequence]) -> StepResult:
+        if any(seq.lookahead for seq in plan):
+            return self._speculative(plan)
+        segments = [Segment(seq.request.table, seq.request.computed, seq.count) for seq in plan]
+        ids = np.fromiter(itertools.chain.from_iterable(
+            seq.request.tokens[seq.request.computed:seq.request.computed + seq.count] for seq in plan), np.int64)
+        rows = [i for i, seq in enumerate(plan) if seq.samples]
+        sampled = [plan[i].request for i in rows]
+        params = [r.sampling for r in sampled]
+        on_device = self.cache.begin(segments, {
+            "ids": ids, "sample_rows": np.array(rows, dtype=np.int64),
+            "temperature": np.array([p.temperature for p in params], dtype=np.float32),
+            "top_k": np.array([p.top_k or self.vocab_size for p in params], dtype=np.int64),
+            "top_p": np.array([1.0 if p.top_p is None else p.top_p for p in params], dtype=np.float32)})
+        logits = self.model(on_device["ids"][None], cache=self.cache)[0]
+        tokens: list[list[int]] = [[] for _ in plan]
+        if rows:
+            generators = [self._generator(r) if r.sampling.temperature > 0 else None for r in sampled]
+            new = sample(logits[on_device["sample_rows"]], on_device["temperature"], on_device["top_k"],
+                         on_device["top_p"], generators, any(p.temperature > 0 for p in params))
+            for i, token in zip(rows, new.tolist()):  # the step's one read back
+                tokens[i] = [token]
+        return StepResult(tokens, [0] * len(plan))
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        if request.sampling.seed is None:
+            return None
+        if request not in self.generators:
+            self.generators[request] = torch.Generator(device=self.device).manual_seed(request.sampling.seed)
+        return self.generators[request]
+
+    def _sample_one(self, request: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """A token from one row of logits with the request's sampling, and the distribution it came from (None
+        when greedy): the speculative path's draws, one request at a time."""
+        s = request.sampling
+        if s.temperature == 0:
+            return int(logits.argmax()), None
+        probs = sampling_probs(logits[None], s.temperature, s.top_k, s.top_p)[0]
+        return int(torch.multinomial(probs, 1, generator=self._generator(request))), probs
+
+    def _propose(self, plan: list[ScheduledSequence]) -> dict[int, tuple[list[int], list]]:
+        """Each decode's draft tokens and the draft's distributions, from batched forwards of the draft: the
+        first catches its cache up to the request's last token, each next one feeds the token just drafted."""
+        drafts: dict[int, tuple[list[int], list]] = {id(seq.request): ([], []) for seq in plan}
+        active = list(plan)
+        for round_ in range(max(seq.lookahead for seq in plan)):
+            active = [seq for seq in active if seq.lookahead > round_]
+            segments, ids = [], []
+            for seq in active:
+                r = seq.request
+                fed = r.tokens + drafts[id(r)][0]
+                start = r.draft_computed if round_ == 0 else r.length - 1 + round_
+                segments.append(Segment(r.table, start, len(fed) - start))
+                ids += fed[start:]
+            on_device = self.draft_cache.begin(segments, {"ids": np.array(ids, dtype=np.int64)})
+            logits = self.draft(on_device["ids"][None], cache=self.draft_cache)[0]
+            for seq, row in zip(active, logits):
+                token, probs = self._sample_one(seq.request, row)
+                drafts[id(seq.request)][0].append(token)
+                drafts[id(seq.request)][1].append(probs)
+        return drafts
+
+    def _speculative(self, plan: list[ScheduledSequence]) -> StepResult:
+        """A step whose decodes verify draft tokens: the target runs every sequence's tokens and drafts in one
+        forward, and each decode keeps the drafts the acceptance rule keeps."""
+        drafts = self._propose([seq for seq in plan if seq.lookahead])
+        segments, ids = [], []
+        for seq in plan:
+            r = seq.request
+            drafted = drafts.get(id(r), ([], []))[0]
+            segments.append(Segment(r.table, r.computed, seq.count + len(drafted), 1 + len(drafted)))
+            ids += r.tokens[r.computed:r.computed + seq.count] + drafted
+        on_device = self.cache.begin(segments, {"ids": np.array(ids, dtype=np.int64)})
+        logits = self.model(on_device["ids"][None], cache=self.cache)[0]
+        rows = logits.split([s.logits for s in segments])
+        best = logits.argmax(-1).tolist()  # every row's greedy token in one transfer, not one sync per request
+        ends = itertools.accumulate(s.logits for s in segments)
+        tokens, counts = [], []
+        for seq, row, end in zip(plan, rows, ends):
+            r, s = seq.request, seq.request.sampling
+            drafted, draft_probs = drafts.get(id(r), ([], []))
+            counts.append(len(drafted))
+            if not seq.samples:
+                tokens.append([])
+            elif not drafted:
+                tokens.append([best[end - 1] if s.temperature == 0 else self._sample_one(r, row[0])[0]])
+            elif s.temperature == 0:
+                tokens.append(accept_greedy(row, drafted))
+            else:
+                target = sampling_probs(row, s.temperature, s.top_k, s.top_p)
+                tokens.append(accept(target, torch.stack(draft_probs), drafted, self._generator(r)))
+        return StepResult(tokens, counts)

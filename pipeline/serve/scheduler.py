@@ -1,0 +1,215 @@
+"""What each engine step runs: requests wait and run, blocks are found for them, and the step's plan is made.
+
+The scheduler decides and keeps the books; it touches no tensor. `schedule()` returns the plan of a step (which
+requests feed which of their tokens, and how many draft tokens each decode verifies), the model runner
+(serve/runner.py) runs it, and `update()` applies the tokens that came back.
+
+A request's state is its tokens (prompt, then what it generated) and how many of them have keys and values in
+the cache (`computed`). What it needs next is always tokens[computed:]: the rest of its prompt while it
+prefills (in chunks, when the budget is short), then one token a step while it decodes. A step takes every
+decoding request first (one token each, so a long prompt never stalls the requests already answering), then
+prefill chunks of the others in arrival order until `max_batch_tokens`; a request whose chunk reaches the end of
+its tokens gets a new token; finished requests go, so their blocks serve new requests in the very next step.
+
+Blocks: a request admitted from the queue gets blocks for its whole prompt at once (`blocks.BlockPool`,
+sharing any cached prefix, whose tokens it then skips), and one more block whenever decoding fills the last.
+A request whose next uncached prompt block is being prefilled by a running request waits for it to be cached
+rather than compute it a second time. When the pool cannot give that block, the newest running request is
+preempted: its blocks go back and it rejoins the front of the queue with its tokens so far, to be recomputed
+(its shared prefix most likely still cached). A request is never refused for memory it could have once others
+finish; one that could never fit (more blocks than the pool) is refused when it is added.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+
+from kiln.pipeline.serve.blocks import BlockPool
+from kiln.pipeline.serve.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """One request's share of a step: tokens[computed:computed + count] fed, then `lookahead` draft tokens
+    proposed and verified after them (a decode with a draft model)."""
+
+    request: Request
+    count: int
+    lookahead: int = 0
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step yields tokens for it: its chunk reaches the end of its tokens."""
+        return self.request.computed + self.count == self.request.length
+
+
+@dataclass
+class StepResult:
+    """What the runner gives back for a step's plan, in its order: each sequence's new tokens (none for a prefill
+    chunk short of the end) and how many draft tokens it verified."""
+
+    tokens: list[list[int]]
+    drafted: list[int]
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_seq_len: int, max_batch_tokens: int = 256, prefix_caching: bool = True,
+                 speculate: int = 0):
+        if max_batch_tokens < 1 or speculate < 0:
+            raise ValueError(f"max_batch_tokens={max_batch_tokens}, speculate={speculate}: expected positive integers")
+        self.pool, self.max_seq_len, self.max_batch_tokens = pool, max_seq_len, max_batch_tokens
+        self.prefix_caching, self.speculate = prefix_caching, speculate
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.counter = itertools.count()
+        self.prefill_tokens = 0  # computed, over the engine's life: what prefix caching saves shows here
+        self.preemptions = 0
+        self.aborted = 0
+        self.drafted = self.accepted = 0  # draft tokens verified and kept: the acceptance rate
+
+    def add(self, request: Request) -> Request:
+        """Queue a request (checked: it must fit the model's context and, alone, the pool)."""
+        s = request.sampling
+        if not request.prompt:
+            raise ValueError("prompt: expected at least one token")
+        if s.max_tokens < 1 or len(request.prompt) + s.max_tokens - 1 > self.max_seq_len:
+            raise ValueError(f"prompt of {len(request.prompt)} tokens + max_tokens={s.max_tokens}: the model's "
+                             f"context is {self.max_seq_len} tokens")
+        if self.pool.blocks_for(len(request.prompt) + s.max_tokens) > self.pool.num_blocks:
+            raise ValueError(f"prompt + max_tokens need more than the cache's {self.pool.num_blocks} blocks")
+        request.order = next(self.counter)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        return request
+
+    def abort(self, request: Request) -> None:
+        """Stop a request now (a client that went away): its blocks go back at once."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+            self.pool.release(request.table)
+        if not request.status.finished:
+            request.status = RequestStatus.FINISHED_ABORTED
+        self.aborted += 1
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSequence]:
+        """This step's plan, decodes first; blocks made ready for all of it."""
+        plan: list[ScheduledSequence] = []
+        for request in list(self.running):  # decodes: one token each (and the draft's), every step
+            if request not in self.running or request.length - request.computed != 1:
+                continue
+            lookahead = self.lookahead(request)
+            while not self.pool.grow(request.table, request.length + lookahead):
+                self.preemptions += 1
+                if self._preempt() is request:
+                    break
+            else:
+                plan.append(ScheduledSequence(request, 1, lookahead))
+        budget = self.max_batch_tokens - len(plan)
+        while self.waiting and budget > 0 and self._admit():
+            pass
+        for request in self.running:  # prefills, oldest first, within the budget
+            left = request.length - request.computed
+            if left > 1 and budget > 0:
+                plan.append(ScheduledSequence(request, min(left, budget)))
+                budget -= plan[-1].count
+        if not plan and self.waiting and not self.running:
+            raise RuntimeError("the pool cannot hold the first waiting request")  # add() prevents this
+        return plan
+
+    def lookahead(self, request: Request) -> int:
+        """How many draft tokens this request's next decode verifies: `speculate`, fewer near its end."""
+        if not self.speculate:
+            return 0
+        room = min(request.sampling.max_tokens - len(request.output), self.max_seq_len + 1 - request.length)
+        return max(0, min(self.speculate, room - 1))
+
+    def update(self, plan: list[ScheduledSequence], result: StepResult) -> list[tuple[Request, int]]:
+        """Apply a step's tokens; return (request, new token) for each token that came out (finished ones too)."""
+        events = []
+        for seq, new, drafted in zip(plan, result.tokens, result.drafted, strict=True):
+            request, before = seq.request, seq.request.computed
+            if seq.count > 1 or request.computed < len(request.prompt):
+                self.prefill_tokens += seq.count
+            if not seq.samples:
+                request.computed += seq.count  # a prefill chunk short of the end: no token yet
+                self._commit(request, before)
+                continue
+            self.drafted += drafted
+            self.accepted += len(new) - 1
+            last = request.length - 1  # the position fed this step; the drafts were fed after it
+            self._finish(request, new, events)
+            # Every new token but the last is a kept draft, whose keys and values the target computed; the last
+            # is fed next step. The draft computed its cache up to the draft before the last it proposed.
+            request.computed = request.length - 1
+            if drafted:
+                request.draft_computed = min(request.computed, last + drafted)
+            if request.status.finished:
+                continue
+            self.pool.shrink(request.table, max(request.computed, len(request.prompt)))
+            self._commit(request, before)
+        return events
+
+    def _finish(self, request: Request, tokens: list[int], events: list) -> None:
+        """Append `tokens` until a stop id or max_tokens; release the request when it is done."""
+        s = request.sampling
+        for token in tokens:
+            request.output.append(token)
+            events.append((request, token))
+            if token in s.stop_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+            elif len(request.output) >= s.max_tokens:
+                request.status = RequestStatus.FINISHED_LENGTH
+            if request.status.finished:
+                break
+        if request.status.finished:
+            self.running.remove(request)
+            self.pool.release(request.table)
+
+    def _preempt(self) -> Request:
+        victim = max(self.running, key=lambda r: r.order)
+        self.running.remove(victim)
+        self.pool.release(victim.table)
+        victim.computed = victim.draft_computed = 0
+        victim.status = RequestStatus.WAITING
+        self.waiting.appendleft(victim)
+        return victim
+
+    def _admit(self) -> bool:
+        request = self.waiting[0]
+        tokens = request.tokens
+        if self.prefix_caching and self._prefix_in_flight(tokens):
+            return False
+        got = self.pool.allocate(tokens if self.prefix_caching else [], reserve=len(tokens))
+        if got is None:
+            return False
+        request.table, request.computed = got
+        request.draft_computed = 0  # the draft's cache of a shared prefix may not be whole: it recomputes
+        request.status = RequestStatus.RUNNING
+        self.running.append(self.waiting.popleft())
+        self.running.sort(key=lambda r: r.order)
+        return True
+
+    def _prefix_in_flight(self, tokens: list[int]) -> bool:
+        """Whether the first full block of `tokens` not yet cached is one a running request is prefilling now: the
+        request then waits a step or two for it to be cached instead of computing the same keys and values again
+        (requests that share a system prompt and arrive together would all compute it otherwise)."""
+        keys = self.pool.prefix_keys(tokens[:len(tokens) - 1])
+        needed = next((key for key in keys if key not in self.pool.cached), None)
+        if needed is None:
+            return False
+        B = self.pool.block_size
+        return any(needed in self.pool.prefix_keys(r.prompt[:len(r.prompt) - 1])[r.computed // B:]
+                   for r in self.running if r.computed < len(r.prompt))
+
+    def _commit(self, request: Request, before: int) -> None:
+        """Offer the request's computed full blocks for sharing, when this step filled one: `commit` hashes the
+        whole sequence, a cost that grows with its length, so not on every step."""
+        if self.prefix_caching and request.computed // self.pool.block_size > before // self.pool.block_size:
+            self.pool.commit(request.table, request.tokens[:request.computed])
