@@ -130,6 +130,30 @@ def test_sixteen_concurrent_clients_get_what_each_would_alone(tiny, server):
     assert seeded[0] == seeded[1]
 
 
+def test_n_choices_share_one_prompt_and_each_is_its_own_seeded_draw(tiny, server):
+    base, client, model = server
+    prompt = "the king of " * 8  # several full blocks of 8 tokens, computed once for the three choices
+    before = httpx.get(f"{base}/health").json()
+    done = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, n=3, seed=11)
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    # the prompt counted once (after its <|endoftext|>), each choice's tokens counted
+    assert done.usage.prompt_tokens == 1 + len(tokenizer(tiny).encode(prompt).ids)
+    assert 3 <= done.usage.completion_tokens <= 18
+    alone = [client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=11 + i)
+             .choices[0].text for i in range(3)]
+    assert [c.text for c in done.choices] == alone  # choice i is the request with seed + i
+    assert len(set(alone)) > 1
+    greedy = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, temperature=0, n=2)
+    assert len(greedy.choices) == 2 and greedy.choices[0].message.content == greedy.choices[1].message.content
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, n=3, seed=11,
+                                            stream=True))
+    for i in range(3):
+        assert "".join(c.choices[0].text for c in chunks if c.choices[0].index == i) == done.choices[i].text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices[0].index == i][-1] == "length"
+    assert httpx.get(f"{base}/health").json()["kv_blocks_in_use"] == before["kv_blocks_in_use"] == 0
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
     base, _, _ = server
     before = httpx.get(f"{base}/health").json()["aborted"]
@@ -152,7 +176,10 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(server):
     (lambda c: c.completions.create(model="tiny", prompt="a", top_p=0), openai.BadRequestError, "top_p"),
     (lambda c: c.completions.create(model="tiny", prompt="a", max_tokens=0), openai.BadRequestError,
      "max_tokens"),
-    (lambda c: c.completions.create(model="tiny", prompt="a", n=2), openai.BadRequestError, "n=2"),
+    (lambda c: c.completions.create(model="tiny", prompt="a", n=0), openai.BadRequestError, "n=0"),
+    (lambda c: c.completions.create(model="tiny", prompt="a", n=1000), openai.BadRequestError, "n=1000"),
+    (lambda c: c.completions.create(model="tiny", prompt="a", stream=True, stream_options=1),
+     openai.BadRequestError, "stream_options"),
     (lambda c: c.completions.create(model="tiny", prompt="a " * 600), openai.BadRequestError, "context length"),
     (lambda c: c.completions.create(model="tiny", prompt="a", max_tokens=600), openai.BadRequestError,
      "max_tokens=600"),

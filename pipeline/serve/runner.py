@@ -2,7 +2,7 @@
 
 Everything the step needs on the device (the token ids, the cache's positions, slots and block tables, which
 rows sample and with what temperature, top-k and top-p) is packed on the host and crosses in one copy
-(`kv_cache.HostToDevice`); the model runs the flat batch over the paged cache; `sampler.sample` draws every
+(`transfer.HostToDevice`); the model runs the flat batch over the paged cache; `sampler.sample` draws every
 sampling row's token on the device; the tokens come back in one read. A step with no row to sample reads
 nothing back.
 

@@ -33,6 +33,7 @@ from starlette.requests import Request as HTTPRequest  # FastAPI reads handler a
 from kiln.pipeline.serve.engine import Engine
 from kiln.pipeline.serve.request import Request, RequestStatus, SamplingParams
 
+MAX_CHOICES = 128  # `n`: choices of one request, each an engine request
 # OpenAI options kiln does not implement, and the values of each that ask for nothing (clients send defaults)
 UNSUPPORTED = {"echo": (None, False), "best_of": (None, False, 1), "logprobs": (None, False),
                "top_logprobs": (None, False)}
@@ -152,10 +153,10 @@ class Service:
         self.created = int(time.time())
 
     def sampling(self, body: dict, prompt_tokens: int, stop_ids: tuple[int, ...],
-                 default_max: int | None) -> SamplingParams:
-        n = body.get("n", 1)
-        if n != 1:
-            raise BadRequest(f"n={n!r}: kiln serves one choice per request (n=1)", "n")
+                 default_max: int | None) -> list[SamplingParams]:
+        """One SamplingParams per choice (`n`): with a seed, choice i draws with seed + i, so the choices differ
+        and each is reproducible."""
+        n = number(body.get("n", 1), "n", int, low=1, high=MAX_CHOICES)
         for key, harmless in UNSUPPORTED.items():
             if body.get(key) not in harmless:
                 raise BadRequest(f"{key}: not supported by kiln serve", key)
@@ -178,8 +179,9 @@ class Service:
         top_k = body.get("top_k")  # vLLM's extension, accepted through extra_body
         if top_k is not None and top_k != -1:
             top_k = number(top_k, "top_k", int, low=1)
-        return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p < 1 else None,
-                        top_k=None if top_k in (None, -1) else top_k, seed=seed, stop_ids=stop_ids)
+        return [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p < 1 else None,
+                               top_k=None if top_k in (None, -1) else top_k, seed=None if seed is None else seed + i,
+                               stop_ids=stop_ids) for i in range(n)]
 
     def stops(self, body: dict) -> list[str]:
         stop = body.get("stop")
@@ -222,15 +224,16 @@ class Service:
             turns.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
         return self.chat.prompt(turns)
 
-    def start_job(self, ids: list[int], sampling: SamplingParams, stops: list[str], decode) -> Job:
+    def start_jobs(self, ids: list[int], samplings: list[SamplingParams], stops: list[str], decode) -> list[Job]:
+        """One job per choice, all on the same prompt: the engine computes its full blocks once and shares them."""
         loop = asyncio.get_running_loop()
-        job = Job(Request(ids, sampling, id=uuid.uuid4().hex), stops, decode)
+        jobs = [Job(Request(ids, sampling, id=uuid.uuid4().hex), stops, decode) for sampling in samplings]
+        for job in jobs:
+            def on_token(request, token, queue=job.queue):
+                loop.call_soon_threadsafe(queue.put_nowait, (request, token))
 
-        def on_token(request, token):
-            loop.call_soon_threadsafe(job.queue.put_nowait, (request, token))
-
-        self.worker.submit(job.request, on_token)
-        return job
+            self.worker.submit(job.request, on_token)
+        return jobs
 
     async def tokens(self, job: Job):
         """The job's new text pieces as tokens arrive, until it finishes; sets job.finish_reason."""
@@ -346,7 +349,7 @@ def add_completion_routes(app, service: Service) -> None:
         ids = service.completion_prompt(body)
         sampling = service.sampling(body, len(ids), (service.eot,), default_max=16)
         decode = lambda out: service.tokenizer.decode([t for t in out if t != service.eot])  # noqa: E731
-        return await respond(service, body, service.start_job(ids, sampling, service.stops(body), decode),
+        return await respond(service, body, service.start_jobs(ids, sampling, service.stops(body), decode),
                              chat=False)
 
     @app.post("/v1/chat/completions")
@@ -355,8 +358,8 @@ def add_completion_routes(app, service: Service) -> None:
         ids = service.chat_prompt(body)
         chat = service.chat
         sampling = service.sampling(body, len(ids), (chat.im_end, chat.eot), default_max=None)
-        return await respond(service, body, service.start_job(ids, sampling, service.stops(body), chat.parse_reply),
-                             chat=True)
+        jobs = service.start_jobs(ids, sampling, service.stops(body), chat.parse_reply)
+        return await respond(service, body, jobs, chat=True)
 
 
 async def parse_body(service: Service, http: HTTPRequest) -> dict:
@@ -378,46 +381,86 @@ async def parse_body(service: Service, http: HTTPRequest) -> dict:
     return body
 
 
-async def respond(service: Service, body: dict, job: Job, chat: bool):
-    """The job's completion (`chat`: chat completion), as one JSON object or, if the body asks to `stream`, as
-    server-sent events."""
-    reply = Reply(service, job, chat)
+async def respond(service: Service, body: dict, jobs: list[Job], chat: bool):
+    """The jobs' completion (`chat`: chat completion), one choice each, as one JSON object or, if the body asks to
+    `stream`, as server-sent events."""
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        for job in jobs:
+            service.worker.abort(job.request)
+        raise BadRequest("stream_options: expected an object such as {\"include_usage\": true}", "stream_options")
+    reply = Reply(service, jobs, chat)
     if not body.get("stream"):
         return await reply.whole()
-    return reply.streamed(include_usage=bool((body.get("stream_options") or {}).get("include_usage")))
+    return reply.streamed(include_usage=bool((options or {}).get("include_usage")))
 
 
 class Reply:
-    """One job's answer in OpenAI's shape, named and dated when the answer starts."""
+    """The answer to one HTTP request in OpenAI's shape, a choice per job, named and dated when it starts."""
 
-    def __init__(self, service: Service, job: Job, chat: bool):
-        self.service, self.job, self.chat = service, job, chat
-        self.created, self.id = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + job.request.id
+    def __init__(self, service: Service, jobs: list[Job], chat: bool):
+        self.service, self.jobs, self.chat = service, jobs, chat
+        self.created, self.id = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + jobs[0].request.id
         self.object = "chat.completion" if chat else "text_completion"
-        self.prompt_tokens = len(job.request.prompt)
+        self.prompt_tokens = len(jobs[0].request.prompt)  # one prompt, whatever the number of choices
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.job.ids),
-                "total_tokens": self.prompt_tokens + len(self.job.ids)}
+        completion = sum(len(job.ids) for job in self.jobs)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
 
-    def chunk(self, piece: str | None, finish: str | None, role: bool = False) -> dict:
+    def chunk(self, index: int, piece: str | None, finish: str | None, role: bool = False) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}
         return {"id": self.id, "object": self.object + (".chunk" if self.chat else ""), "created": self.created,
                 "model": self.service.name, "choices": [choice]}
+
+    async def pieces(self):
+        """(choice, new text) from every job as it comes, and (choice, None) when that choice has finished."""
+        arrived: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, job: Job):
+            try:
+                async for piece in self.service.tokens(job):
+                    arrived.put_nowait((index, piece, None))
+                arrived.put_nowait((index, None, None))
+            except Exception as e:  # handed to the reader, which raises it
+                arrived.put_nowait((index, None, e))
+
+        pumps = [asyncio.create_task(pump(i, job)) for i, job in enumerate(self.jobs)]
+        try:
+            for _ in range(len(self.jobs)):
+                while True:
+                    index, piece, error = await arrived.get()
+                    if error is not None:
+                        raise error
+                    yield index, piece
+                    if piece is None:
+                        break
+        finally:
+            for task in pumps:
+                task.cancel()
 
     async def whole(self):
         """The finished completion as one JSON response."""
         from fastapi.responses import JSONResponse
 
-        text = "".join([piece async for piece in self.service.tokens(self.job)])
-        choice = {"index": 0, "logprobs": None, "finish_reason": self.job.finish_reason}
-        choice |= {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        texts = [""] * len(self.jobs)
+        try:
+            async for index, piece in self.pieces():
+                texts[index] += piece or ""
+        finally:
+            self.stop_unfinished()
+        choices = []
+        for index, (job, text) in enumerate(zip(self.jobs, texts)):
+            choice = {"index": index, "logprobs": None, "finish_reason": job.finish_reason}
+            choices.append(choice | ({"message": {"role": "assistant", "content": text}} if self.chat else
+                                     {"text": text}))
         return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
-                             "model": self.service.name, "choices": [choice], "usage": self.usage()})
+                             "model": self.service.name, "choices": choices, "usage": self.usage()})
 
     def streamed(self, include_usage: bool):
         """A chunk per new piece of text, then one with the finish reason (and one with the usage, if asked)."""
@@ -426,20 +469,24 @@ class Reply:
         return StreamingResponse(self.events(include_usage), media_type="text/event-stream")
 
     async def events(self, include_usage: bool):
-        service, job = self.service, self.job
         try:
             if self.chat:
-                yield sse(self.chunk(None, None, role=True))
-            async for piece in service.tokens(job):
-                yield sse(self.chunk(piece, None))
-            yield sse(self.chunk(None, job.finish_reason))
+                for index in range(len(self.jobs)):
+                    yield sse(self.chunk(index, None, None, role=True))
+            async for index, piece in self.pieces():
+                finish = self.jobs[index].finish_reason if piece is None else None
+                yield sse(self.chunk(index, piece, finish))
             if include_usage:
                 yield sse({"id": self.id, "object": self.object + (".chunk" if self.chat else ""),
-                           "created": self.created, "model": service.name, "choices": [], "usage": self.usage()})
+                           "created": self.created, "model": self.service.name, "choices": [], "usage": self.usage()})
             yield sse("[DONE]")
-        finally:  # the client went away (the generator is closed) or the job ended: either way, stop it
+        finally:  # the client went away (the generator is closed) or the jobs ended: either way, stop them
+            self.stop_unfinished()
+
+    def stop_unfinished(self) -> None:
+        for job in self.jobs:
             if job.finish_reason is None:
-                service.worker.abort(job.request)
+                self.service.worker.abort(job.request)
 
 
 def model_card(service: Service) -> dict:
