@@ -38,6 +38,7 @@ from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
 from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.runtime import prepare_device
+from kiln.pipeline.serve.engine import complete
 from kiln.pipeline.serve.text_model import Sampling, TextModel
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.tasks.corpus_task import cloze_items, held_out_items
@@ -152,7 +153,7 @@ def samples_markdown(name: str, model_dir: Path, lm: TextModel, prompts: list[st
         ids = [chat.prompt([{"role": "user", "content": p}])[-(context - 1):] for p in prompts]
         new = min(sampling.max_new_tokens, context + 1 - max(map(len, ids)))
         requests = [sampling.request(p, new, [chat.im_end, chat.eot], i) for i, p in enumerate(ids)]
-        lm.engine(requests).run(requests)
+        complete(lm.model, requests)
         outs = [chat.parse_reply(r.output) for r in requests]
     for i, (prompt, out) in enumerate(zip(prompts, outs), 1):
         lines += [f"## {i}", "", "Prompt:", "", "```text", prompt, "```", "", "Output:", "", "```text", out, "```", ""]

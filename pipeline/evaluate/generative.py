@@ -15,9 +15,9 @@ of that line (it stops at the first token holding a newline, as lm-evaluation-ha
 until=["\n"]). Few-shot examples would not fit beside a passage in the default 128-token context.
 
 A prompt that leaves no room for `max_new_tokens` in either rendering is counted (`too_long`) and left out for
-every model, so that all models answer the same prompts. Sampling is seeded per generation call of
-`eval.gen_batch_size` rows and a row's draws depend on its batch, so a rerun gives the same numbers and every model
-gets the same seeds.
+every model, so that all models answer the same prompts. Answers come from the serving engine, whose cache holds
+`eval.gen_batch_size` of them at once (the rest wait their turn); answer i draws with seed eval.seed + i, whatever
+else runs beside it, so a rerun gives the same numbers and every model gets the same seeds.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.model.generate import generate
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evaluate.pass_at_k import mean_pass_at_k
 from kiln.pipeline.runtime import autocast
+from kiln.pipeline.serve.engine import complete
+from kiln.pipeline.serve.request import Request, SamplingParams
 from kiln.pipeline.tasks.chat_data import PROMPT_FORMATS, load_prompts
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.tasks.corpus_task import held_out_items
@@ -162,11 +163,10 @@ def run_gen_task(task: GenTask, model, chat: ChatFormat, chat_model: bool, rows:
 
     def answers(prompts: list[list[int]], temperature: float) -> list[str]:
         device = next(model.parameters()).device
-        out = []
+        requests = [Request(p, SamplingParams(spec.max_new_tokens, temperature, seed=seed + i, stop_ids=tuple(stops)))
+                    for i, p in enumerate(prompts)]
         with autocast(device, precision):
-            for b, start in enumerate(range(0, len(prompts), rows)):
-                out += generate(model, prompts[start:start + rows], spec.max_new_tokens, temperature=temperature,
-                                stop_ids=stops, seed=seed + b)
+            out = [r.output for r in complete(model, requests, concurrent=rows)]
         return [chat.parse_reply(c) if chat_model else plain_answer(chat, c) for c in out]
 
     def rewards(completions: list[str], n: int, what: str) -> list[float]:

@@ -32,7 +32,7 @@ class EvalParams(Section):
         {"name": "cloze", "data": "builtin", "limit": 500},
         {"name": "speaker", "data": "builtin", "reward": "exact", "limit": 300, "samples": 8, "temperature": 1.0,
          "max_new_tokens": 16}])
-    gen_batch_size: int = 256  # rows (prompts x samples) per generation call of the generative tasks
+    gen_batch_size: int = 256  # generative tasks: answers the engine's cache holds at once (the rest queue)
     posttrain: bool = True  # the built-in post-training task's held-out accuracy and preference accuracy
     samples: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_SAMPLES))
     max_new_tokens: int = 64

@@ -2,7 +2,8 @@
 (GRPO, Shao et al. 2024), on the one training loop.
 
 Each rollout batch takes `batch_examples / group_size` prompts, samples `group_size` completions of each from the
-policy as it is now (the KV-cache generator, stopping at `<|im_end|>`), scores them with `grpo.reward`, and turns
+policy as it is now (on the serving engine, stopping at `<|im_end|>`: a group's prompt is computed once and its
+completions share its cached blocks), scores them with `grpo.reward`, and turns
 each completion's reward relative to its group's into the advantage of its tokens (post/grpo_loss.py). The batch
 then feeds `grpo.epochs` optimizer steps; from the second on, the importance ratio against the log-probabilities
 of the policy that sampled it (computed once, right after sampling) carries the clip. Log-probabilities are of
@@ -34,7 +35,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.model.generate import generate
 from kiln.model.lora import adapters_off, is_adapted
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
@@ -44,6 +44,8 @@ from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.post.stage import Stage, run_stage
 from kiln.pipeline.progress import console
 from kiln.pipeline.runtime import SINGLE, World, autocast
+from kiln.pipeline.serve.engine import complete
+from kiln.pipeline.serve.request import Request, SamplingParams
 from kiln.pipeline.tasks.chat_data import PromptAnswer
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.tasks.rewards import NamedReward, make_reward, score
@@ -152,9 +154,13 @@ class Rollouts:
         prompt_ids = [self.prompts.ids[i] for i in chosen for _ in range(G)]
         device = next(self.model.parameters()).device
         seed = int(np.random.SeedSequence([p.seed, index]).generate_state(1)[0])
+        stops = (self.chat.im_end, self.chat.eot)
+        # On the serving engine: a group's completions share its prompt's cached blocks, and a finished
+        # completion's place goes to the next at once. Completion j draws with seed + j, whatever else runs.
+        requests = [Request(ids, SamplingParams(p.max_new_tokens, p.temperature, None, p.top_p, seed + j, stops))
+                    for j, ids in enumerate(prompt_ids)]
         with autocast(device, self.precision):
-            completions = generate(self.model, prompt_ids, p.max_new_tokens, temperature=p.temperature,
-                                   top_p=p.top_p, stop_ids=[self.chat.im_end, self.chat.eot], seed=seed)
+            completions = [r.output for r in complete(self.model, requests)]
         rewards = []
         for j, i in enumerate(chosen):
             rows = [(self.prompts.texts[i], self.chat.parse_reply(c), self.prompts.answers[i])
@@ -171,7 +177,6 @@ class Rollouts:
         elif self.params.beta:
             with adapters_off(self.model):
                 ref = self._score(self.model, x, y)
-        stops = {self.chat.im_end, self.chat.eot}
         groups = rewards.view(-1, G)
         self.current = {"reward": rewards.mean().item(), "reward_std": groups.std(dim=1).mean().item(),
                         "frac_reward_zero_std": (groups.std(dim=1) == 0).double().mean().item(),
@@ -263,9 +268,9 @@ def greedy_rewards(model, prompts: Prompts, chat: ChatFormat, reward: NamedRewar
                    precision: str, what: str) -> list[float]:
     """Each prompt's reward for its greedy completion."""
     device = next(model.parameters()).device
+    requests = [Request(ids, SamplingParams(max_new_tokens, stop_ids=(chat.im_end, chat.eot))) for ids in prompts.ids]
     with autocast(device, precision):
-        completions = generate(model, prompts.ids, max_new_tokens, temperature=0.0,
-                               stop_ids=[chat.im_end, chat.eot])
+        completions = [r.output for r in complete(model, requests)]
     rows = [(t, chat.parse_reply(c), a) for t, c, a in zip(prompts.texts, completions, prompts.answers)]
     return score(reward, rows, what)
 

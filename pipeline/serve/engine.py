@@ -49,6 +49,14 @@ class Engine:
                                    speculate if draft is not None else 0)
         self.runner = ModelRunner(model, self.cache, draft, draft_cache)
 
+    @classmethod
+    def sized_for(cls, model, requests: list[Request], concurrent: int | None = None, block_size: int = 16,
+                  max_batch_tokens: int = 2048) -> Engine:
+        """An engine whose cache holds `concurrent` of `requests` (all, by default) at their longest, so the batch
+        stays full and nothing is preempted while the rest wait their turn."""
+        need = sorted((-(-(len(r.prompt) + r.sampling.max_tokens) // block_size) for r in requests), reverse=True)
+        return cls(model, max(1, sum(need[:concurrent])), block_size, max_batch_tokens)
+
     def add(self, request: Request) -> Request:
         """Queue a request (checked: it must fit the model's context and, alone, the pool)."""
         return self.scheduler.add(request)
@@ -74,3 +82,14 @@ class Engine:
         while self.has_work():
             self.step()
         return requests
+
+
+def complete(model, requests: list[Request], concurrent: int | None = None) -> list[Request]:
+    """Run `requests` to the end on an engine made for them (`Engine.sized_for`). The model is in eval mode for
+    the call and back as it was after (what GRPO's rollouts, evaluate's generative tasks and `kiln generate` run
+    on)."""
+    was_training = model.training
+    try:
+        return Engine.sized_for(model.eval(), requests, concurrent).run(requests)
+    finally:
+        model.train(was_training)

@@ -21,7 +21,7 @@ import torch
 from kiln.model.checkpoint import load_model
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.serve.engine import Engine
+from kiln.pipeline.serve.engine import Engine, complete
 from kiln.pipeline.serve.request import Request, SamplingParams
 from kiln.pipeline.text.bpe import EOT, load_tokenizer
 from kiln.pipeline.text.corpus import SURROGATE
@@ -93,14 +93,8 @@ class TextModel:
         if longest + new - 1 > context:
             raise UserError(f"--prompt: {longest - 1} tokens + --max-new-tokens={new} do not fit the model's "
                             f"max_seq_len={context}")
-        requests = [sampling.request(p, new, [self.eot], i) for i, p in enumerate(ids)]
-        self.engine(requests).run(requests)
+        requests = complete(self.model, [sampling.request(p, new, [self.eot], i) for i, p in enumerate(ids)])
         return [self.tokenizer.decode([t for t in r.output if t != self.eot]) for r in requests]
-
-    def engine(self, requests: list[Request], block_size: int = 16) -> Engine:
-        """An engine whose cache holds every one of `requests` at its longest at once: nothing is preempted."""
-        need = sum(-(-(len(r.prompt) + r.sampling.max_tokens) // block_size) for r in requests)
-        return Engine(self.model.eval(), need, block_size)
 
 
 class ChatSession:
@@ -129,7 +123,7 @@ class ChatSession:
         new, shown = [], ""
         s = self.sampling
         request = s.request(ids, min(room, context + 1 - len(ids)), [self.chat.im_end, self.chat.eot])
-        engine = self.lm.engine([request])
+        engine = Engine.sized_for(self.lm.model.eval(), [request])
         engine.add(request)
         while engine.has_work():
             for _, token in engine.step():
