@@ -81,6 +81,13 @@ def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blo
     if longest is None:
         longest = int(context_lens.max()) if S else 0
     positions = torch.arange(longest, device=q.device)
+    if S == 1:  # one sequence: its own context, no mask (SDPA's fast path; batch-1 decoding on a CPU)
+        slots = block_tables[0].long()[positions // block_size] * block_size + positions % block_size
+        k = k_cache.flatten(0, 1)[slots].to(q.dtype).transpose(0, 1)[None]  # (1, H_kv, longest, D)
+        v = v_cache.flatten(0, 1)[slots].to(q.dtype).transpose(0, 1)[None]
+        if H != n_kv_head:
+            k, v = k.repeat_interleave(H // n_kv_head, dim=1), v.repeat_interleave(H // n_kv_head, dim=1)
+        return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale)[:, :, 0]
     blocks = block_tables.long().gather(1, (positions // block_size).clamp(max=block_tables.size(1) - 1)
                                         .expand(S, -1))
     live = positions[None, :] < context_lens.to(q.device).long()[:, None]  # (S, longest)

@@ -34,6 +34,12 @@ def test_every_variant_serves_the_whole_workload(tmp_path):
     # sampled: p / q = 1 keeps every draft token too
     assert rows["engine, batch 1, speculative, temperature 1"]["acceptance_rate"] == 1.0
     assert "transformers generate (batch 1)" in rows
+    # every engine step reports its host time and crosses to the device once and back at most once
+    assert 0 < rows["engine"]["copies_per_step"] <= 2 and rows["engine"]["host_us_per_step"] > 0
+    generator, engine = (rows[f"rollouts 64 x 8: {how}"] for how in ("batched generator", "engine"))
+    assert generator["requests"] == engine["requests"] == 512 and engine["output_tokens"] > 0
+    # a prompt's full blocks are computed once for its 8 completions
+    assert engine["prefill_tokens"] < 8 * 64 * config.max_seq_len // 2
 
 
 def test_output_lengths_are_long_tailed_or_uniform_and_fit_the_context():

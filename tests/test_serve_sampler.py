@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.pipeline.serve.request import SamplingParams
 from kiln.pipeline.serve.sampler import batched_probs, sample
 
 
@@ -50,16 +51,22 @@ def test_top_k_keeps_the_ties_of_its_kth_token():
     assert (got > 0).tolist() == [True, False, True, True, False]
 
 
-def test_draws_follow_the_distribution_and_greedy_rows_take_the_argmax():
+def settings(params: list[SamplingParams], vocab: int) -> dict[str, torch.Tensor]:
+    """The rows' settings as the runner sends them to the device."""
+    return {"temperature": torch.tensor([p.temperature for p in params]),
+            "top_k": torch.tensor([p.top_k or vocab for p in params]),
+            "top_p": torch.tensor([1.0 if p.top_p is None else p.top_p for p in params])}
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(8, 0.95), (None, None)])
+def test_draws_follow_the_distribution_and_greedy_rows_take_the_argmax(top_k, top_p):
     torch.manual_seed(0)
     vocab, n = 12, 40_000
     row = torch.randn(vocab) * 2
-    temperature, top_k, top_p = 0.8, 8, 0.95
-    want = reference_probs(row, temperature, top_k, top_p)
+    want = reference_probs(row, 0.8, top_k, top_p)
+    params = [SamplingParams(1, 0.8, top_k, top_p)] * n + [SamplingParams(1)]  # the last row greedy
     logits = row.expand(n + 1, vocab).clone()
-    temps = torch.full((n + 1,), temperature)
-    temps[-1] = 0.0  # one greedy row among them
-    tokens = sample(logits, temps, torch.full((n + 1,), top_k), torch.full((n + 1,), top_p), [None] * (n + 1), True)
+    tokens = sample(logits, params, settings(params, vocab), [None] * (n + 1))
     assert tokens[-1].item() == row.argmax().item()
     counts = np.bincount(tokens[:-1].numpy(), minlength=vocab)
     support = want.numpy() > 0
@@ -78,9 +85,9 @@ def test_a_seeded_row_draws_the_same_whatever_shares_its_batch():
     def draw(batch: int, others_seed: int) -> int:
         torch.manual_seed(others_seed)  # the unseeded rows' randomness
         logits = torch.cat([row, torch.randn(batch - 1, 30)])
+        params = [SamplingParams(1, 1.0, seed=7)] + [SamplingParams(1, 1.0)] * (batch - 1)
         generators = [torch.Generator().manual_seed(7)] + [None] * (batch - 1)
-        ones = torch.ones(batch)
-        return sample(logits, ones, torch.full((batch,), 30), ones, generators, True)[0].item()
+        return sample(logits, params, settings(params, 30), generators)[0].item()
 
     assert len({draw(b, s) for b, s in [(1, 0), (4, 1), (9, 2)]}) == 1
     assert len({draw(1, 0) for _ in range(3)}) == 1
@@ -88,6 +95,4 @@ def test_a_seeded_row_draws_the_same_whatever_shares_its_batch():
 
 def test_an_all_greedy_step_is_the_argmax():
     logits = torch.randn(5, 11)
-    zeros = torch.zeros(5)
-    assert sample(logits, zeros, torch.full((5,), 11), torch.ones(5), [None] * 5, False).tolist() == \
-        logits.argmax(-1).tolist()
+    assert sample(logits, [SamplingParams(1)] * 5, {}, [None] * 5).tolist() == logits.argmax(-1).tolist()

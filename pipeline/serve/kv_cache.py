@@ -70,32 +70,43 @@ class PagedKVCache:
         self.segments = segments
         self.offsets = [0, *itertools.accumulate(s.count for s in segments)]  # where each starts in the flat batch
         decodes = [i for i, s in enumerate(segments) if s.count == 1]
-        width = max((len(segments[i].table) for i in decodes), default=0)
         self.prefills = [i for i, s in enumerate(segments) if s.count > 1]
-        contexts = [self._slots(segments[i].table, 0, segments[i].start + segments[i].count) for i in self.prefills]
-        host = {
-            "positions": np.concatenate([np.arange(s.start, s.start + s.count) for s in segments]),
-            "slots": np.concatenate([self._slots(s.table, s.start, s.start + s.count) for s in segments]),
-            "decode_rows": np.array([self.offsets[i] for i in decodes], dtype=np.int64),
-            "decode_tables": np.array([segments[i].table + [0] * (width - len(segments[i].table)) for i in decodes],
-                                      dtype=np.int32).reshape(len(decodes), width),
-            "decode_lens": np.array([segments[i].start + 1 for i in decodes], dtype=np.int32),
-            # each segment's last new tokens: the model returns logits for these rows only
-            "logit_rows": np.array([row for i, s in enumerate(segments)
-                                    for row in range(self.offsets[i + 1] - s.logits, self.offsets[i + 1])],
-                                   dtype=np.int64),
-            "context_slots": np.concatenate([np.zeros(0, dtype=np.int64), *contexts]),
-        }
+        width = max((len(segments[i].table) for i in decodes), default=0)
+        tables = np.array([segments[i].table + [0] * (width - len(segments[i].table)) for i in decodes],
+                          dtype=np.int64).reshape(len(decodes), width)
+        if not self.prefills:
+            # decodes only, the common step: every row is its own segment's one token, and gets logits
+            starts = np.fromiter((s.start for s in segments), np.int64, len(segments))
+            host = {"positions": starts, "decode_tables": tables, "decode_lens": starts + 1,
+                    "slots": tables[np.arange(len(segments)), starts // self.block_size] * self.block_size
+                    + starts % self.block_size}
+            contexts = []
+        else:
+            contexts = [self._slots(segments[i].table, 0, segments[i].start + segments[i].count)
+                        for i in self.prefills]
+            host = {
+                "positions": np.concatenate([np.arange(s.start, s.start + s.count) for s in segments]),
+                "slots": np.concatenate([self._slots(s.table, s.start, s.start + s.count) for s in segments]),
+                "decode_rows": np.array([self.offsets[i] for i in decodes], dtype=np.int64),
+                "decode_tables": tables,
+                "decode_lens": np.array([segments[i].start + 1 for i in decodes], dtype=np.int64),
+                # each segment's last new tokens: the model returns logits for these rows only
+                "logit_rows": np.array([row for i, s in enumerate(segments)
+                                        for row in range(self.offsets[i + 1] - s.logits, self.offsets[i + 1])],
+                                       dtype=np.int64),
+                "context_slots": np.concatenate([np.zeros(0, dtype=np.int64), *contexts]),
+            }
         self.longest_decode = max((segments[i].start + 1 for i in decodes), default=0)
         extra = extra or {}
         if set(extra) & set(host):
             raise ValueError(f"extra arrays {sorted(set(extra) & set(host))}: names the cache uses")
         on_device = self.transfer.upload(host | extra)
+        self.decode_rows = self.logit_rows = None  # None: every row (a decode-only step)
         for name in host:
             setattr(self, name, on_device[name])
         # each prefill's context slots and causal mask, shared by every layer: query i is token start + i and
         # sees every key up to and including itself
-        self.prefill_slots = self.context_slots.split([len(c) for c in contexts])
+        self.prefill_slots = self.context_slots.split([len(c) for c in contexts]) if contexts else []
         self.prefill_masks = [self.positions[self.offsets[i]:self.offsets[i + 1], None] >= torch.arange(
             len(c), device=self.device)[None, :] for i, c in zip(self.prefills, contexts)]
         return {name: on_device[name] for name in extra}
@@ -114,6 +125,10 @@ class PagedKVCache:
         flat_k, flat_v = k_pool.view(-1, H_kv, D), v_pool.view(-1, H_kv, D)
         flat_k[self.slots] = k[0].transpose(0, 1).to(flat_k.dtype)
         flat_v[self.slots] = v[0].transpose(0, 1).to(flat_v.dtype)
+        if self.decode_rows is None:  # decodes only
+            out = paged_attention(q[0].transpose(0, 1), k_pool.to(q.dtype), v_pool.to(q.dtype), self.decode_tables,
+                                  self.decode_lens, backend=self.backend, longest=self.longest_decode)
+            return out.to(q.dtype).transpose(0, 1)[None]
         out = torch.empty_like(q[0].transpose(0, 1))  # (N, H, D)
         if len(self.decode_rows):
             queries = q[0].transpose(0, 1)[self.decode_rows]

@@ -13,6 +13,7 @@ draft reads its row back, so its steps cost more than one transfer; what it save
 from __future__ import annotations
 
 import itertools
+import time
 import weakref
 
 import numpy as np
@@ -32,6 +33,9 @@ class ModelRunner:
     def __init__(self, model, cache: PagedKVCache, draft=None, draft_cache: PagedKVCache | None = None):
         self.model, self.cache, self.draft, self.draft_cache = model, cache, draft, draft_cache
         self.vocab_size = model.config.vocab_size
+        # `kiln bench serve` turns this on to split a step's time into the model's and the host's: the model's
+        # time is read around its forward and sampling (with a device sync on CUDA, which timing costs)
+        self.timing, self.model_seconds, self.reads = False, 0.0, 0
         # a seeded request's own generator, created at its first draw, gone with the request
         self.generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
 
@@ -49,20 +53,34 @@ class ModelRunner:
         rows = [i for i, seq in enumerate(plan) if seq.samples]
         sampled = [plan[i].request for i in rows]
         params = [r.sampling for r in sampled]
-        on_device = self.cache.begin(segments, {
-            "ids": ids, "sample_rows": np.array(rows, dtype=np.int64),
-            "temperature": np.array([p.temperature for p in params], dtype=np.float32),
-            "top_k": np.array([p.top_k or self.vocab_size for p in params], dtype=np.int64),
-            "top_p": np.array([1.0 if p.top_p is None else p.top_p for p in params], dtype=np.float32)})
+        any_sampled = any(p.temperature > 0 for p in params)
+        extra = {"ids": ids}
+        if len(rows) < len(plan):
+            extra["sample_rows"] = np.array(rows, dtype=np.int64)
+        if any_sampled:  # an all-greedy step needs no sampling settings on the device
+            extra |= {"temperature": np.array([p.temperature for p in params], dtype=np.float32),
+                      "top_k": np.array([p.top_k or self.vocab_size for p in params], dtype=np.int64),
+                      "top_p": np.array([1.0 if p.top_p is None else p.top_p for p in params], dtype=np.float32)}
+        on_device = self.cache.begin(segments, extra)
+        started = self._clock()
         logits = self.model(on_device["ids"][None], cache=self.cache)[0]
         tokens: list[list[int]] = [[] for _ in plan]
         if rows:
             generators = [self._generator(r) if r.sampling.temperature > 0 else None for r in sampled]
-            new = sample(logits[on_device["sample_rows"]], on_device["temperature"], on_device["top_k"],
-                         on_device["top_p"], generators, any(p.temperature > 0 for p in params))
+            new = sample(logits[on_device["sample_rows"]] if "sample_rows" in on_device else logits, params,
+                         on_device, generators)
+        if self.timing:
+            self.model_seconds += self._clock() - started
+        if rows:
+            self.reads += 1
             for i, token in zip(rows, new.tolist()):  # the step's one read back
                 tokens[i] = [token]
         return StepResult(tokens, [0] * len(plan))
+
+    def _clock(self) -> float:
+        if self.timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _generator(self, request: Request) -> torch.Generator | None:
         if request.sampling.seed is None:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from kiln.pipeline.serve.request import SamplingParams
+
 
 def batched_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                   top_p: torch.Tensor) -> torch.Tensor:
@@ -30,20 +32,30 @@ def batched_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits).softmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           generators: list[torch.Generator | None], any_sampled: bool) -> torch.Tensor:
+def sample(logits: torch.Tensor, params: list[SamplingParams], on_device: dict[str, torch.Tensor],
+           generators: list[torch.Generator | None]) -> torch.Tensor:
     """The next token of each row (R,), int64 on the logits' device: the argmax where temperature is 0, a draw
-    from `batched_probs` elsewhere, row i's exponentials from generators[i] when it has one. `any_sampled`, known
-    on the host, skips the sampling arithmetic for an all-greedy step."""
+    from `batched_probs` elsewhere, row i's exponentials from generators[i] when it has one. `params` are the
+    rows' settings as the host has them, which spare device work (no sort without a top-k or top-p cut, no
+    shared draws when every sampled row has its own generator); `on_device` holds them as tensors
+    (temperature, top_k with the vocabulary for none, top_p with 1 for none) when some row samples."""
     greedy = logits.argmax(dim=-1)
-    if not any_sampled:
+    sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
+    if not sampled_rows:
         return greedy
-    sampled = temperature > 0
-    probs = batched_probs(logits, torch.where(sampled, temperature, torch.ones_like(temperature)), top_k, top_p)
-    race = torch.empty_like(probs).exponential_()
-    for i, generator in enumerate(generators):
-        if generator is not None:
-            race[i].exponential_(generator=generator)
+    vocab = logits.size(-1)
+    sampled = on_device["temperature"] > 0
+    temperature = torch.where(sampled, on_device["temperature"], torch.ones_like(on_device["temperature"]))
+    if any((params[i].top_k or vocab) < vocab or (params[i].top_p or 1.0) < 1 for i in sampled_rows):
+        probs = batched_probs(logits, temperature, on_device["top_k"], on_device["top_p"])
+    else:
+        probs = (logits.float() / temperature[:, None]).softmax(dim=-1)
+    race = torch.empty_like(probs)
+    if any(generators[i] is None for i in sampled_rows):
+        race.exponential_()
+    for i in sampled_rows:
+        if generators[i] is not None:
+            race[i].exponential_(generator=generators[i])
     # an exponential of exactly 0 would make 0 / 0 = NaN, which argmax takes for the largest
     race.clamp_(min=torch.finfo(race.dtype).tiny)
     return torch.where(sampled, (probs / race).argmax(dim=-1), greedy)

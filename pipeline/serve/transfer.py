@@ -4,7 +4,7 @@ On a GPU a small tensor per index array costs more than the model's arithmetic (
 and a launch), so every array a step needs goes into one int64 host buffer (pinned on CUDA) and crosses in one
 copy to a device buffer that lives as long as the engine; the arrays come back as views of it. float32 arrays
 travel as their bits, two to an int64. Both buffers grow (doubling) when a step needs more, and are never freed
-between steps.
+between steps. On a CPU there is nothing to copy: the packed array is the tensor.
 """
 
 from __future__ import annotations
@@ -18,44 +18,43 @@ class HostToDevice:
         self.device = torch.device(device)
         self.capacity = 0
         self.copied: torch.cuda.Event | None = None  # the last copy, which the next one's host writes must follow
-        self._grow(capacity)
+        self.uploads = 0  # over the buffer's life, for `kiln bench serve`
+        if self.device.type != "cpu":
+            self._grow(capacity)
 
     def _grow(self, size: int) -> None:
         self.capacity = max(size, 2 * self.capacity)
-        cuda = self.device.type == "cuda"
-        self.host = torch.empty(self.capacity, dtype=torch.int64, pin_memory=cuda)
+        self.host = torch.empty(self.capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self.host_view = self.host.numpy()
-        # On the CPU the host buffer is the device buffer: nothing to copy.
-        self.buffer = torch.empty(self.capacity, dtype=torch.int64, device=self.device) if cuda or \
-            self.device.type != "cpu" else self.host
+        self.buffer = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
 
     def upload(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Each array (int64, int32 or float32) as a tensor of its shape and dtype on the device, all from one copy."""
-        packed = {name: _as_int64(a) for name, a in arrays.items()}
-        size = sum(p.size for p in packed.values())
-        if self.copied is not None:
-            self.copied.synchronize()  # the copy still in flight reads the host buffer about to be rewritten
-        if size > self.capacity:
-            self._grow(size)
-        offsets, at = {}, 0
-        for name, p in packed.items():
-            self.host_view[at:at + p.size] = p
-            offsets[name] = (at, p.size)
-            at += p.size
-        if self.buffer is not self.host:
-            self.buffer[:at].copy_(self.host[:at], non_blocking=True)
+        """Each array as a tensor of its shape on the device, all from one copy: integers as int64, float32 as
+        float32."""
+        flat = [_as_int64(a) for a in arrays.values()]
+        sizes = [f.size for f in flat]
+        packed = np.concatenate(flat) if flat else np.zeros(0, np.int64)
+        self.uploads += 1
+        if self.device.type == "cpu":
+            # the host is the device: the packed array itself, no buffer and no copy (a few microseconds a step
+            # matter at batch 1 on a CPU)
+            on_device = torch.from_numpy(packed)
+        else:
+            if self.copied is not None:
+                self.copied.synchronize()  # the copy still in flight reads the host buffer about to be rewritten
+            if packed.size > self.capacity:
+                self._grow(packed.size)
+            self.host_view[:packed.size] = packed
+            on_device = self.buffer[:packed.size]
+            on_device.copy_(self.host[:packed.size], non_blocking=True)
             if self.device.type == "cuda":
                 self.copied = torch.cuda.Event()
                 self.copied.record()
         out = {}
-        for name, a in arrays.items():
-            start, n = offsets[name]
-            view = self.buffer[start:start + n]
+        for (name, a), piece in zip(arrays.items(), on_device.split(sizes)):
             if a.dtype == np.float32:
-                view = view.view(torch.float32)[:a.size]
-            elif a.dtype == np.int32:
-                view = view.to(torch.int32)
-            out[name] = view.view(a.shape)
+                piece = piece.view(torch.float32)[:a.size]
+            out[name] = piece if a.ndim == 1 else piece.view(a.shape)
         return out
 
 
@@ -63,6 +62,6 @@ def _as_int64(a: np.ndarray) -> np.ndarray:
     if a.dtype == np.float32:
         flat = np.ascontiguousarray(a).reshape(-1)
         return np.concatenate([flat, np.zeros(flat.size % 2, np.float32)]).view(np.int64)
-    if a.dtype not in (np.int64, np.int32):
-        raise TypeError(f"{a.dtype}: expected int64, int32 or float32")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{a.dtype}: expected integers or float32")
     return a.astype(np.int64, copy=False).reshape(-1)

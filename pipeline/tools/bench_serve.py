@@ -42,7 +42,7 @@ from rich.table import Table
 
 from kiln.model.checkpoint import load_model
 from kiln.model.config import ModelConfig
-from kiln.model.generate import decode_steps, left_pad
+from kiln.model.generate import decode_steps, generate, left_pad
 from kiln.model.gpt import GPT
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
@@ -50,6 +50,8 @@ from kiln.pipeline.progress import console
 from kiln.pipeline.serve.engine import Engine
 from kiln.pipeline.serve.request import Request, SamplingParams
 from kiln.pipeline.tools.machine import machine
+
+ROLLOUT_PROMPTS, ROLLOUT_GROUP = 64, 8  # the GRPO-shaped row: prompts x completions of each
 
 
 @dataclass
@@ -138,7 +140,8 @@ def run_engine(model: GPT, load: Workload, name: str, blocks: int, block_size: i
                 for i, (p, n) in enumerate(zip(load.prompts, load.outputs))]
     index = {id(r): i for i, r in enumerate(requests)}
     times: list[list[float]] = [[] for _ in requests]
-    start, added, peak_blocks, over = time.perf_counter(), 0, 0, 0
+    engine.runner.timing = True
+    start, added, peak_blocks, over, steps, step_seconds = time.perf_counter(), 0, 0, 0, 0, 0.0
     while added < len(requests) or engine.has_work():
         now = time.perf_counter() - start
         if not engine.has_work() and load.arrivals[added] > now:
@@ -149,6 +152,8 @@ def run_engine(model: GPT, load: Workload, name: str, blocks: int, block_size: i
             added += 1
         events = engine.step()
         stamp = time.perf_counter() - start
+        steps += 1
+        step_seconds += stamp - now
         for request, _ in events:
             times[index[id(request)]].append(stamp)
         peak_blocks = max(peak_blocks, engine.pool.in_use())
@@ -157,10 +162,51 @@ def run_engine(model: GPT, load: Workload, name: str, blocks: int, block_size: i
         over = max(over, engine.pool.in_use() - held)
     extra = {"kv_blocks_peak": peak_blocks, "kv_slots_peak": peak_blocks * block_size,
              "kv_blocks_over_need": over, "prefill_tokens": engine.scheduler.prefill_tokens,
-             "preemptions": engine.scheduler.preemptions}
+             "preemptions": engine.scheduler.preemptions, **step_costs(engine, steps, step_seconds)}
     if draft is not None:
         extra["acceptance_rate"] = round(engine.scheduler.accepted / max(engine.scheduler.drafted, 1), 4)
     return summarise(name, load, times, start, extra)
+
+
+def step_costs(engine: Engine, steps: int, seconds: float) -> dict:
+    """What a step costs beside the model: host microseconds (a step's wall time less its forward and sampling,
+    and the adding of requests) and the copies to the device and reads back."""
+    return {"steps": steps, "host_us_per_step": round(1e6 * (seconds - engine.runner.model_seconds) / max(steps, 1), 1),
+            "copies_per_step": round((engine.cache.transfer.uploads + engine.runner.reads) / max(steps, 1), 3)}
+
+
+def run_rollouts(model: GPT, prompts: list[list[int]], group: int, new_tokens: int, stops: tuple[int, ...],
+                 seed: int) -> list[dict]:
+    """GRPO-shaped work: `group` completions of each prompt at temperature 1, ending at a stop id or new_tokens,
+    by the batched generator (every row in one left-padded batch, each prefilling its prompt) and by the engine
+    (`serve.engine.complete`, a prompt's blocks computed once). Completion tokens/s each."""
+    rows = [p for p in prompts for _ in range(group)]
+    out = []
+    start = time.perf_counter()
+    with torch.inference_mode():
+        done = generate(model, rows, new_tokens, temperature=1.0, stop_ids=stops, seed=seed)
+    seconds = time.perf_counter() - start
+    tokens = sum(map(len, done))
+    out.append({"variant": f"rollouts {len(prompts)} x {group}: batched generator", "requests": len(rows),
+                "output_tokens": tokens, "output_tokens_per_s": round(tokens / seconds, 1),
+                "seconds": round(seconds, 3)})
+    requests = [Request(p, SamplingParams(new_tokens, 1.0, seed=seed + j, stop_ids=stops)) for j, p in enumerate(rows)]
+    engine = Engine.sized_for(model, requests)
+    engine.runner.timing = True
+    start, steps = time.perf_counter(), 0
+    for request in requests:
+        engine.add(request)
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.output) for r in requests)
+    out.append({"variant": f"rollouts {len(prompts)} x {group}: engine", "requests": len(rows),
+                "output_tokens": tokens, "output_tokens_per_s": round(tokens / seconds, 1),
+                "seconds": round(seconds, 3), "prefill_tokens": engine.scheduler.prefill_tokens,
+                "speedup_vs_generator": round(tokens / seconds / out[0]["output_tokens_per_s"], 3),
+                **step_costs(engine, steps, seconds)})
+    return out
 
 
 def run_transformers(model: GPT, load: Workload) -> dict:
@@ -243,6 +289,14 @@ def bench_serve(config: ModelConfig, model_dir: Path | None, draft_dir: Path | N
         if draft is not None:
             rows[-1]["speedup_vs_batch_1"] = round(rows[-1]["output_tokens_per_s"] / rows[-2]["output_tokens_per_s"],
                                                    3)
+    # GRPO's shape: long prompts (passages), short completions, group_size 8; a stop id ends a completion with a
+    # chance of 1/16 a token, so they end at different lengths
+    rng = np.random.default_rng(seed + 3)
+    new_tokens = max(1, c.max_seq_len // 8)
+    passages = [rng.integers(0, c.vocab_size, rng.integers(c.max_seq_len // 2, c.max_seq_len + 2 - new_tokens))
+                .tolist() for _ in range(ROLLOUT_PROMPTS)]
+    stops = tuple(range(max(1, c.vocab_size // 16)))
+    rows += run_rollouts(model, passages, ROLLOUT_GROUP, new_tokens, stops, seed)
     missing = []
     try:
         rows.append(run_transformers(model, alone))
@@ -281,9 +335,10 @@ def show(result: dict) -> None:
     for column in ("variant", "tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "KV slots peak", "notes"):
         table.add_column(column)
     for r in result["results"]:
-        notes = [f"{k}={r[k]}" for k in ("speedup_vs_static", "prefill_tokens", "prefill_drop",
-                                         "shared_whole_block_share", "kv_blocks_over_need", "preemptions",
-                                         "acceptance_rate", "speedup_vs_batch_1") if k in r]
+        notes = [f"{k}={r[k]}" for k in ("speedup_vs_static", "speedup_vs_generator", "prefill_tokens",
+                                         "prefill_drop", "shared_whole_block_share", "kv_blocks_over_need",
+                                         "preemptions", "acceptance_rate", "speedup_vs_batch_1", "host_us_per_step",
+                                         "copies_per_step") if k in r]
         table.add_row(r["variant"], f"{r['output_tokens_per_s']:,.1f}",
                       f"{r.get('ttft_p50_ms', float('nan'))}/{r.get('ttft_p99_ms', '-')}",
                       f"{r.get('itl_p50_ms', float('nan'))}/{r.get('itl_p99_ms', '-')}",
