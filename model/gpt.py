@@ -399,8 +399,7 @@ class GPT(nn.Module):
         rope = (self.rope_cos[at][:, None], self.rope_sin[at][:, None]) if self.config.arch == "llama" else None
         for layer, block in enumerate(self.blocks):
             x = block(x, rope, cache, layer, 0, (None, False))
-        rows = cache.logit_rows  # None: every row
-        return self.lm_head(self.norm(x if rows is None else x[:, rows]))[..., :self.config.vocab_size]
+        return self.lm_head(self.norm(x[:, cache.logit_rows]))[..., :self.config.vocab_size]
 
     def _token_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float, stats: bool):
         weight = self.lm_head.weight[:self.config.vocab_size]  # the padding rows are never scored

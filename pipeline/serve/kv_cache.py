@@ -101,9 +101,11 @@ class PagedKVCache:
         if set(extra) & set(host):
             raise ValueError(f"extra arrays {sorted(set(extra) & set(host))}: names the cache uses")
         on_device = self.transfer.upload(host | extra)
-        self.decode_rows = self.logit_rows = None  # None: every row (a decode-only step)
+        self.decode_rows = None  # None: every row is a decode
         for name in host:
             setattr(self, name, on_device[name])
+        if not self.prefills:  # every row gets logits: made on the device, nothing to send
+            self.logit_rows = torch.arange(len(segments), device=self.device)
         # each prefill's context slots and causal mask, shared by every layer: query i is token start + i and
         # sees every key up to and including itself
         self.prefill_slots = self.context_slots.split([len(c) for c in contexts]) if contexts else []
