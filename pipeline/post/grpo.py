@@ -54,6 +54,9 @@ from kiln.pipeline.train.curves import Panel
 from kiln.pipeline.train.loop import accumulation_steps
 from kiln.pipeline.train.params import TrainParams
 
+# The serving engine, each completion with its own seed (rollout batch seed + j): the draws differ from the
+# batched generator's that the runs before it sampled with.
+ROLLOUT_SAMPLER = "engine, seed + j"
 MODEL_DIR = layout.GRPO_MODEL
 CHECKPOINT_DIR = layout.checkpoints("grpo")
 CURVES_DIR = layout.curves("grpo")
@@ -316,7 +319,9 @@ def grpo_stage(params: GRPOParams, s: Start, reward: NamedReward, start_dir: Pat
         fingerprint={"grpo": {k: getattr(params, k) for k in ("group_size", "epochs", "temperature", "top_p",
                                                               "max_new_tokens", "epsilon_low", "epsilon_high",
                                                               "beta", "loss_type", "scale_rewards", "reward",
-                                                              "reward_pattern")}},
+                                                              "reward_pattern")},
+                     # how rollouts are drawn: a checkpoint of the batched generator's draws is another run's
+                     "rollouts": ROLLOUT_SAMPLER},
         micro_batch_tokens=micro,
         summary=f"{len(prompts):,} train and {len(val):,} held-out prompts, {loop.max_steps} steps x "
                 f"{rollouts.per_rollout} prompts x {params.group_size} completions, {reward.label}, "
