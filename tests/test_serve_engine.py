@@ -195,3 +195,30 @@ def test_a_step_crosses_to_the_device_once_and_back_once(batch, monkeypatch):
         assert crossings.to_device <= 1 and crossings.to_host + len(reads) <= 1, (steps, crossings.to_device,
                                                                                  crossings.to_host, len(reads))
     assert steps >= 8  # the prefills and every decode were checked
+
+
+@pytest.mark.parametrize(("lengths", "batched"), [([5, 9, 3], True), ([2, 2, 2, 2], True), ([40, 1, 3], True),
+                                                 ([60, 2, 2, 2], False)])
+def test_prefills_in_one_padded_batch_give_each_prompt_its_own_logits(lengths, batched):
+    """Several prefills in one step (padded into one attention call when that is cheap, one call each when one
+    chunk is much longer): every prompt's last logits as a forward over it alone gives them, and decodes beside
+    them too."""
+    from kiln.pipeline.serve.kv_cache import PagedKVCache, Segment
+
+    model = tiny()
+    rng = random.Random(len(lengths))
+    seqs = [[rng.randrange(VOCAB) for _ in range(n)] for n in lengths]
+    cache = PagedKVCache(model.config, num_blocks=64, block_size=4)
+    tables, at = [], 0
+    for s in seqs:
+        n = -(-len(s) // 4)
+        tables.append(list(range(at + n - 1, at - 1, -1)))  # blocks in reverse order: the tables are honoured
+        at += n
+    segments = [Segment(t, 0, len(s)) for t, s in zip(tables, seqs)]
+    ids = torch.tensor([sum(seqs, [])])
+    with torch.no_grad():
+        cache.begin(segments)
+        assert cache.batched == batched
+        got = model(ids, cache=cache)[0]
+        want = torch.stack([model(torch.tensor([s]))[0, -1] for s in seqs])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

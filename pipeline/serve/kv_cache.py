@@ -74,6 +74,7 @@ class PagedKVCache:
         width = max((len(segments[i].table) for i in decodes), default=0)
         tables = np.array([segments[i].table + [0] * (width - len(segments[i].table)) for i in decodes],
                           dtype=np.int64).reshape(len(decodes), width)
+        self.batched = False
         if not self.prefills:
             # decodes only, the common step: every row is its own segment's one token, and gets logits
             starts = np.fromiter((s.start for s in segments), np.int64, len(segments))
@@ -94,8 +95,8 @@ class PagedKVCache:
                 "logit_rows": np.array([row for i, s in enumerate(segments)
                                         for row in range(self.offsets[i + 1] - s.logits, self.offsets[i + 1])],
                                        dtype=np.int64),
-                "context_slots": np.concatenate([np.zeros(0, dtype=np.int64), *contexts]),
             }
+            host |= self._prefill_indices(segments, contexts)
         self.longest_decode = max((segments[i].start + 1 for i in decodes), default=0)
         extra = extra or {}
         if set(extra) & set(host):
@@ -106,12 +107,39 @@ class PagedKVCache:
             setattr(self, name, on_device[name])
         if not self.prefills:  # every row gets logits: made on the device, nothing to send
             self.logit_rows = torch.arange(len(segments), device=self.device)
-        # each prefill's context slots and causal mask, shared by every layer: query i is token start + i and
-        # sees every key up to and including itself
-        self.prefill_slots = self.context_slots.split([len(c) for c in contexts]) if contexts else []
-        self.prefill_masks = [self.positions[self.offsets[i]:self.offsets[i + 1], None] >= torch.arange(
-            len(c), device=self.device)[None, :] for i, c in zip(self.prefills, contexts)]
+        # the causal masks, shared by every layer: query i of a prefill is token start + i and sees every key up
+        # to and including itself
+        self.prefill_slots, self.prefill_masks = [], []
+        if self.batched:
+            width = self.prefill_context.size(1)
+            self.prefill_mask = (torch.arange(width, device=self.device) <= self.prefill_positions[:, :, None])[:, None]
+        elif contexts:
+            self.prefill_slots = self.context_slots.split([len(c) for c in contexts])
+            self.prefill_masks = [self.positions[self.offsets[i]:self.offsets[i + 1], None] >= torch.arange(
+                len(c), device=self.device)[None, :] for i, c in zip(self.prefills, contexts)]
         return {name: on_device[name] for name in extra}
+
+    def _prefill_indices(self, segments: list[Segment], contexts: list[np.ndarray]) -> dict[str, np.ndarray]:
+        """How the prefills attend. Several of them, padded to one batch, run one attention call per layer
+        instead of one each (the many short chunks of requests that share a cached prompt, GRPO's groups): each
+        row's context slots (padded with its first, which the causal mask hides), its queries' rows in the flat
+        batch and their positions (padded with its first), and which padded queries are real. When padding would
+        more than double the work (one long chunk among short ones), each prefill runs on its own."""
+        counts = [segments[i].count for i in self.prefills]
+        queries, width = max(counts), max(map(len, contexts))
+        P = len(self.prefills)
+        self.batched = P > 1 and P * queries <= 2 * sum(counts) + 64 and P * width <= 2 * sum(map(len, contexts)) + 256
+        if not self.batched:
+            return {"context_slots": np.concatenate([np.zeros(0, dtype=np.int64), *contexts])}
+        context = np.stack([np.pad(c, (0, width - len(c)), constant_values=c[0]) for c in contexts])
+        grid = np.minimum(np.arange(queries)[None, :], np.array(counts)[:, None] - 1)  # padding repeats the last
+        firsts = np.array([self.offsets[i] for i in self.prefills])
+        starts = np.array([segments[i].start for i in self.prefills])
+        real = (np.arange(queries)[None, :] < np.array(counts)[:, None]).reshape(-1)
+        rows = (firsts[:, None] + grid).reshape(P, queries)
+        return {"prefill_context": context, "prefill_rows": rows,
+                "prefill_positions": starts[:, None] + grid,
+                "prefill_real": np.flatnonzero(real), "prefill_real_rows": rows.reshape(-1)[real]}
 
     def _slots(self, table: list[int], start: int, stop: int) -> np.ndarray:
         """The pool slots (block x block_size + offset) of positions [start, stop) of a sequence in `table`."""
@@ -137,6 +165,16 @@ class PagedKVCache:
             out[self.decode_rows] = paged_attention(queries, k_pool.to(q.dtype), v_pool.to(q.dtype),
                                                     self.decode_tables, self.decode_lens, backend=self.backend,
                                                     longest=self.longest_decode).to(out.dtype)
+        if self.batched:
+            P, queries = self.prefill_rows.shape
+            keys = flat_k[self.prefill_context].transpose(1, 2).to(q.dtype)  # (P, H_kv, width, D)
+            values = flat_v[self.prefill_context].transpose(1, 2).to(q.dtype)
+            if H != H_kv:
+                keys, values = keys.repeat_interleave(H // H_kv, dim=1), values.repeat_interleave(H // H_kv, dim=1)
+            y = F.scaled_dot_product_attention(q[0].transpose(0, 1)[self.prefill_rows].transpose(1, 2), keys, values,
+                                               attn_mask=self.prefill_mask)  # (P, H, queries, D)
+            out[self.prefill_real_rows] = y.transpose(1, 2).reshape(P * queries, H, D)[self.prefill_real]
+            return out.transpose(0, 1)[None]
         for i, slots, mask in zip(self.prefills, self.prefill_slots, self.prefill_masks):
             first, count = self.offsets[i], self.segments[i].count
             keys = flat_k[slots].transpose(0, 1)[None].to(q.dtype)  # (1, H_kv, context, D)
