@@ -222,3 +222,13 @@ def test_prefills_in_one_padded_batch_give_each_prompt_its_own_logits(lengths, b
         got = model(ids, cache=cache)[0]
         want = torch.stack([model(torch.tensor([s]))[0, -1] for s in seqs])
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_token_slice_is_the_slice_of_the_whole_sequence():
+    rng = random.Random(0)
+    for _ in range(500):
+        r = Request([rng.randrange(9) for _ in range(rng.randrange(1, 6))], SamplingParams(3))
+        r.output = [rng.randrange(9) for _ in range(rng.randrange(0, 6))]
+        start = rng.randrange(r.length)
+        stop = rng.randrange(start, r.length + 1)
+        assert r.token_slice(start, stop) == r.tokens[start:stop]

@@ -28,7 +28,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self in FINISHED
+
+
+FINISHED = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED"))
 
 
 @dataclass(eq=False)  # a request is itself: two with the same prompt and sampling are still two
@@ -52,6 +55,15 @@ class Request:
     @property
     def length(self) -> int:  # len(tokens), without building the list: the scheduler asks every step
         return len(self.prompt) + len(self.output)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """tokens[start:stop], without building the whole list (a decode needs one token of it every step)."""
+        n = len(self.prompt)
+        if stop <= n:
+            return self.prompt[start:stop]
+        if start >= n:
+            return self.output[start - n:stop - n]
+        return self.prompt[start:] + self.output[:stop - n]
 
     @property
     def finish_reason(self) -> str | None:

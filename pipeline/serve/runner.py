@@ -49,7 +49,7 @@ class ModelRunner:
             return self._speculative(plan)
         segments = [Segment(seq.request.table, seq.request.computed, seq.count) for seq in plan]
         ids = np.fromiter(itertools.chain.from_iterable(
-            seq.request.tokens[seq.request.computed:seq.request.computed + seq.count] for seq in plan), np.int64)
+            seq.request.token_slice(seq.request.computed, seq.request.computed + seq.count) for seq in plan), np.int64)
         rows = [i for i, seq in enumerate(plan) if seq.samples]
         sampled = [plan[i].request for i in rows]
         params = [r.sampling for r in sampled]

@@ -30,7 +30,7 @@ from kiln.pipeline.serve.blocks import BlockPool
 from kiln.pipeline.serve.request import Request, RequestStatus
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSequence:
     """One request's share of a step: tokens[computed:computed + count] fed, then `lookahead` draft tokens
     proposed and verified after them (a decode with a draft model)."""
