@@ -10,8 +10,9 @@ values into their slots, then each segment attends to its own sequence's cached 
 
 Decode segments (one token) go to the paged decode kernel (`kernels/paged_attention.py`) in one launch; prefill
 segments gather their context from the blocks and run SDPA with the causal diagonal aligned bottom-right (the
-chunk's first query sees every token before it). Both read the pool through the block tables, so a prefix
-shared with another request is read where it lies.
+chunk's first query sees every token before it), all of a step's prefills in one padded batch when padding
+costs less than the calls it saves. Both read the pool through the block tables, so a prefix shared with another
+request is read where it lies. Every index a step needs crosses to the device in one copy (`transfer.py`).
 """
 
 from __future__ import annotations
