@@ -13,7 +13,9 @@ still run), the headline first:
             awkward ones (tests.xml, JUnit);
 - pretrain: the real stages (`kiln data prepare`, `tokenizer train`, `data shard`, `train`) on Shakespeare in
             a scratch folder, GPT-2's tokenizer and 124M shape, bf16 + compile (pretrain/);
-- generate: `kiln bench generate` on the 124M shape in bf16 (generate.json).
+- generate: `kiln bench generate` on the 124M shape in bf16 (generate.json);
+- serve:    `kiln bench serve` on the default shape (serve.json): the engine against static batching and
+            transformers, GRPO-shaped rollouts, and the engine step's host microseconds and copies.
 Everything lands in `--out` (default metrics/bench/gpu/) with one log per step and summary.json, which is
 rewritten after every step (and `--pack` re-archives the folder then), so a run cut off by a time limit keeps
 what the finished steps measured.
@@ -47,7 +49,7 @@ from kiln.pipeline.progress import console
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = ("quick", "full", "smoke")
-STEPS = ("env", "train", "kernels", "tests", "pretrain", "generate")
+STEPS = ("env", "train", "kernels", "tests", "pretrain", "generate", "serve")
 
 # The GPT-2 124M shape (12 layers, 12 heads, d 768, T 1024) as `--set` overrides; the vocabulary is GPT-2's BPE
 # (50,257 + kiln's 3 chat tokens = 50,260, which the model pads to 50,304).
@@ -64,14 +66,15 @@ TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/
          "tests/test_kernel_flash_attention.py", "tests/test_kernel_nf4.py", "tests/test_kernel_paged_attention.py",
          "tests/test_kernel_ops.py", "tests/test_compile.py", "tests/test_model.py"]
 
-# Seconds each step may take, per size. Quick's sum to 8 minutes, inside one 10-minute device call. From the
+# Seconds each step may take, per size. Quick's sum to 9 minutes, inside one 10-minute device call. From the
 # last H100 run (an earlier order and grid): compiling the 124M step took 27 s, so ~80 s is expected for the two
 # compiled rows; kernels took 60-80 s before the graph timing, which adds a capture and replays per timing;
-# tests 85 s, pretrain ~70 s, generate ~30 s. A step cut at its limit keeps the rows its JSON already holds.
+# tests 85 s, pretrain ~70 s, generate ~30 s; serve (32 requests then) under a minute. A step cut at its limit
+# keeps the rows its JSON already holds (serve writes its JSON at the end: give it room).
 # Full's train (the compile modes, a max-autotune compile per kernel choice) takes a call of its own.
-LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "generate": 120},
-          "quick": {"train": 110, "kernels": 140, "tests": 100, "pretrain": 90, "generate": 40},
-          "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 180}}
+LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "generate": 120, "serve": 120},
+          "quick": {"train": 110, "kernels": 140, "tests": 100, "pretrain": 90, "generate": 40, "serve": 60},
+          "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 180, "serve": 300}}
 
 
 @dataclass
@@ -129,6 +132,11 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
                                  ["--vocab-size", GPT2_VOCAB, "--batch-sizes", "1,16,64", "--prompt-len", "512",
                                   "--new-tokens", "256", "--dtype", "bf16", "--device", "cuda"]),
                                "--out", str(out / "generate.json"))]),
+        Step("serve", [kiln("bench", "serve", "--params", params,
+                            *([*_sets(TOY), "--vocab-size", "300", "--requests", "6", "--batch", "2",
+                               "--device", "cpu"] if smoke else
+                              ["--requests", "64" if size == "quick" else "256", "--device", "cuda"]),
+                            "--rate", "0", "--out", str(out / "serve.json"))]),
     ]
 
 
