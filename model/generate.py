@@ -33,18 +33,29 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None =
                    top_p: float | None = None) -> torch.Tensor:
     """The distribution a row of logits (B, V) is sampled from at temperature > 0: the softmax of
     logits/temperature restricted to the top_k tokens, then to the smallest set holding top_p of the mass."""
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token once the tokens ranked above it already hold top_p; the top token always stays.
-        drop = probs.cumsum(dim=-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits.softmax(dim=-1)
+    rows, vocab = logits.shape
+    if (top_k is None or top_k >= vocab) and (top_p is None or top_p >= 1.0):  # nothing to cut: no sort
+        return (logits.float() / temperature).softmax(dim=-1)
+    return batched_probs(logits, torch.full((rows,), float(temperature), device=logits.device),
+                         torch.full((rows,), top_k or vocab, device=logits.device),
+                         torch.full((rows,), 1.0 if top_p is None else float(top_p), device=logits.device))
+
+
+def batched_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """The distribution of each row (R, V): temperature (R,) > 0; top_k (R,) of at least 1, the vocabulary meaning
+    no cut; top_p (R,) in (0, 1], 1 meaning no cut."""
+    logits = logits.float() / temperature[:, None]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.size(-1)
+    # top_k: keep what is at least the k-th largest, ties with it included (as torch.topk's threshold would)
+    kth = sorted_logits.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # top_p: drop a token once the tokens ranked above it already hold top_p; the top token always stays
+    drop = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p < 1)[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits).softmax(dim=-1)
 
 
 def generate(model: GPT, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int, *, temperature: float = 1.0,

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.model.generate import batched_probs
 from kiln.pipeline.serve.request import SamplingParams
-from kiln.pipeline.serve.sampler import batched_probs, sample
+from kiln.pipeline.serve.sampler import sample
 
 
 def reference_probs(row: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
