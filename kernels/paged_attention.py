@@ -71,23 +71,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, o_ptr,
 
 
 def reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-              context_lens: torch.Tensor, scale: float | None = None, longest: int | None = None) -> torch.Tensor:
+              context_lens: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """The same attention in plain torch, every sequence at once: its keys and values gathered from its blocks
-    into a (sequences, longest context) batch, the slots past each context masked out, in q's dtype. `longest`,
-    when the caller knows it, spares reading context_lens back from the device."""
+    into a (sequences, longest context) batch, the slots past each context masked out, in q's dtype."""
     S, H, D = q.shape
     n_kv_head, block_size = k_cache.size(2), k_cache.size(1)
     scale = 1 / math.sqrt(D) if scale is None else scale
-    if longest is None:
-        longest = int(context_lens.max()) if S else 0
+    longest = int(context_lens.max()) if S else 0
     positions = torch.arange(longest, device=q.device)
-    if S == 1:  # one sequence: its own context, no mask (SDPA's fast path; batch-1 decoding on a CPU)
-        slots = block_tables[0].long()[positions // block_size] * block_size + positions % block_size
-        k = k_cache.flatten(0, 1)[slots].to(q.dtype).transpose(0, 1)[None]  # (1, H_kv, longest, D)
-        v = v_cache.flatten(0, 1)[slots].to(q.dtype).transpose(0, 1)[None]
-        if H != n_kv_head:
-            k, v = k.repeat_interleave(H // n_kv_head, dim=1), v.repeat_interleave(H // n_kv_head, dim=1)
-        return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale)[:, :, 0]
     blocks = block_tables.long().gather(1, (positions // block_size).clamp(max=block_tables.size(1) - 1)
                                         .expand(S, -1))
     live = positions[None, :] < context_lens.to(q.device).long()[:, None]  # (S, longest)
@@ -144,14 +135,12 @@ def _(q, k_cache, v_cache, block_tables, context_lens, scale):
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    context_lens: torch.Tensor, scale: float | None = None, backend: str = "auto",
-                    longest: int | None = None) -> torch.Tensor:
+                    context_lens: torch.Tensor, scale: float | None = None, backend: str = "auto") -> torch.Tensor:
     """Attention of each sequence's one query token (q: sequences x heads x head_dim) over its first
     context_lens[s] cached tokens; (sequences, heads, head_dim) in q's dtype. Every context_lens[s] must be
-    at least 1 and its blocks listed in block_tables[s]. `longest`: max(context_lens), if the caller has it on
-    the host (the torch path needs it). Inference only: no backward."""
+    at least 1 and its blocks listed in block_tables[s]. Inference only: no backward."""
     _check(q, k_cache, v_cache, block_tables, context_lens)
     if not use_triton(backend, q, k_cache, v_cache):
-        return reference(q, k_cache, v_cache, block_tables, context_lens, scale, longest)
+        return reference(q, k_cache, v_cache, block_tables, context_lens, scale)
     return paged_attention_op(q, k_cache, v_cache, block_tables, context_lens,
                               1 / math.sqrt(q.size(2)) if scale is None else float(scale))

@@ -8,8 +8,9 @@ prompt for a prefill). The model asks the cache for the tokens' positions (for R
 embeddings) and hands it each layer's queries, keys and values (`attend`): the cache writes the new keys and
 values into their slots, then each segment attends to its own sequence's cached tokens, causally.
 
-Decode segments (one token) go to the paged decode kernel (`kernels/paged_attention.py`) in one launch; prefill
-segments gather their context from the blocks and run SDPA with the causal diagonal aligned bottom-right (the
+Decode segments (one token) go to the paged decode kernel (`kernels/paged_attention.py`) in one launch on a
+GPU; on the torch path (a CPU) they gather their contexts, found once a step for every layer, and run one SDPA
+call. Prefill segments gather their context from the blocks and run SDPA with the causal diagonal aligned bottom-right (the
 chunk's first query sees every token before it), all of a step's prefills in one padded batch when padding
 costs less than the calls it saves. Both read the pool through the block tables, so a prefix shared with another
 request is read where it lies. Every index a step needs crosses to the device in one copy (`transfer.py`).
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kiln.kernels.backend import use_triton
 from kiln.kernels.paged_attention import paged_attention
 from kiln.model.config import ModelConfig
 from kiln.pipeline.serve.transfer import HostToDevice
@@ -49,6 +51,7 @@ class PagedKVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.block_size, self.backend = block_size, backend
+        self.triton = use_triton(backend, self.k)  # decodes by the paged kernel, else gathered for SDPA
         self.segments: list[Segment] = []
         # room for most steps of `step_tokens` new tokens (ids, positions, slots, logit rows, block tables,
         # prefill contexts); one that needs more grows it
@@ -98,7 +101,6 @@ class PagedKVCache:
                                        dtype=np.int64),
             }
             host |= self._prefill_indices(segments, contexts)
-        self.longest_decode = max((segments[i].start + 1 for i in decodes), default=0)
         extra = extra or {}
         if set(extra) & set(host):
             raise ValueError(f"extra arrays {sorted(set(extra) & set(host))}: names the cache uses")
@@ -108,6 +110,8 @@ class PagedKVCache:
             setattr(self, name, on_device[name])
         if not self.prefills:  # every row gets logits: made on the device, nothing to send
             self.logit_rows = torch.arange(len(segments), device=self.device)
+        if decodes and not self.triton:
+            self._decode_context(max(segments[i].start for i in decodes) + 1)
         # the causal masks, shared by every layer: query i of a prefill is token start + i and sees every key up
         # to and including itself
         self.prefill_slots, self.prefill_masks = [], []
@@ -142,6 +146,17 @@ class PagedKVCache:
                 "prefill_positions": starts[:, None] + grid,
                 "prefill_real": np.flatnonzero(real), "prefill_real_rows": rows.reshape(-1)[real]}
 
+    def _decode_context(self, longest: int) -> None:
+        """The pool slots of each decode's whole context, (decodes, longest), from its block table and length, a
+        shorter one padded with its last slot and masked out (a slot outside every context may hold anything, NaN
+        included, which a zero weight would not hide): the torch path gathers keys and values with them, found
+        once a step for every layer. One decode sees its whole context: no mask (SDPA's fast path on a CPU)."""
+        positions = torch.minimum(torch.arange(longest, device=self.device), self.decode_lens[:, None] - 1)
+        self.decode_context = self.decode_tables.gather(1, positions // self.block_size) * self.block_size \
+            + positions % self.block_size
+        self.decode_mask = None if len(self.decode_lens) == 1 else \
+            (torch.arange(longest, device=self.device) < self.decode_lens[:, None])[:, None, None]
+
     def _slots(self, table: list[int], start: int, stop: int) -> np.ndarray:
         """The pool slots (block x block_size + offset) of positions [start, stop) of a sequence in `table`."""
         positions = np.arange(start, stop, dtype=np.int64)
@@ -152,36 +167,46 @@ class PagedKVCache:
         """q (1, H, N, D), k and v (1, H_kv, N, D) of the step's new tokens, rotated: store k and v, return the
         attention output (1, H, N, D)."""
         H, H_kv, D = q.size(1), k.size(1), q.size(3)
-        k_pool, v_pool = self.k[layer], self.v[layer]
-        flat_k, flat_v = k_pool.view(-1, H_kv, D), v_pool.view(-1, H_kv, D)
-        flat_k[self.slots] = k[0].transpose(0, 1).to(flat_k.dtype)
-        flat_v[self.slots] = v[0].transpose(0, 1).to(flat_v.dtype)
+        flat_k, flat_v = self.k[layer].view(-1, H_kv, D), self.v[layer].view(-1, H_kv, D)
+        # index_copy_ and index_select rather than indexing: several times faster on a CPU
+        flat_k.index_copy_(0, self.slots, k[0].transpose(0, 1).to(flat_k.dtype))
+        flat_v.index_copy_(0, self.slots, v[0].transpose(0, 1).to(flat_v.dtype))
         if self.decode_rows is None:  # decodes only
-            out = paged_attention(q[0].transpose(0, 1), k_pool.to(q.dtype), v_pool.to(q.dtype), self.decode_tables,
-                                  self.decode_lens, backend=self.backend, longest=self.longest_decode)
-            return out.to(q.dtype).transpose(0, 1)[None]
+            return self._decode(q[0].transpose(0, 1), layer).transpose(0, 1)[None]
         out = torch.empty_like(q[0].transpose(0, 1))  # (N, H, D)
         if len(self.decode_rows):
-            queries = q[0].transpose(0, 1)[self.decode_rows]
-            out[self.decode_rows] = paged_attention(queries, k_pool.to(q.dtype), v_pool.to(q.dtype),
-                                                    self.decode_tables, self.decode_lens, backend=self.backend,
-                                                    longest=self.longest_decode).to(out.dtype)
+            out[self.decode_rows] = self._decode(q[0].transpose(0, 1)[self.decode_rows], layer)
         if self.batched:
             P, queries = self.prefill_rows.shape
-            keys = flat_k[self.prefill_context].transpose(1, 2).to(q.dtype)  # (P, H_kv, width, D)
-            values = flat_v[self.prefill_context].transpose(1, 2).to(q.dtype)
-            if H != H_kv:
-                keys, values = keys.repeat_interleave(H // H_kv, dim=1), values.repeat_interleave(H // H_kv, dim=1)
-            y = F.scaled_dot_product_attention(q[0].transpose(0, 1)[self.prefill_rows].transpose(1, 2), keys, values,
+            y = F.scaled_dot_product_attention(q[0].transpose(0, 1)[self.prefill_rows].transpose(1, 2),
+                                               *self._gather(layer, self.prefill_context, H, q.dtype),
                                                attn_mask=self.prefill_mask)  # (P, H, queries, D)
             out[self.prefill_real_rows] = y.transpose(1, 2).reshape(P * queries, H, D)[self.prefill_real]
             return out.transpose(0, 1)[None]
         for i, slots, mask in zip(self.prefills, self.prefill_slots, self.prefill_masks):
             first, count = self.offsets[i], self.segments[i].count
-            keys = flat_k[slots].transpose(0, 1)[None].to(q.dtype)  # (1, H_kv, context, D)
-            values = flat_v[slots].transpose(0, 1)[None].to(q.dtype)
-            if H != H_kv:
-                keys, values = keys.repeat_interleave(H // H_kv, dim=1), values.repeat_interleave(H // H_kv, dim=1)
-            y = F.scaled_dot_product_attention(q[:, :, first:first + count], keys, values, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q[:, :, first:first + count],
+                                               *self._gather(layer, slots[None], H, q.dtype), attn_mask=mask)
             out[first:first + count] = y[0].transpose(0, 1)
         return out.transpose(0, 1)[None]
+
+    def _decode(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
+        """Attention of the decodes' queries (S, H, D) over their contexts: the paged kernel reads the blocks in
+        place; the torch path gathers each context (the step's slots, found once for every layer) and runs SDPA,
+        fewer small ops a layer than the kernel's reference, which is what a CPU step spends its time on."""
+        if self.triton:
+            return paged_attention(queries, self.k[layer].to(queries.dtype), self.v[layer].to(queries.dtype),
+                                   self.decode_tables, self.decode_lens, backend="triton")
+        keys, values = self._gather(layer, self.decode_context, queries.size(1), queries.dtype)
+        return F.scaled_dot_product_attention(queries[:, :, None], keys, values, attn_mask=self.decode_mask)[:, :, 0]
+
+    def _gather(self, layer: int, slots: torch.Tensor, heads: int, dtype: torch.dtype):
+        """Keys and values of layer `layer` at pool slots (B, L), as (B, heads, L, D) in `dtype`: the kv heads
+        repeated for their query heads under GQA."""
+        H_kv, D = self.k.size(3), self.k.size(4)
+        keys = self.k[layer].view(-1, H_kv, D).index_select(0, slots.view(-1)).view(*slots.shape, H_kv, D)
+        values = self.v[layer].view(-1, H_kv, D).index_select(0, slots.view(-1)).view(*slots.shape, H_kv, D)
+        keys, values = keys.transpose(1, 2).to(dtype), values.transpose(1, 2).to(dtype)
+        if heads != H_kv:
+            keys, values = keys.repeat_interleave(heads // H_kv, dim=1), values.repeat_interleave(heads // H_kv, dim=1)
+        return keys, values
