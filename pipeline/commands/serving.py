@@ -95,9 +95,12 @@ def serve_command(
         None,
         draft: Annotated[Path | None, typer.Option(help="A smaller model with the same tokenizer for speculative "
                                                         "decoding.")] = None,
-        speculate: Annotated[int, typer.Option(help="Tokens the draft proposes per step.")] = 4):
+        speculate: Annotated[int, typer.Option(help="Tokens the draft proposes per step.")] = 4,
+        enforce_eager: Annotated[bool, typer.Option(help="Launch every step's kernels; by default, on CUDA, decode "
+                                                         "steps replay CUDA graphs.")] = False):
     """Serve a model over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on a
     continuous-batching engine with a paged KV cache."""
     from kiln.pipeline.serve.server import serve
 
-    serve(model, tokenizer, host, port, device, kv_blocks, block_size, max_batch_tokens, name, draft, speculate)
+    serve(model, tokenizer, host, port, device, kv_blocks, block_size, max_batch_tokens, name, draft, speculate,
+          enforce_eager)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kiln.pipeline.serve.blocks import BlockPool
+from kiln.pipeline.serve.graphs import GRAPH_BATCH
 from kiln.pipeline.serve.kv_cache import PagedKVCache
 from kiln.pipeline.serve.request import Request
 from kiln.pipeline.serve.runner import ModelRunner
@@ -24,13 +25,15 @@ from kiln.pipeline.serve.scheduler import Scheduler
 
 
 class Engine:
-    """`model` (a GPT in eval mode) serving requests from a pool of `num_blocks` blocks of `block_size` tokens."""
+    """`model` (a GPT in eval mode) serving requests from a pool of `num_blocks` blocks of `block_size` tokens.
+    On CUDA, decode-only steps of up to `graph_batch` sequences replay CUDA graphs (0: never)."""
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, max_batch_tokens: int = 256,
                  prefix_caching: bool = True, dtype: torch.dtype | None = None, backend: str = "auto",
-                 draft=None, speculate: int = 4):
-        if max_batch_tokens < 1 or speculate < 1:
-            raise ValueError(f"max_batch_tokens={max_batch_tokens}, speculate={speculate}: expected positive integers")
+                 draft=None, speculate: int = 4, graph_batch: int = GRAPH_BATCH):
+        if max_batch_tokens < 1 or speculate < 1 or graph_batch < 0:
+            raise ValueError(f"max_batch_tokens={max_batch_tokens}, speculate={speculate}, graph_batch={graph_batch}: "
+                             "expected positive integers (graph_batch may be 0)")
         self.model = model
         device = next(p.device for p in model.parameters())
         dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
@@ -47,15 +50,17 @@ class Engine:
             draft_cache = PagedKVCache(d, num_blocks, block_size, device, dtype, backend, max_batch_tokens)
         self.scheduler = Scheduler(self.pool, model.config.max_seq_len, max_batch_tokens, prefix_caching,
                                    speculate if draft is not None else 0)
-        self.runner = ModelRunner(model, self.cache, draft, draft_cache)
+        self.runner = ModelRunner(model, self.cache, draft, draft_cache, graph_batch)
 
     @classmethod
     def sized_for(cls, model, requests: list[Request], concurrent: int | None = None, block_size: int = 16,
                   max_batch_tokens: int = 2048) -> Engine:
         """An engine whose cache holds `concurrent` of `requests` (all, by default) at their longest, so the batch
-        stays full and nothing is preempted while the rest wait their turn."""
+        stays full and nothing is preempted while the rest wait their turn; every step launched eagerly."""
         need = sorted((-(-(len(r.prompt) + r.sampling.max_tokens) // block_size) for r in requests), reverse=True)
-        return cls(model, max(1, sum(need[:concurrent])), block_size, max_batch_tokens)
+        # eager: a one-off batch (GRPO's rollouts, evaluate's tasks) meets each batch size once or twice as its
+        # requests finish, too few replays to repay capturing a graph for it on a fresh engine
+        return cls(model, max(1, sum(need[:concurrent])), block_size, max_batch_tokens, graph_batch=0)
 
     def add(self, request: Request) -> Request:
         """Queue a request (checked: it must fit the model's context and, alone, the pool)."""

@@ -47,10 +47,12 @@ class PagedKVCache:
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=None,
                  backend: str = "auto", step_tokens: int = 256):
-        shape = (config.n_layer, num_blocks, block_size, config.n_kv_head, config.head_dim)
+        # one block more than the pool hands out: the scratch block, where a CUDA graph's padding rows write
+        shape = (config.n_layer, num_blocks + 1, block_size, config.n_kv_head, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.block_size, self.backend = block_size, backend
+        self.block_size, self.backend, self.scratch = block_size, backend, num_blocks
+        self.max_blocks = -(-config.max_seq_len // block_size)  # the longest table a sequence can have
         self.triton = use_triton(backend, self.k)  # decodes by the paged kernel, else gathered for SDPA
         self.segments: list[Segment] = []
         # room for most steps of `step_tokens` new tokens (ids, positions, slots, logit rows, block tables,
@@ -64,13 +66,18 @@ class PagedKVCache:
     def bytes_per_block(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
-    def begin(self, segments: list[Segment], extra: dict[str, np.ndarray] | None = None) -> dict[str, torch.Tensor]:
+    def begin(self, segments: list[Segment], extra: dict[str, np.ndarray] | None = None,
+              pad_to: int = 0) -> dict[str, torch.Tensor]:
         """Set the step's segments: the model's next forward runs their new tokens, in this order. Every index
         the step needs, with the caller's `extra` arrays (token ids, sampling settings), crosses to the device
-        in one copy; the extra arrays come back as device tensors."""
+        in one copy; the extra arrays come back as device tensors. `pad_to` (decodes only): the arrays hold
+        that many rows, the ones past the segments decoding one token into the scratch block, and the block
+        tables `max_blocks` columns, the fixed shapes a CUDA graph replays (the caller pads its ids)."""
         for s in segments:
             if s.count < 1 or not 1 <= s.logits <= s.count or len(s.table) * self.block_size < s.start + s.count:
                 raise ValueError(f"segment at {s.start} + {s.count} tokens does not fit its {len(s.table)} blocks")
+        if pad_to and (pad_to < len(segments) or any(s.count > 1 for s in segments)):
+            raise ValueError(f"pad_to={pad_to}: expected decodes only, at most that many")
         self.segments = segments
         self.offsets = [0, *itertools.accumulate(s.count for s in segments)]  # where each starts in the flat batch
         decodes = [i for i, s in enumerate(segments) if s.count == 1]
@@ -82,8 +89,12 @@ class PagedKVCache:
         if not self.prefills:
             # decodes only, the common step: every row is its own segment's one token, and gets logits
             starts = np.fromiter((s.start for s in segments), np.int64, len(segments))
+            if pad_to:
+                starts = np.pad(starts, (0, pad_to - len(segments)))
+                tables = np.pad(tables, ((0, pad_to - len(segments)), (0, self.max_blocks - width)),
+                                constant_values=self.scratch)
             host = {"positions": starts, "decode_tables": tables, "decode_lens": starts + 1,
-                    "slots": tables[np.arange(len(segments)), starts // self.block_size] * self.block_size
+                    "slots": tables[np.arange(len(starts)), starts // self.block_size] * self.block_size
                     + starts % self.block_size}
             contexts = []
         else:
@@ -109,7 +120,7 @@ class PagedKVCache:
         for name in host:
             setattr(self, name, on_device[name])
         if not self.prefills:  # every row gets logits: made on the device, nothing to send
-            self.logit_rows = torch.arange(len(segments), device=self.device)
+            self.logit_rows = torch.arange(len(host["positions"]), device=self.device)
         if decodes and not self.triton:
             self._decode_context(max(segments[i].start for i in decodes) + 1)
         # the causal masks, shared by every layer: query i of a prefill is token start + i and sees every key up

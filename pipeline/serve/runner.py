@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kiln.model.generate import sampling_probs
+from kiln.pipeline.serve.graphs import DecodeGraphs
 from kiln.pipeline.serve.kv_cache import PagedKVCache, Segment
 from kiln.pipeline.serve.request import Request
 from kiln.pipeline.serve.sampler import sample
@@ -30,8 +31,13 @@ from kiln.pipeline.serve.speculative import accept, accept_greedy
 class ModelRunner:
     """Runs `model` (and a `draft`, for speculative decoding) over `cache` (and `draft_cache`)."""
 
-    def __init__(self, model, cache: PagedKVCache, draft=None, draft_cache: PagedKVCache | None = None):
+    def __init__(self, model, cache: PagedKVCache, draft=None, draft_cache: PagedKVCache | None = None,
+                 graph_batch: int = 0):
         self.model, self.cache, self.draft, self.draft_cache = model, cache, draft, draft_cache
+        # decode-only steps of up to `graph_batch` sequences replay CUDA graphs (serve/graphs.py): on CUDA with the
+        # paged kernel, and without a draft, whose steps have other shapes
+        capturable = cache.device.type == "cuda" and cache.triton and draft is None
+        self.graphs = DecodeGraphs(model, cache, graph_batch) if graph_batch and capturable else None
         self.vocab_size = model.config.vocab_size
         # `kiln bench serve` turns this on to split a step's time into the model's and the host's: the model's
         # time is read around its forward and sampling (with a device sync on CUDA, which timing costs)
@@ -61,9 +67,15 @@ class ModelRunner:
             extra |= {"temperature": np.array([p.temperature for p in params], dtype=np.float32),
                       "top_k": np.array([p.top_k or self.vocab_size for p in params], dtype=np.int64),
                       "top_p": np.array([1.0 if p.top_p is None else p.top_p for p in params], dtype=np.float32)}
-        on_device = self.cache.begin(segments, extra)
+        bucket = self.graphs.bucket(len(plan)) if self.graphs and len(ids) == len(plan) else None
+        if bucket:
+            extra["ids"] = np.pad(ids, (0, bucket - len(ids)))
+        on_device = self.cache.begin(segments, extra, pad_to=bucket or 0)
         started = self._clock()
-        logits = self.model(on_device["ids"][None], cache=self.cache)[0]
+        if bucket:
+            logits = self.graphs.run(on_device)[:len(plan)]
+        else:
+            logits = self.model(on_device["ids"][None], cache=self.cache)[0]
         tokens: list[list[int]] = [[] for _ in plan]
         if rows:
             generators = [self._generator(r) if r.sampling.temperature > 0 else None for r in sampled]

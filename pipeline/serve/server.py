@@ -31,6 +31,7 @@ from pathlib import Path
 from starlette.requests import Request as HTTPRequest  # FastAPI reads handler annotations from module globals
 
 from kiln.pipeline.serve.engine import Engine
+from kiln.pipeline.serve.graphs import GRAPH_BATCH
 from kiln.pipeline.serve.request import Request, RequestStatus, SamplingParams
 
 MAX_CHOICES = 128  # `n`: choices of one request, each an engine request
@@ -496,7 +497,7 @@ def model_card(service: Service) -> dict:
 
 def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: str, kv_blocks: int | None,
           block_size: int, max_batch_tokens: int, name: str | None = None, draft_dir: Path | None = None,
-          speculate: int = 4) -> None:
+          speculate: int = 4, enforce_eager: bool = False) -> None:
     """Load the model, build the engine and run the HTTP server until interrupted."""
     import uvicorn
 
@@ -521,7 +522,8 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     if draft_dir is not None:  # checked against the same tokenizer, so it speaks the same vocabulary
         draft = TextModel(draft_dir, tokenizer_path, lm.model.tok_emb.weight.device).model.eval()
     try:
-        engine = Engine(lm.model, kv_blocks, block_size, max_batch_tokens, draft=draft, speculate=speculate)
+        engine = Engine(lm.model, kv_blocks, block_size, max_batch_tokens, draft=draft, speculate=speculate,
+                        graph_batch=0 if enforce_eager else GRAPH_BATCH)
     except ValueError as e:
         raise UserError(f"--draft {draft_dir}: {e}") from None
     try:
@@ -533,5 +535,6 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     console.print(f"kiln serve: model {service.name!r} ({context}-token context) on {engine.cache.device}, KV cache "
                   f"{kv_blocks:,} blocks of {block_size} tokens ({megabytes:.1f} MB), steps of up to "
                   f"{max_batch_tokens} tokens" + (f", {speculate} tokens drafted by {draft_dir}" if draft else "")
+                  + (", decode steps as CUDA graphs" if engine.runner.graphs else "")
                   + f"; http://{host}:{port}/v1", highlight=False)
     uvicorn.run(create_app(service), host=host, port=port, log_level="warning")

@@ -10,12 +10,13 @@ still run), the headline first:
 - kernels:  `kiln bench kernels` (kernels.json): ours vs eager vs compile vs Liger vs SDPA, CUDA-graph timed,
             goal per row, the autotuner's picks;
 - tests:    the kernel and model tests on the device itself: natively on CUDA, at LLM shapes as well as the
-            awkward ones (tests.xml, JUnit);
+            awkward ones, and the engine's CUDA graphs against its eager steps (tests.xml, JUnit);
 - pretrain: the real stages (`kiln data prepare`, `tokenizer train`, `data shard`, `train`) on Shakespeare in
             a scratch folder, GPT-2's tokenizer and 124M shape, bf16 + compile (pretrain/);
 - generate: `kiln bench generate` on the 124M shape in bf16 (generate.json);
-- serve:    `kiln bench serve` on the default shape (serve.json): the engine against static batching and
-            transformers, GRPO-shaped rollouts, and the engine step's host microseconds and copies.
+- serve:    `kiln bench serve` on the default shape (serve.json): the engine (decode steps replaying CUDA
+            graphs) against static batching and transformers, GRPO-shaped rollouts, and the engine step's host
+            microseconds, copies and graph replays.
 Everything lands in `--out` (default metrics/bench/gpu/) with one log per step and summary.json, which is
 rewritten after every step (and `--pack` re-archives the folder then), so a run cut off by a time limit keeps
 what the finished steps measured.
@@ -64,6 +65,7 @@ TOY = ["model.n_layer=1", "model.n_head=2", "model.n_kv_head=2", "model.d_model=
 TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/test_kernel_rope.py",
          "tests/test_kernel_cross_entropy.py", "tests/test_kernel_linear_cross_entropy.py",
          "tests/test_kernel_flash_attention.py", "tests/test_kernel_nf4.py", "tests/test_kernel_paged_attention.py",
+         "tests/test_serve_graphs.py",
          "tests/test_kernel_ops.py", "tests/test_compile.py", "tests/test_model.py"]
 
 # Seconds each step may take, per size. Quick's sum to 9 minutes, inside one 10-minute device call. From the

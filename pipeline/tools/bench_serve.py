@@ -48,6 +48,7 @@ from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
 from kiln.pipeline.serve.engine import Engine
+from kiln.pipeline.serve.graphs import GRAPH_BATCH
 from kiln.pipeline.serve.request import Request, SamplingParams
 from kiln.pipeline.tools.machine import machine
 
@@ -132,10 +133,10 @@ def run_static(model: GPT, load: Workload, batch: int) -> dict:
 
 def run_engine(model: GPT, load: Workload, name: str, blocks: int, block_size: int, budget: int,
                prefix_caching: bool = True, draft: GPT | None = None, speculate: int = 4, temperature: float = 0.0,
-               seed: int = 0) -> dict:
+               seed: int = 0, graph_batch: int = GRAPH_BATCH) -> dict:
     """The engine, with requests added as their arrival time passes (request i sampled with seed + i)."""
     engine = Engine(model, blocks, block_size, budget, prefix_caching=prefix_caching, draft=draft,
-                    speculate=speculate)
+                    speculate=speculate, graph_batch=graph_batch)
     requests = [Request(p, SamplingParams(max_tokens=n, temperature=temperature, seed=seed + i))
                 for i, (p, n) in enumerate(zip(load.prompts, load.outputs))]
     index = {id(r): i for i, r in enumerate(requests)}
@@ -171,8 +172,12 @@ def run_engine(model: GPT, load: Workload, name: str, blocks: int, block_size: i
 def step_costs(engine: Engine, steps: int, seconds: float) -> dict:
     """What a step costs beside the model: host microseconds (a step's wall time less its forward and sampling,
     and the adding of requests) and the copies to the device and reads back."""
-    return {"steps": steps, "host_us_per_step": round(1e6 * (seconds - engine.runner.model_seconds) / max(steps, 1), 1),
-            "copies_per_step": round((engine.cache.transfer.uploads + engine.runner.reads) / max(steps, 1), 3)}
+    costs = {"steps": steps,
+             "host_us_per_step": round(1e6 * (seconds - engine.runner.model_seconds) / max(steps, 1), 1),
+             "copies_per_step": round((engine.cache.transfer.uploads + engine.runner.reads) / max(steps, 1), 3)}
+    if engine.runner.graphs is not None:  # on CUDA: the decode steps that replayed a graph
+        costs["graph_steps"] = engine.runner.graphs.steps
+    return costs
 
 
 def run_rollouts(model: GPT, prompts: list[list[int]], group: int, new_tokens: int, stops: tuple[int, ...],
@@ -263,6 +268,10 @@ def bench_serve(config: ModelConfig, model_dir: Path | None, draft_dir: Path | N
     rows = [run_static(model, mixed, batch),
             run_engine(model, mixed, "engine", blocks, block_size, budget)]
     rows[1]["speedup_vs_static"] = round(rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"], 3)
+    if device.type == "cuda":  # what the decode steps' CUDA graphs buy
+        rows.append(run_engine(model, mixed, "engine, eager (no CUDA graphs)", blocks, block_size, budget,
+                               graph_batch=0))
+        rows[-1]["speedup_vs_static"] = round(rows[-1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"], 3)
     for caching in (False, True):
         rows.append(run_engine(model, shared, f"engine, shared prompt, prefix caching {'on' if caching else 'off'}",
                                blocks, block_size, budget, prefix_caching=caching))
@@ -289,6 +298,9 @@ def bench_serve(config: ModelConfig, model_dir: Path | None, draft_dir: Path | N
         if draft is not None:
             rows[-1]["speedup_vs_batch_1"] = round(rows[-1]["output_tokens_per_s"] / rows[-2]["output_tokens_per_s"],
                                                    3)
+    if device.type == "cuda":
+        rows.append(merge([run_engine(model, subset(alone, i), "", blocks, block_size, budget, seed=i, graph_batch=0)
+                           for i in range(len(alone.prompts))], "engine, batch 1, eager (no CUDA graphs)"))
     # GRPO's shape: long prompts (passages), short completions, group_size 8; a stop id ends a completion with a
     # chance of 1/16 a token, so they end at different lengths
     rng = np.random.default_rng(seed + 3)

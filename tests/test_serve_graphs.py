@@ -1,0 +1,63 @@
+"""CUDA graphs of the engine's decode steps: the padding to batch-size buckets and the static buffers checked on
+any device (a capture that runs the forward on the buffers at each replay), the captured graphs themselves on
+CUDA (`make gpu-check` runs this file on the GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_checks import DEVICE
+from test_serve_engine import prompts, tiny
+
+from kiln.pipeline.serve.engine import Engine
+from kiln.pipeline.serve.graphs import DecodeGraphs, buckets
+from kiln.pipeline.serve.request import Request, SamplingParams
+
+
+def test_buckets_cover_every_batch_up_to_the_largest():
+    assert buckets(1) == [1] and buckets(5) == [1, 2, 4, 5] and buckets(8) == [1, 2, 4, 8]
+    assert buckets(20) == [1, 2, 4, 8, 16, 20]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_steps_padded_to_graph_buckets_give_the_eager_tokens(backend):
+    """CUDA graphs' shapes, checked on a CPU with a capture that runs the forward on the static buffers at each
+    replay: decode-only steps padded to their bucket (1, 2, 4, 5 here; 6 or 7 decodes run eagerly), the padding
+    rows decoding into the scratch block. Every request gets the eager engine's tokens, greedy and seeded
+    sampling alike."""
+    model = tiny().to(DEVICE)
+    texts = prompts(7, seed=11)
+
+    def requests() -> list[Request]:  # ending one by one: every batch size from 7 down
+        return [Request(p, SamplingParams(max_tokens=4 + i, temperature=0.8 * (i % 2), top_k=30, seed=i))
+                for i, p in enumerate(texts)]
+    expected = [r.output for r in Engine(model, 64, 4, max_batch_tokens=16, backend=backend).run(requests())]
+    engine = Engine(model, 64, 4, max_batch_tokens=16, backend=backend)
+    engine.runner.graphs = graphs = DecodeGraphs(model, engine.cache, 5, capture=lambda forward, pool: forward)
+    assert graphs.buckets == [1, 2, 4, 5]
+    decodes, execute = [], engine.runner.execute
+    engine.runner.execute = lambda plan: (decodes.append(len(plan)) if all(s.count == 1 for s in plan) else None,
+                                          execute(plan))[1]
+    assert [r.output for r in engine.run(requests())] == expected
+    assert 3 in decodes and max(decodes) > 5  # a padded step, and steps too large for a graph
+    bucket = {1: 1, 2: 2, 3: 4, 4: 4, 5: 5}
+    assert graphs.steps == sum(n <= 5 for n in decodes) and set(graphs.replays) == {bucket[n] for n in decodes
+                                                                                     if n <= 5}
+    assert engine.cache.k[:, engine.cache.scratch].abs().sum() > 0  # where the padding rows wrote
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (make gpu-check runs this)")
+def test_cuda_graphs_replay_the_eager_engine():
+    """Real graphs on CUDA: decode-only steps replay them, and every request gets the tokens the eager engine
+    gives (greedy; sampled with seeds)."""
+    model = tiny().to("cuda")
+    texts = prompts(12, seed=4)
+
+    def requests() -> list[Request]:
+        return [Request(p, SamplingParams(max_tokens=3 + i, temperature=0.7 * (i % 2), seed=i))
+                for i, p in enumerate(texts)]
+    expected = [r.output for r in Engine(model, 96, 4, max_batch_tokens=32, graph_batch=0).run(requests())]
+    engine = Engine(model, 96, 4, max_batch_tokens=32, graph_batch=8)
+    assert engine.runner.graphs is not None
+    assert [r.output for r in engine.run(requests())] == expected
+    assert engine.runner.graphs.steps > 0 and set(engine.runner.graphs.replays) <= {1, 2, 4, 8}
