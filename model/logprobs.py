@@ -15,7 +15,11 @@ unchanged, where a hand-written autograd.Function would write each chunk's backw
 Triton loss, kernels/linear_cross_entropy.py, chunks the same way with its own kernel.)
 
 Log-softmax is taken in at least float32 whatever the matmul's dtype, as before: over a large vocabulary bf16
-loses too much (a float64 model keeps float64). Positions whose target is -100 get log-probability 0 and no hit.
+loses too much (a float64 model keeps float64). Positions whose target is -100 get log-probability 0, entropy 0
+and no hit, and the head never runs on them: post-training scores completions, a small share of each row (GRPO's
+16 answer tokens after a passage of a hundred), so the head's work, the largest matmul of a small model, shrinks
+with it (TRL's `logits_to_keep` does the same). Finding them reads the targets on the host (a sync on a GPU);
+under `torch.compile`, whose graphs want fixed shapes, every position is computed.
 """
 
 from __future__ import annotations
@@ -43,10 +47,11 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, te
            stats: bool) -> tuple[torch.Tensor, ...]:
     logits = hidden @ weight.T
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
-    picked = logp.gather(-1, targets.clamp(min=0)[:, None])[:, 0] * (targets != IGNORE)
+    scored = targets != IGNORE
+    picked = logp.gather(-1, targets.clamp(min=0)[:, None])[:, 0] * scored
     if not stats:
         return (picked,)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1) * scored
     return picked, entropy, (logp.argmax(dim=-1) == targets)
 
 
@@ -55,14 +60,25 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     """hidden (N, D), weight (V, D), targets (N,): log p(target) (N,) in float32 (or wider), or with `stats` the
     TokenStats (logp, entropy, hit), computed `chunk_size` tokens at a time (default `chunk_rows`)."""
     n = hidden.shape[0]
-    size = chunk_size or chunk_rows(n, weight.shape[0])
+    kept = None
+    if not torch.compiler.is_compiling():
+        kept = (targets != IGNORE).nonzero()[:, 0]
+        if len(kept) in (0, n):
+            kept = None  # nothing ignored (no gather, no scatter), or everything (computed, so a loss over it
+            # still has a graph to run backward through)
+        else:
+            hidden, targets = hidden.index_select(0, kept), targets.index_select(0, kept)
+    rows = hidden.shape[0]
+    size = chunk_size or chunk_rows(rows, weight.shape[0])
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     parts = []
-    for start in range(0, n, size):
+    for start in range(0, rows, size):
         args = (hidden[start:start + size], weight, targets[start:start + size], temperature, stats)
         parts.append(checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
     if not parts:
         empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))
         return TokenStats(empty, empty, empty.bool()) if stats else empty
     columns = [torch.cat(column) for column in zip(*parts)]
+    if kept is not None:  # the ignored positions back in: 0, 0, False
+        columns = [c.new_zeros(n).index_copy(0, kept, c) for c in columns]
     return TokenStats(*columns) if stats else columns[0]

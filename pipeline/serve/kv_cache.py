@@ -121,8 +121,8 @@ class PagedKVCache:
             setattr(self, name, on_device[name])
         if not self.prefills:  # every row gets logits: made on the device, nothing to send
             self.logit_rows = torch.arange(len(host["positions"]), device=self.device)
-        if decodes and not self.triton:
-            self._decode_context(max(segments[i].start for i in decodes) + 1)
+        # the torch path's decode contexts, found at the first layer (device work: the forward's, not the host's)
+        self.decode_context, self.longest_decode = None, max((segments[i].start + 1 for i in decodes), default=0)
         # the causal masks, shared by every layer: query i of a prefill is token start + i and sees every key up
         # to and including itself
         self.prefill_slots, self.prefill_masks = [], []
@@ -208,6 +208,8 @@ class PagedKVCache:
         if self.triton:
             return paged_attention(queries, self.k[layer].to(queries.dtype), self.v[layer].to(queries.dtype),
                                    self.decode_tables, self.decode_lens, backend="triton")
+        if self.decode_context is None:
+            self._decode_context(self.longest_decode)
         keys, values = self._gather(layer, self.decode_context, queries.size(1), queries.dtype)
         return F.scaled_dot_product_attention(queries[:, :, None], keys, values, attn_mask=self.decode_mask)[:, :, 0]
 
