@@ -4,21 +4,23 @@ disconnects mid-stream, and every 4xx case."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
 import torch
 
-from kiln.model.generate import generate
 from kiln.model.checkpoint import load_model, save_model
 from kiln.model.config import ModelConfig
+from kiln.model.generate import generate
 from kiln.model.gpt import GPT
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.tasks.chat_format import ChatFormat
@@ -31,11 +33,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny, tmp_path_factory):
-    """A random model with a 512-token context (long enough that a stream is still running when its client
-    leaves), served under the name "tiny"."""
-    root = tmp_path_factory.mktemp("serve")
+@contextlib.contextmanager
+def running_server(tiny, root: Path, *args: str, env: dict | None = None, log=subprocess.PIPE):
+    """`kiln serve` in a process of its own on a free port, with a random model of a 512-token context (long
+    enough that a stream is still running when its client leaves) served as "tiny": (base URL, process)."""
     torch.manual_seed(0)
     vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
     config = ModelConfig(vocab_size=vocab, n_layer=2, n_head=4, n_kv_head=2, d_model=128, max_seq_len=512)
@@ -43,8 +44,8 @@ def server(tiny, tmp_path_factory):
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "kiln.pipeline.cli", "serve", "--model", str(root / "tiny"),
                                 "--tokenizer", str(tiny.tokenizer), "--port", str(port), "--device", "cpu",
-                                "--kv-blocks", "256", "--block-size", "8"],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                "--kv-blocks", "256", "--block-size", "8", *args],
+                               stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         for _ in range(300):
@@ -53,13 +54,20 @@ def server(tiny, tmp_path_factory):
                     break
             except httpx.TransportError:
                 pass
-            assert process.poll() is None, process.stdout.read()
+            assert process.poll() is None, process.stdout.read() if process.stdout else "the server exited"
             time.sleep(0.1)
-        model, _ = load_model(root / "tiny")
-        yield base, openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0), model.eval()
+        yield base, process
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    with running_server(tiny, root) as (base, _):
+        model, _ = load_model(root / "tiny")
+        yield base, openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0), model.eval()
 
 
 def tokenizer(tiny):

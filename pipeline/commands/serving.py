@@ -97,10 +97,15 @@ def serve_command(
                                                         "decoding.")] = None,
         speculate: Annotated[int, typer.Option(help="Tokens the draft proposes per step.")] = 4,
         enforce_eager: Annotated[bool, typer.Option(help="Launch every step's kernels; by default, on CUDA, decode "
-                                                         "steps replay CUDA graphs.")] = False):
+                                                         "steps replay CUDA graphs.")] = False,
+        api_key: Annotated[str | None, typer.Option(envvar="KILN_API_KEY", show_envvar=True,
+                                                    help="Require `Authorization: Bearer KEY` on every /v1 "
+                                                         "route (401 otherwise).")] = None,
+        max_request_bytes: Annotated[int | None, typer.Option(help="Largest request body accepted, 413 beyond it "
+                                                                   "(default: 1,000,000).")] = None):
     """Serve a model over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on a
     continuous-batching engine with a paged KV cache."""
     from kiln.pipeline.serve.server import serve
 
     serve(model, tokenizer, host, port, device, kv_blocks, block_size, max_batch_tokens, name, draft, speculate,
-          enforce_eager)
+          enforce_eager, api_key, max_request_bytes)

@@ -11,9 +11,15 @@ come, holding back a character split across tokens; `stop` strings end a complet
 string itself left out, as OpenAI does), and the engine request is aborted there. A client that disconnects
 mid-stream has its request aborted, so its blocks go back at once.
 
+Hostile input is bounded before it costs anything: a body past `--max-request-bytes` is refused (413) from its
+Content-Length or as it arrives, JSON nested too deeply, an integer beyond int64 or a lone surrogate is a 400
+naming the field, prompts are tokenized on a thread (and long outputs decoded on one), so one request never
+stalls the others, and a client that leaves mid-body costs one log line. With `--api-key` every /v1 route wants
+`Authorization: Bearer <key>` (401 otherwise), as vLLM's and OpenAI's servers do.
+
 Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a body that is not JSON
 or has a bad value (naming the field), a prompt longer than the context, or an option kiln does not support
-(n > 1, echo, logprobs, best_of); 404 for an unknown model.
+(echo, logprobs, best_of); 401 without the API key; 404 for an unknown model; 413 for a body too large.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import queue
 import threading
 import time
@@ -33,8 +40,13 @@ from starlette.requests import Request as HTTPRequest  # FastAPI reads handler a
 from kiln.pipeline.serve.engine import Engine
 from kiln.pipeline.serve.graphs import GRAPH_BATCH
 from kiln.pipeline.serve.request import Request, RequestStatus, SamplingParams
+from kiln.pipeline.text.bpe import encode_ids
 
 MAX_CHOICES = 128  # `n`: choices of one request, each an engine request
+MAX_BODY_BYTES = 1_000_000  # a request body's default limit (`--max-request-bytes`): 413 beyond it
+MAX_STOP_CHARS = 256  # a stop string's length: each is looked for in the text after every token
+DECODE_ON_LOOP = 256  # outputs up to this many tokens are decoded on the event loop, longer ones on a thread
+INT64 = 2**63  # integer fields beyond int64 are refused (numpy and torch take nothing wider)
 # OpenAI options kiln does not implement, and the values of each that ask for nothing (clients send defaults)
 UNSUPPORTED = {"echo": (None, False), "best_of": (None, False, 1), "logprobs": (None, False),
                "top_logprobs": (None, False)}
@@ -147,8 +159,10 @@ class Job:
 class Service:
     """What the HTTP handlers need: the model's name and limits, the tokenizer and chat format, the engine."""
 
-    def __init__(self, name: str, engine: Engine, tokenizer, chat, eot: int):
+    def __init__(self, name: str, engine: Engine, tokenizer, chat, eot: int, api_key: str | None = None,
+                 max_body: int = MAX_BODY_BYTES):
         self.name, self.engine, self.tokenizer, self.chat, self.eot = name, engine, tokenizer, chat, eot
+        self.api_key, self.max_body = api_key, max_body
         self.context = engine.model.config.max_seq_len
         self.worker = EngineThread(engine)
         self.created = int(time.time())
@@ -175,11 +189,12 @@ class Service:
         temperature = number(body.get("temperature", 1.0), "temperature", float, low=0.0, high=2.0)
         top_p = number(body.get("top_p", 1.0), "top_p", float, low=0.0, high=1.0, open_low=True)
         seed = body.get("seed")
-        if seed is not None:
-            seed = number(seed, "seed", int)
+        if seed is not None:  # choice i draws with seed + i: all within what torch's generators take
+            seed = number(seed, "seed", int, low=-INT64, high=INT64 - 1)
         top_k = body.get("top_k")  # vLLM's extension, accepted through extra_body
         if top_k is not None and top_k != -1:
-            top_k = number(top_k, "top_k", int, low=1)
+            # beyond the vocabulary cuts nothing
+            top_k = min(number(top_k, "top_k", int, low=1), self.tokenizer.get_vocab_size())
         return [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p < 1 else None,
                                top_k=None if top_k in (None, -1) else top_k, seed=None if seed is None else seed + i,
                                stop_ids=stop_ids) for i in range(n)]
@@ -189,8 +204,10 @@ class Service:
         if stop is None:
             return []
         stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-            raise BadRequest("stop: expected a non-empty string or a list of up to 4 of them", "stop")
+        if not isinstance(stops, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops) \
+                or len(stops) > 4:
+            raise BadRequest(f"stop: expected a string of 1 to {MAX_STOP_CHARS} characters or a list of up to 4 of "
+                             "them", "stop")
         return stops
 
     def completion_prompt(self, body: dict) -> list[int]:
@@ -203,7 +220,7 @@ class Service:
             return [self.eot, *prompt]
         if not isinstance(prompt, str):
             raise BadRequest("prompt: expected a string (or one string, or a list of token ids)", "prompt")
-        return [self.eot, *self.tokenizer.encode(prompt).ids]
+        return [self.eot, *encode_ids(self.tokenizer, prompt)]
 
     def chat_prompt(self, body: dict) -> list[int]:
         if self.chat is None:
@@ -237,45 +254,65 @@ class Service:
         return jobs
 
     async def tokens(self, job: Job):
-        """The job's new text pieces as tokens arrive, until it finishes; sets job.finish_reason."""
+        """The job's new text pieces as tokens arrive, until it finishes; sets job.finish_reason. Tokens that
+        arrived together are decoded together, on a thread once the output is long (each decode reads the whole
+        output), so no stream's text holds up the event loop."""
         while True:
-            request, token = await job.queue.get()
-            if request is None:
-                raise RuntimeError(f"the engine failed: {self.worker.failure!r}")
-            if token is None:
-                if request.status is RequestStatus.FINISHED_REFUSED:
-                    raise BadRequest(request.error)
-                reason = request.finish_reason or "length"
-                if job.finish_reason is None and (piece := job.advance(last=True)):
-                    yield piece
-                job.finish_reason = job.finish_reason or ("length" if reason == "length" else "stop")
-                return
+            arrived = [await job.queue.get()]
+            while not job.queue.empty():
+                arrived.append(job.queue.get_nowait())
+            for request, token in arrived:
+                if request is None:
+                    raise RuntimeError(f"the engine failed: {self.worker.failure!r}")
+                if token is None:
+                    if request.status is RequestStatus.FINISHED_REFUSED:
+                        raise BadRequest(request.error)
+                    if job.finish_reason is None and (piece := await self.advance(job, last=True)):
+                        yield piece
+                    job.finish_reason = job.finish_reason or ("length" if request.finish_reason in (None, "length")
+                                                              else "stop")
+                    return
+                if job.finish_reason is None:  # else a stop string ended it; the abort is on its way
+                    job.ids.append(token)
             if job.finish_reason is not None:
-                continue  # a stop string ended it; the abort is on its way
-            job.ids.append(token)
-            piece = job.advance()
+                continue
+            piece = await self.advance(job)
             if job.finish_reason is not None:
-                self.worker.abort(request)
+                self.worker.abort(job.request)
             if piece:
                 yield piece
+
+    @staticmethod
+    async def advance(job: Job, last: bool = False) -> str:
+        if len(job.ids) <= DECODE_ON_LOOP:
+            return job.advance(last)
+        return await asyncio.to_thread(job.advance, last)
 
 
 def number(value, name: str, kind: type, low: float | None = None, high: float | None = None,
            open_low: bool = False):
     """`value` as `kind`, within [low, high] ((low, high] with open_low), or a BadRequest naming the field."""
+    given = value
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (kind is float or
                                                                                 float(value).is_integer())
     if ok:
         value = kind(value)
-        ok = value == value and abs(value) != float("inf")
+        ok = value == value and abs(value) != float("inf") and (kind is float or abs(value) <= INT64)
         if low is not None:
             ok = ok and (value > low if open_low else value >= low)
         if high is not None:
             ok = ok and value <= high
     if not ok:
         bounds = "" if low is None else f" in {'(' if open_low else '['}{low}, {high if high is not None else 'inf'}]"
-        raise BadRequest(f"{name}={value!r}: expected {'an integer' if kind is int else 'a number'}{bounds}", name)
+        raise BadRequest(f"{name}={shown(given)}: expected {'an integer' if kind is int else 'a number'}{bounds}",
+                         name)
     return value
+
+
+def shown(value, limit: int = 40) -> str:
+    """A client's value as an error message quotes it: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def sse(payload: dict | str) -> str:
@@ -298,6 +335,23 @@ def create_app(service: Service):
     return app
 
 
+def key_check(service: Service):
+    """The dependency every /v1 route has: with an API key set, `Authorization: Bearer <key>` (what the openai
+    client sends) or a 401, compared in constant time."""
+    import hmac
+
+    from fastapi import Depends
+
+    async def check(http: HTTPRequest):
+        if service.api_key is None:
+            return
+        sent = http.headers.get("authorization", "").encode("latin-1")  # the header's bytes as sent
+        if not hmac.compare_digest(sent, b"Bearer " + service.api_key.encode()):
+            raise BadRequest("missing or wrong API key: send the header Authorization: Bearer <key>", status=401,
+                             code="invalid_api_key")
+    return Depends(check)
+
+
 def add_error_handlers(app) -> None:
     """Every error in OpenAI's shape: kiln's own BadRequest, and the HTTP and validation errors FastAPI raises."""
     from fastapi.exceptions import RequestValidationError
@@ -318,6 +372,13 @@ def add_error_handlers(app) -> None:
     async def invalid(_, e: RequestValidationError):
         return JSONResponse(error_body(f"invalid request: {e.errors()[0].get('msg', e)}"), status_code=400)
 
+    @app.exception_handler(Disconnected)
+    async def disconnected(http, _):
+        client = f"{http.client.host}:{http.client.port}" if http.client else "a client"
+        logging.getLogger("uvicorn.error").warning("kiln serve: %s left before sending its whole request to %s",
+                                                   client, http.url.path)
+        return JSONResponse(error_body("the client went away"), status_code=400)  # read by no one
+
 
 def add_model_routes(app, service: Service) -> None:
     """GET /health, /v1/models and /v1/models/{name}."""
@@ -329,11 +390,11 @@ def add_model_routes(app, service: Service) -> None:
                 "kv_blocks_in_use": engine.pool.in_use(), "kv_blocks": engine.pool.num_blocks,
                 "aborted": engine.scheduler.aborted}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=[key_check(service)])
     async def models():
         return {"object": "list", "data": [model_card(service)]}
 
-    @app.get("/v1/models/{name}")
+    @app.get("/v1/models/{name}", dependencies=[key_check(service)])
     async def model(name: str):
         if name != service.name:
             raise BadRequest(f"model {name!r} does not exist (this server has {service.name!r})", "model", 404,
@@ -344,33 +405,65 @@ def add_model_routes(app, service: Service) -> None:
 def add_completion_routes(app, service: Service) -> None:
     """POST /v1/completions and /v1/chat/completions: parse the body, start the job, answer whole or streamed."""
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[key_check(service)])
     async def completions(http: HTTPRequest):
         body = await parse_body(service, http)
-        ids = service.completion_prompt(body)
+        ids = await asyncio.to_thread(service.completion_prompt, body)  # a long prompt never stalls the others
         sampling = service.sampling(body, len(ids), (service.eot,), default_max=16)
         decode = lambda out: service.tokenizer.decode([t for t in out if t != service.eot])  # noqa: E731
         return await respond(service, body, service.start_jobs(ids, sampling, service.stops(body), decode),
                              chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[key_check(service)])
     async def chat_completions(http: HTTPRequest):
         body = await parse_body(service, http)
-        ids = service.chat_prompt(body)
+        ids = await asyncio.to_thread(service.chat_prompt, body)
         chat = service.chat
         sampling = service.sampling(body, len(ids), (chat.im_end, chat.eot), default_max=None)
         jobs = service.start_jobs(ids, sampling, service.stops(body), chat.parse_reply)
         return await respond(service, body, jobs, chat=True)
 
 
-async def parse_body(service: Service, http: HTTPRequest) -> dict:
-    """The request's JSON object, checked as far as both routes share it: the model is this one, `stream` a bool."""
+async def read_body(service: Service, http: HTTPRequest) -> bytes:
+    """The body's bytes, refused (413) as soon as it is known to pass `service.max_body`: from its Content-Length
+    before anything is read, or while it arrives."""
+    from starlette.requests import ClientDisconnect
+
+    declared = http.headers.get("content-length")
+    too_large = BadRequest(f"the request body: larger than this server's limit of {service.max_body:,} bytes "
+                           "(kiln serve --max-request-bytes)", status=413, code="request_too_large")
+    if declared is not None and declared.isdigit() and int(declared) > service.max_body:
+        raise too_large
+    chunks, size = [], 0
     try:
-        body = json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"the request body is not valid JSON ({e})") from None
+        async for chunk in http.stream():
+            size += len(chunk)
+            if size > service.max_body:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise Disconnected() from None
+    return b"".join(chunks)
+
+
+class Disconnected(Exception):
+    """The client went away before its request was whole: nothing to answer, nothing to log but a line."""
+
+
+async def parse_body(service: Service, http: HTTPRequest) -> dict:
+    """The request's JSON object, checked as far as both routes share it: the model is this one, `stream` a bool,
+    every string valid Unicode."""
+    raw = await read_body(service, http)
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise BadRequest("the request body: JSON nested too deeply") from None
+    except ValueError as e:  # not JSON, not UTF-8, or an integer of more digits than Python reads
+        raise BadRequest(f"the request body is not valid JSON ({shown(str(e), 200)})") from None
     if not isinstance(body, dict):
         raise BadRequest("the request body: expected a JSON object")
+    if (where := unpaired_surrogate(body)) is not None:
+        raise BadRequest(f"{where}: a lone surrogate (\\ud800-\\udfff) is not text", where)
     if body.get("model") != service.name:
         if not isinstance(body.get("model"), str):
             raise BadRequest("model: expected the name of a model (GET /v1/models lists them)", "model")
@@ -380,6 +473,25 @@ async def parse_body(service: Service, http: HTTPRequest) -> dict:
     if not isinstance(stream, bool):
         raise BadRequest("stream: expected true or false", "stream")
     return body
+
+
+def unpaired_surrogate(body: dict) -> str | None:
+    """Where in `body` a string (or key) holds a lone UTF-16 surrogate, which JSON's \\u escapes can spell but no
+    tokenizer can encode: its path ("messages[0].content"), or None."""
+    stack = [(body, "")]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "the request body"
+        elif isinstance(value, dict):
+            stack += [(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()]
+            stack += [(k, path or "the request body") for k in value]
+        elif isinstance(value, list):
+            stack += [(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    return None
 
 
 async def respond(service: Service, body: dict, jobs: list[Job], chat: bool):
@@ -497,7 +609,8 @@ def model_card(service: Service) -> dict:
 
 def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: str, kv_blocks: int | None,
           block_size: int, max_batch_tokens: int, name: str | None = None, draft_dir: Path | None = None,
-          speculate: int = 4, enforce_eager: bool = False) -> None:
+          speculate: int = 4, enforce_eager: bool = False, api_key: str | None = None,
+          max_body: int | None = None) -> None:
     """Load the model, build the engine and run the HTTP server until interrupted."""
     import uvicorn
 
@@ -507,8 +620,10 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     from kiln.pipeline.serve.text_model import TextModel
     from kiln.pipeline.tasks.chat_format import ChatFormat
 
+    max_body = MAX_BODY_BYTES if max_body is None else max_body
     for option, value in (("--block-size", block_size), ("--max-batch-tokens", max_batch_tokens),
-                          ("--kv-blocks", kv_blocks if kv_blocks is not None else 1), ("--speculate", speculate)):
+                          ("--kv-blocks", kv_blocks if kv_blocks is not None else 1), ("--speculate", speculate),
+                          ("--max-request-bytes", max_body)):
         if value < 1:
             raise UserError(f"{option}={value}: expected a positive integer")
     if not 0 <= port < 65536:
@@ -530,11 +645,28 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
         chat = ChatFormat(lm.tokenizer)
     except UserError:
         chat = None
-    service = Service(name or Path(model_dir).name, engine, lm.tokenizer, chat, lm.eot)
+    if api_key is not None and not api_key.strip():
+        raise UserError("--api-key: expected a non-empty key")
+    service = Service(name or Path(model_dir).name, engine, lm.tokenizer, chat, lm.eot, api_key, max_body)
     megabytes = kv_blocks * engine.cache.bytes_per_block() / 1e6
     console.print(f"kiln serve: model {service.name!r} ({context}-token context) on {engine.cache.device}, KV cache "
                   f"{kv_blocks:,} blocks of {block_size} tokens ({megabytes:.1f} MB), steps of up to "
                   f"{max_batch_tokens} tokens" + (f", {speculate} tokens drafted by {draft_dir}" if draft else "")
                   + (", decode steps as CUDA graphs" if engine.runner.graphs else "")
-                  + f"; http://{host}:{port}/v1", highlight=False)
+                  + f"; http://{host}:{port}/v1" + (", API key required" if api_key else ""), highlight=False)
+    if api_key is None and not loopback(host):
+        console.print(f"kiln serve: warning: listening on {host} without an API key: anyone who can reach this "
+                      "port can use the model (set --api-key or KILN_API_KEY)", highlight=False)
     uvicorn.run(create_app(service), host=host, port=port, log_level="warning")
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` only listens on this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost may resolve anywhere
+        return False

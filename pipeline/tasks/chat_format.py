@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.text.bpe import EOT
+from kiln.pipeline.text.bpe import EOT, encode_ids
 
 ROLES = ("system", "user", "assistant")
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|pad|>"
@@ -43,7 +43,7 @@ class ChatFormat:
         self.headers = {role: [self.im_start, *self.encode(f"{role}\n")] for role in ROLES}
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+        return encode_ids(self.tokenizer, text)
 
     def render(self, messages: list[dict], first_trained: int = 0, generation_prompt: bool = False) -> Rendered:
         """Ids and mask of `messages`; assistant turns before index `first_trained` are context, not targets

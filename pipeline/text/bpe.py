@@ -38,6 +38,13 @@ def resolve_pattern(pattern: str) -> str:
     return regex
 
 
+def encode_ids(tok: Tokenizer, text: str) -> list[int]:
+    """The ids of `text`. A long text goes through `encode_batch`, which lets go of the GIL while it works
+    (`encode` holds it: a thread tokenizing a megabyte would stall every other thread for seconds, the serving
+    event loop among them)."""
+    return tok.encode(text).ids if len(text) < 4096 else tok.encode_batch([text])[0].ids
+
+
 def load_tokenizer(path: Path, ordinary: bool = False) -> Tokenizer:
     """Load `tokenizer.json`; `ordinary=True` treats special-token text as plain text (for documents).
 
