@@ -34,6 +34,16 @@ def broken(prompt, completion, answer):
 
 def not_a_number(prompt, completion, answer):
     return float("nan")
+
+def huge(prompt, completion, answer):
+    return 1e308
+
+def forever(prompt, completion, answer):
+    import time
+    try:
+        time.sleep(3600)
+    except Exception:  # a reward that swallows errors still cannot swallow the time limit
+        return 0.0
 '''
 GRPO = {"max_steps": 30, "batch_size": 16, "batch_examples": 32, "group_size": 8, "max_new_tokens": 4,
         "lr": 1e-2, "min_lr": 1e-2, "warmup_steps": 0, "eval_every": 10, "checkpoint_every": 10, "log_every": 5,
@@ -110,10 +120,13 @@ def test_killed_run_resumes_to_the_same_model(tiny, project):
 
 
 @pytest.mark.parametrize(("reward", "said"), [("rewards.py:broken", "raised KeyError: 'no such field'"),
-                                              ("rewards.py:not_a_number", "returned nan")])
+                                              ("rewards.py:not_a_number", "returned nan"),
+                                              ("rewards.py:huge", "returned 1e+308; expected a reward within +-1e+06"),
+                                              ("rewards.py:forever", "did not return within 0.5 s (its prompt: ")])
 def test_a_failing_reward_stops_in_one_line_and_writes_nothing(tiny, project, reward, said):
-    """The error is one line (after the data summary the run printed before it), exit 2, no file touched."""
-    args = grpo_args(tiny, project, reward=reward)
+    """The error is one line (after the data summary the run printed before it), exit 2, no file touched; a
+    reward that never returns is stopped at grpo.reward_timeout."""
+    args = grpo_args(tiny, project, reward=reward, reward_timeout=0.5)
     before = tree_bytes(project)
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output

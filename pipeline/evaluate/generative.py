@@ -22,6 +22,7 @@ else runs beside it, so a rerun gives the same numbers and every model gets the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class GenTaskSpec:
     samples: int = 8                   # n samples per prompt behind pass@k; 0: greedy only
     temperature: float = 1.0           # of the samples
     max_new_tokens: int = 16
+    reward_timeout: float = 10.0       # seconds a reward of the user's own may take per completion
 
     def check(self, key: str) -> None:
         def bad(name: str, expected: str) -> UserError:
@@ -71,6 +73,8 @@ class GenTaskSpec:
             raise bad("temperature", "a number above 0 (the samples' temperature; samples: 0 for greedy only)")
         if self.max_new_tokens < 1:
             raise bad("max_new_tokens", "a positive integer")
+        if not 0 < self.reward_timeout < math.inf:
+            raise bad("reward_timeout", "a positive number of seconds")
 
     def ks(self) -> list[int]:
         """The k of each sampled/pass@k: powers of two up to n."""
@@ -116,7 +120,7 @@ def plain_prompt(messages: list[dict]) -> str:
 def load_gen_task(spec: GenTaskSpec, key: str, chat: ChatFormat, corpus_dir: Path, seq_len: int,
                   seed: int) -> GenTask:
     """The task's prompts, both renderings of each, and its reward; a bad reward fails before any model runs."""
-    reward = make_reward(spec.reward, spec.reward_pattern, key)
+    reward = make_reward(spec.reward, spec.reward_pattern, key, spec.reward_timeout)
     if spec.max_new_tokens >= seq_len:
         raise UserError(f"params: {key}.max_new_tokens={spec.max_new_tokens}: expected fewer than the models' "
                         f"max_seq_len={seq_len}")

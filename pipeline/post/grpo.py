@@ -281,7 +281,8 @@ def greedy_rewards(model, prompts: Prompts, chat: ChatFormat, reward: NamedRewar
 def grpo(params: GRPOParams, train_params: TrainParams, start_dir: Path, tokenizer_path: Path, corpus_dir: Path,
          out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR,
          resume_from: Path | None = None) -> dict:
-    reward = make_reward(params.reward, params.reward_pattern)  # a bad reward fails before the model loads
+    # a bad reward fails before the model loads
+    reward = make_reward(params.reward, params.reward_pattern, timeout=params.reward_timeout)
     s = start(params, train_params, start_dir, tokenizer_path, corpus_dir)
     return run_stage(s, lambda: grpo_stage(params, s, reward, start_dir), out_dir, checkpoint_dir, curves_dir,
                      resume_from)
@@ -329,4 +330,6 @@ def grpo_stage(params: GRPOParams, s: Start, reward: NamedReward, start_dir: Pat
         panels=PANELS, title=f"{len(prompts):,} prompts x {params.group_size}", metrics=metrics,
         # The loop counts every row as max_seq_len tokens; a rollout row is a prompt and a short completion,
         # and sampling takes a third of the time: an MFU from those counts would be fiction.
-        flops_per_token=0.0, log_metrics=rollouts.log_metrics, show=("reward",))
+        flops_per_token=0.0, log_metrics=rollouts.log_metrics, show=("reward",),
+        suspect=f"The advantages come from {reward.label}: a reward of large magnitude (or unscaled, with "
+                "grpo.scale_rewards false) can overflow the loss.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ class GRPOParams(PostTrainParams):
     scale_rewards: bool = True  # divide by the group's std; false: Dr. GRPO's unscaled advantages
     reward: str = "exact"  # exact | numeric | contains | regex | module:function | file.py:function
     reward_pattern: str | None = None  # the regex of reward=regex, {answer} standing for the escaped answer
+    reward_timeout: float = 10.0  # seconds a reward of the user's own may take per completion
 
     def check(self) -> None:
         super().check()
@@ -75,6 +77,8 @@ class GRPOParams(PostTrainParams):
             raise self.bad("epsilon_high", "a number >= 0")
         if not self.beta >= 0:
             raise self.bad("beta", "a number >= 0")
+        if not 0 < self.reward_timeout < math.inf:
+            raise self.bad("reward_timeout", "a positive number of seconds")
         if self.loss_type not in LOSS_TYPES:
             raise self.bad("loss_type", f"one of {', '.join(LOSS_TYPES)}")
 

@@ -42,6 +42,7 @@ class Stage:
     flops_per_token: float | None = None  # None: the start's (Start.flops_per_token)
     log_metrics: Callable[[], dict] | None = None
     show: tuple[str, ...] = ()
+    suspect: str = ""  # Run.suspect
 
 
 def run_stage(s: Start, prepare: Callable[[], Stage], out_dir: Path, checkpoint_dir: Path, curves_dir: Path,
@@ -62,7 +63,7 @@ def run_stage(s: Start, prepare: Callable[[], Stage], out_dir: Path, checkpoint_
                                       f"kiln {stage.name}"),
               curves_dir=curves_dir,
               flops_per_token=s.flops_per_token() if stage.flops_per_token is None else stage.flops_per_token,
-              name=stage.name, log_metrics=stage.log_metrics, show=stage.show, world=world)
+              name=stage.name, log_metrics=stage.log_metrics, show=stage.show, world=world, suspect=stage.suspect)
     console.print(f"{stage.name}: {stage.summary}{distributed.spread(world, loop.parallel)}", highlight=False)
     result = train(model, run)
     s.save(out_dir)

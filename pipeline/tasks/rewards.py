@@ -4,7 +4,10 @@ GRPO learns only from differences in reward between completions of the same prom
 deterministic and must never fail quietly: a reward that silently returns 0 for a row it could not judge looks
 exactly like a wrong answer and teaches the model the wrong thing. Hence the built-in rewards are pure string
 functions, and `score` refuses (with a one-line `UserError` naming the row) any reward that raises or returns
-something other than a finite real number.
+something other than a finite real number within +-1e6 (GRPO divides by a group's spread: 1e308 overflows the
+advantages and then the loss). A reward of the user's own gets `reward_timeout` seconds a call: one that never
+returns stops the run naming it and the prompt (by SIGALRM, in the main thread: a call stuck inside C code that
+never checks for signals is cut only when it comes back to Python).
 
 `grpo.reward` picks the reward: `exact`, `numeric`, `contains`, `regex` (with `grpo.reward_pattern`), or
 `module:function` / `path/to/file.py:function` for a reward of your own. A generative eval task
@@ -20,9 +23,12 @@ import inspect
 import math
 import numbers
 import re
+import signal
 import sys
+import threading
 import unicodedata
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -45,6 +51,7 @@ NUMBER = re.compile(r"(?<![\w.])(?P<sign>[-+\u2212]?)[$\u20ac\u00a3\u00a5]?"
 GSM8K_MARK = "####"
 
 Reward = Callable[[str, str, str], object]
+MAX_REWARD = 1e6  # the largest |reward| taken
 
 
 @dataclass(frozen=True)
@@ -53,9 +60,36 @@ class NamedReward:
 
     label: str
     fn: Reward
+    timeout: float | None = None  # seconds a call may take (a user's function); None: no limit (kiln's own)
 
     def __call__(self, prompt: str, completion: str, answer: str) -> object:
-        return self.fn(prompt, completion, answer)
+        with time_limit(self.timeout):
+            return self.fn(prompt, completion, answer)
+
+
+class RewardTimeout(BaseException):
+    """A reward call ran past its time limit. A BaseException, so a reward's own `except Exception` cannot
+    swallow it."""
+
+
+@contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise RewardTimeout in the block once `seconds` have passed (a real-time timer's SIGALRM); no limit for
+    None, off the main thread (signals go to it alone) or where the platform has no timer."""
+    if seconds is None or threading.current_thread() is not threading.main_thread() or \
+            not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RewardTimeout()
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def normalize(text: str) -> str:
@@ -183,9 +217,10 @@ def _load_file(path: Path, where: str) -> object:
 BUILTIN = {"exact": exact_reward, "numeric": numeric_reward, "contains": contains_reward}
 
 
-def make_reward(spec: str, pattern: str | None = None, key: str = "grpo") -> NamedReward:
+def make_reward(spec: str, pattern: str | None = None, key: str = "grpo", timeout: float | None = None) -> NamedReward:
     """The reward `<key>.reward=spec` names (`pattern` is `<key>.reward_pattern`, used only by `regex`); `key`
-    is the params entry every message names (`grpo`, `eval.tasks[1]`)."""
+    is the params entry every message names (`grpo`, `eval.tasks[1]`); a function of the user's own gets
+    `timeout` seconds a call."""
     if spec not in BUILTIN and spec != "regex" and ":" not in spec:
         raise UserError(f"params: {key}.reward={spec!r}: expected one of {CHOICES}")
     # A pattern that would be ignored is most likely a reward switched without its pattern: say so.
@@ -197,8 +232,9 @@ def make_reward(spec: str, pattern: str | None = None, key: str = "grpo") -> Nam
             raise UserError(f"params: {key}.reward_pattern={pattern!r}: expected a regular expression, which "
                             f"{key}.reward='regex' needs (with {{answer}} for the escaped answer)")
         return NamedReward(f"{key}.reward='regex' ({key}.reward_pattern={pattern!r})", regex_reward(pattern, key))
-    fn = BUILTIN[spec] if spec in BUILTIN else load_function(spec, key)
-    return NamedReward(f"{key}.reward={spec!r}", fn)
+    if spec in BUILTIN:
+        return NamedReward(f"{key}.reward={spec!r}", BUILTIN[spec])
+    return NamedReward(f"{key}.reward={spec!r}", load_function(spec, key), timeout)
 
 
 def score(reward: NamedReward, rows: Sequence[tuple[str, str, str]], what: str) -> list[float]:
@@ -210,15 +246,24 @@ def score(reward: NamedReward, rows: Sequence[tuple[str, str, str]], what: str) 
         where = f"{what}: {reward.label}: row {i}"
         try:
             value = reward(prompt, completion, answer)
+        except RewardTimeout:
+            raise UserError(f"{where} did not return within {reward.timeout:g} s (its prompt: {_preview(prompt)}); "
+                            f"the limit is {reward.label.split('.reward=')[0]}.reward_timeout") from None
         except UserError as e:
             raise UserError(f"{where}: {_one_line(e)}") from None
         except Exception as e:
             raise UserError(f"{where} raised {type(e).__name__}: {_one_line(e)}") from None
         if not isinstance(value, (numbers.Real, Decimal)):
             raise UserError(f"{where} returned {_preview(value)} ({type(value).__name__}); expected a finite number")
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:  # a Decimal or an int beyond float's range
+            value = math.inf
         if not math.isfinite(value):
             raise UserError(f"{where} returned {value}; expected a finite number")
+        if abs(value) > MAX_REWARD:
+            raise UserError(f"{where} returned {value:g}; expected a reward within +-{MAX_REWARD:g} (larger ones "
+                            "overflow the group advantages and the loss)")
         rewards.append(value)
     return rewards
 

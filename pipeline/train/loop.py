@@ -88,6 +88,8 @@ class Run:
     # in `show` also go on the progress line.
     log_metrics: Callable[[], dict] | None = None
     show: tuple[str, ...] = ()
+    # what a non-finite loss may come from besides the learning rate, said when one stops the run (GRPO's reward)
+    suspect: str = ""
 
 
 def accumulation_steps(params: TrainParams, micro_batch_tokens: int, world_size: int = 1) -> int:
@@ -212,7 +214,8 @@ class Training:
 
     def stop(self, loss: float) -> None:
         """The NaN guard (`Step`'s on_bad_loss): names the step about to be taken and the way on from there."""
-        raise StageError(f"{self.run.name}: loss is {loss} at step {self.step + 1}; stopped. "
+        suspect = f"{self.run.suspect} " if self.run.suspect else ""
+        raise StageError(f"{self.run.name}: loss is {loss} at step {self.step + 1}; stopped. {suspect}"
                          f"{self.run.checkpoints.advice()}")
 
     def take_step(self) -> tuple[float, torch.Tensor]:
