@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import yaml
 
-from kiln.pipeline.errors import UserError
+from kiln.pipeline.errors import UserError, shown
 from kiln.pipeline.layout import PARAMS
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -37,14 +37,38 @@ class Section:
         pass
 
     def bad(self, name: str, expected: str) -> UserError:
-        return UserError(f"params: {self.SECTION}.{name}={getattr(self, name)!r}: expected {expected}")
+        return UserError(f"params: {self.SECTION}.{name}={shown(getattr(self, name))}: expected {expected}")
+
+
+MAX_PARAMS_BYTES = 1_000_000  # params.yaml is a few kB; anything near this is not a params file
+MAX_VALUES = 100_000  # scalars and containers in the document, each alias counted for what it stands for
+
+
+def parse_yaml(text: str):
+    """A YAML document's value by the safe loader, refused (yaml.YAMLError) when its aliases make it stand for more
+    than MAX_VALUES values: a "billion laughs" document is small and parses fast (an alias is a shared
+    reference), but anything that walks or prints it expands it to gigabytes."""
+    value = yaml.safe_load(text)
+    sizes: dict[int, int] = {}
+
+    def size(node) -> int:  # memoised on identity: each shared node is walked once
+        if id(node) not in sizes:
+            children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+            sizes[id(node)] = min(1 + sum(size(child) for child in children), MAX_VALUES + 1)
+        return sizes[id(node)]
+    if size(value) > MAX_VALUES:
+        raise yaml.YAMLError(f"its aliases expand it to more than {MAX_VALUES:,} values")
+    return value
 
 
 def read_params_file(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"{path}: params file not found")
+    if path.stat().st_size > MAX_PARAMS_BYTES:
+        raise UserError(f"{path}: {path.stat().st_size:,} bytes; expected a params file of at most "
+                        f"{MAX_PARAMS_BYTES:,}")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = parse_yaml(path.read_text(encoding="utf-8")) or {}
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r})") from None
     except yaml.YAMLError as e:
@@ -75,7 +99,7 @@ def load_section(cls: type[S], path: Path = PARAMS, overrides: typing.Iterable[s
         if sec not in ("", section):
             raise UserError(f"--set {key}: this command reads only the '{section}' section")
         try:
-            values[name] = yaml.safe_load(text) if text else ""
+            values[name] = parse_yaml(text) if text else ""
         except yaml.YAMLError:  # not YAML (a glob such as *.txt): take the text as it is
             values[name] = text
     return build_section(cls, values)
@@ -128,7 +152,7 @@ def coerce(key: str, value, tp):
         if typing.get_origin(option) is list and isinstance(value, list):
             (item,) = typing.get_args(option)
             return [coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-    raise UserError(f"params: {key}={value!r}: expected {_describe(tp)}")
+    raise UserError(f"params: {key}={shown(value)}: expected {_describe(tp)}")
 
 
 def _finite(key: str, value) -> float:
@@ -138,7 +162,7 @@ def _finite(key: str, value) -> float:
     except OverflowError:
         number = math.inf
     if not math.isfinite(number):
-        raise UserError(f"params: {key}={value!r}: expected a finite number")
+        raise UserError(f"params: {key}={shown(value)}: expected a finite number")
     return number
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
+from conftest import fails_in_one_line, tree_bytes, write_params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,13 +27,11 @@ from kiln.pipeline.evaluate.params import EvalParams
 from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.scaling.params import ScalingParams
+from kiln.pipeline.text.bpe import load_tokenizer
 from kiln.pipeline.text.shard import ShardParams
 from kiln.pipeline.text.sources import DataParams
 from kiln.pipeline.text.tokenizer import TokenizerParams
-from kiln.pipeline.text.bpe import load_tokenizer
 from kiln.pipeline.train.params import ModelParams, TrainParams
-
-from conftest import fails_in_one_line, tree_bytes, write_params
 
 ALL_SECTIONS = (DataParams, TokenizerParams, ShardParams, ModelParams, TrainParams, ScalingParams, SFTParams,
                 DPOParams, GRPOParams, EvalParams)
@@ -159,6 +157,32 @@ def test_params_file_not_utf8(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_bytes(b"train:\n  lr: 0.1\xff\n")
     with raises_naming(str(path), "UTF-8"):
+        load_section(TrainParams, path)
+
+
+# a billion laughs as the value of train.lr: 9**9 strings once expanded, which printing the value did
+BOMB = "train:\n  lr: [&l0 [" + ", ".join(["lol"] * 9) + "], " + ", ".join(
+    f"&l{i} [" + ", ".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 9)) + "]\n"
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    (BOMB, "expand it to more than 100,000 values"),
+    # within the limit, a nested value is quoted cut short, never whole
+    ("train:\n  lr: [&a [" + ", ".join(["x"] * 50) + "], *a, *a, *a, *a, *a, *a, *a]\n", "... (list): expected a number"),
+])
+def test_a_yaml_bomb_is_refused_quickly_in_one_short_line(tmp_path, text, said):
+    path = tmp_path / "params.yaml"
+    path.write_text(text, encoding="utf-8")
+    started = time.perf_counter()
+    with pytest.raises(UserError) as raised:
+        load_section(TrainParams, path)
+    assert said in str(raised.value) and len(str(raised.value)) < 300 and time.perf_counter() - started < 5
+
+
+def test_a_params_file_past_a_megabyte_is_refused(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("train:\n  lr: 0.1\n" + "#" * 1_000_001, encoding="utf-8")
+    with raises_naming(str(path), "at most 1,000,000"):
         load_section(TrainParams, path)
 
 

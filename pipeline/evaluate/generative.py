@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kiln.pipeline.errors import UserError
+from kiln.pipeline.errors import UserError, shown
 from kiln.pipeline.evaluate.pass_at_k import mean_pass_at_k
 from kiln.pipeline.runtime import autocast
 from kiln.pipeline.serve.engine import complete
@@ -59,7 +59,7 @@ class GenTaskSpec:
 
     def check(self, key: str) -> None:
         def bad(name: str, expected: str) -> UserError:
-            return UserError(f"params: {key}.{name}={getattr(self, name)!r}: expected {expected}")
+            return UserError(f"params: {key}.{name}={shown(getattr(self, name))}: expected {expected}")
 
         if self.format not in ("auto", *PROMPT_FORMATS):
             raise bad("format", f"auto or one of {', '.join(PROMPT_FORMATS)}")

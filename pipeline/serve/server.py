@@ -37,6 +37,7 @@ from pathlib import Path
 
 from starlette.requests import Request as HTTPRequest  # FastAPI reads handler annotations from module globals
 
+from kiln.pipeline.errors import shown
 from kiln.pipeline.serve.engine import Engine
 from kiln.pipeline.serve.graphs import GRAPH_BATCH
 from kiln.pipeline.serve.request import Request, RequestStatus, SamplingParams
@@ -307,12 +308,6 @@ def number(value, name: str, kind: type, low: float | None = None, high: float |
         raise BadRequest(f"{name}={shown(given)}: expected {'an integer' if kind is int else 'a number'}{bounds}",
                          name)
     return value
-
-
-def shown(value, limit: int = 40) -> str:
-    """A client's value as an error message quotes it: its repr, cut short."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def sse(payload: dict | str) -> str:
