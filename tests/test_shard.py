@@ -3,22 +3,22 @@ import json
 import os
 import shutil
 import struct
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import build, tree_bytes
 from typer.testing import CliRunner
 
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.text.bpe import load_tokenizer
 from kiln.pipeline.text.loader import ShardSet, TokenBatches
 from kiln.pipeline.text.shard import ShardParams, shard
 from kiln.pipeline.text.shard_format import HEADER_BYTES
-from kiln.pipeline.text.bpe import load_tokenizer
-
-from conftest import build, tree_bytes
 
 B, T = 4, 16
 
@@ -292,3 +292,43 @@ def test_inspect_cli(tiny, tmp_path):
     broken.write_bytes(path.read_bytes()[:-3])
     result = runner.invoke(app, ["data", "inspect", str(broken)])
     assert result.exit_code == 2 and "broken.bin" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("where", ["tmpfs", "simulated"])
+def test_shards_out_on_another_filesystem(tiny, tmp_path, monkeypatch, where):
+    """The output on another filesystem than the resume state (data/checkpoints/shard): finished shards cannot be
+    hard-linked or renamed across, so they are copied. A tmpfs where the machine has one beside tmp_path's disk;
+    everywhere, os.link and cross-folder renames raising EXDEV as they would."""
+    import errno
+    import tempfile
+
+    shm = Path("/dev/shm")
+    if where == "tmpfs":
+        if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+            pytest.skip("no second filesystem here (the simulated case runs instead)")
+        out = Path(tempfile.mkdtemp(dir=shm)) / "shards"
+    else:
+        out = tmp_path / "elsewhere" / "shards"
+        real_replace = os.replace
+
+        def cross_device(*args, **kwargs):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+        def elsewhere(path) -> bool:  # the second filesystem
+            return (tmp_path / "elsewhere") in Path(path).resolve().parents
+
+        def replace(src, dst, **kwargs):
+            if elsewhere(src) != elsewhere(dst):
+                cross_device()
+            return real_replace(src, dst, **kwargs)
+        monkeypatch.setattr(os, "link", cross_device)
+        monkeypatch.setattr(os, "replace", replace)
+    try:
+        monkeypatch.chdir(tmp_path)
+        shard(build_section(ShardParams, {"shard_tokens": 2048}), tiny.corpus, tiny.tokenizer, out)
+        got = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+        want = {p.name: p.read_bytes() for p in sorted(tiny.shards.iterdir())}
+        assert got == want
+    finally:
+        if where == "tmpfs":
+            shutil.rmtree(out.parent)

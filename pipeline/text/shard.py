@@ -255,8 +255,9 @@ def shard(params: ShardParams, corpus_dir: Path, tokenizer_path: Path, out_dir: 
 
 def link(src: Path, dst: Path) -> None:
     """A second name for a finished shard: no copy, and the resume state keeps it until the output is
-    published. A filesystem without hard links gets the file moved instead."""
+    published. Where no link can be made (the output on another filesystem than the resume state: EXDEV; a
+    filesystem without hard links), a copy; a rename could not cross filesystems either."""
     try:
         os.link(src, dst)
     except OSError:
-        os.replace(src, dst)
+        shutil.copyfile(src, dst)
