@@ -32,7 +32,7 @@ from pathlib import Path
 
 from safetensors import SafetensorError
 
-from kiln.model.errors import StageError
+from kiln.model.errors import StageError, UserError
 
 
 def fsync_path(path: Path) -> None:
@@ -167,8 +167,11 @@ def atomic_dir(final: Path) -> Iterator[Path]:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `path` whole or not at all: a synced temp file beside it, renamed over it in one step."""
+    """Write `path` whole or not at all: a synced temp file beside it, renamed over it in one step. A folder at
+    `path` is bad input (an `--out` that names one), refused before anything is written."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: a folder; expected the path of a file to write")
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.tmp-", dir=path.parent)

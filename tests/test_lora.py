@@ -287,3 +287,35 @@ def test_grpo_trains_a_qlora_adapter_against_the_base_as_reference(tiny, tmp_pat
     assert len(kl) == 3 and kl[0] == 0 and kl[-1] > 0
     assert (tmp_path / "grpo/adapter.safetensors").is_file()
     assert load_model(tmp_path / "grpo")[1]["adapter"]["adapter"] == "qlora"
+
+
+@pytest.mark.parametrize(("edit", "said"), [
+    (lambda spec, folder: spec.update(alpha=-16), "config.json: adapter: alpha=-16: expected a positive number"),
+    (lambda spec, folder: spec.update(rank=True), "config.json: adapter: rank=True: expected a positive integer"),
+    (lambda spec, folder: spec.update(targets=["wq"]), "config.json: adapter: targets=['wq']: expected a list"),
+    (lambda spec, folder: (folder / "adapter.safetensors").unlink(),
+     "adapter.safetensors: not found, though"),
+])
+def test_convert_refuses_an_edited_adapter_naming_the_file(tiny, tmp_path, edit, said):
+    """An adapter config edited by hand (alpha -16 converted with exit 0 into another model) or an adapter file
+    gone (it said "trained with adapter: full") is refused in one line naming the file; nothing is written."""
+    from conftest import fails_in_one_line
+
+    from kiln.model.checkpoint import save_model
+    from kiln.pipeline.outputs import sha256_file
+    from kiln.pipeline.text.bpe import load_tokenizer
+
+    vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
+    config = ModelConfig(vocab_size=vocab, n_layer=1, n_head=2, n_kv_head=2, d_model=32, max_seq_len=16)
+    adapted = apply_adapter(GPT(config), "lora", 2, 4.0, 0.0, ["q_proj"])
+    spec = {"adapter": "lora", "rank": 2, "alpha": 4.0, "dropout": 0.0, "targets": ["q_proj"]}
+    folder = tmp_path / "kiln"
+    save_model(merged_state_dict(adapted), config, folder, {"tokenizer_sha256": sha256_file(tiny.tokenizer),
+                                                          "adapter": spec},
+               adapter=adapter_state_dict(adapted.state_dict()))
+    meta = json.loads((folder / "config.json").read_text())
+    edit(meta["adapter"], folder)
+    (folder / "config.json").write_text(json.dumps(meta))
+    fails_in_one_line(["convert", "to-hf", str(folder), str(tmp_path / "hf"), "--tokenizer", str(tiny.tokenizer),
+                       "--adapter"], 2, said)
+    assert not (tmp_path / "hf").exists()

@@ -102,3 +102,11 @@ def test_the_command_prints_and_writes_the_plan(tmp_path):
 def test_bad_options_are_one_line_errors(args, message):
     result = CliRunner().invoke(app, ["plan", "memory", *args])
     assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_an_out_that_is_a_folder_is_one_line(tmp_path):
+    """`--out <folder>` was an IsADirectoryError traceback; the folder is left as it was."""
+    (tmp_path / "mine.txt").write_text("kept")
+    result = CliRunner().invoke(app, ["plan", "memory", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and f"{tmp_path}: a folder" in result.output, result.output
+    assert "Traceback" not in result.output and [p.name for p in tmp_path.iterdir()] == ["mine.txt"]

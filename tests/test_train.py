@@ -16,9 +16,9 @@ from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import StageError, UserError
+from kiln.pipeline.train import lm
 from kiln.pipeline.train.checkpoints import NAME, Checkpoints
 from kiln.pipeline.train.curves import metric_files, read_metric
-from kiln.pipeline.train import lm
 from kiln.pipeline.train.lm import lm_loss
 from kiln.pipeline.train.loop import Run, build_optimizer, lr_at, train
 from kiln.pipeline.train.params import ModelParams, TrainParams
@@ -332,3 +332,13 @@ def test_a_nan_validation_loss_stops_the_run(tmp_path):
                                                                      r"good checkpoint: \S+step_00000002\."):
         train(tiny_model(), run)
     assert [p.name for p in checkpoints(tmp_path / "ckpt")] == ["step_00000002"]
+
+
+def test_resume_from_another_stages_checkpoint_is_refused(tiny, tmp_path):
+    """`kiln sft --resume-from <a pretrain checkpoint>`: the tensors may well fit, but the run is another stage's."""
+    run(tiny, tmp_path, max_steps=4)
+    pretrain_checkpoint = checkpoints(tmp_path / "ckpt")[-1]
+    post = {"start": "0" * 64, "data": "1" * 64, "train": {"seed": 1}}
+    with pytest.raises(UserError, match="a checkpoint of another stage .*kiln sft's by data, start, train"):
+        Checkpoints(tmp_path / "sft-ckpt", post, keep=1, resume_from=pretrain_checkpoint, command="kiln sft")
+    assert not (tmp_path / "sft-ckpt").exists()

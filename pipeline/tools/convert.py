@@ -37,6 +37,7 @@ from kiln.model.hf import (
     to_hf_tensors,
     to_kiln_tensors,
 )
+from kiln.model.lora import spec_problem
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.layout import TOKENIZER_FILE
 from kiln.pipeline.outputs import atomic_dir, sha256_file, write_json
@@ -311,11 +312,13 @@ def to_hf(model_dir: Path, out: Path, tokenizer_path: Path, adapter: bool = Fals
 def _read_adapter(model_dir: Path, meta: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """The adapter a post-training stage saved beside its merged model, checked against config.json's spec."""
     spec, path = meta.get("adapter"), model_dir / ADAPTER_WEIGHTS
-    if not isinstance(spec, dict) or not path.is_file():
+    if spec is None:
         raise UserError(f"{model_dir}: no adapter (it was trained with adapter: full); convert it without --adapter")
-    if not (isinstance(spec.get("rank"), int) and isinstance(spec.get("alpha"), (int, float))
-            and isinstance(spec.get("dropout"), (int, float)) and spec["rank"] > 0):
-        raise UserError(f"{model_dir / 'config.json'}: adapter: expected rank, alpha and dropout, got {spec!r}")
+    if (problem := spec_problem(spec)) is not None:
+        raise UserError(f"{model_dir / CONFIG}: adapter: {problem}")
+    if not path.is_file():
+        raise UserError(f"{path}: not found, though {model_dir / CONFIG} says the model was trained with adapter: "
+                        f"{spec['adapter']}")
     try:
         tensors = load_file(path)
     except Exception as e:  # safetensors' own error, OSError

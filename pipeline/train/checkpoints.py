@@ -123,6 +123,13 @@ class Checkpoints:
         self.resume_from = None if resume_from is None else Path(resume_from)
         if self.resume_from is not None:
             origin = read_state(self.resume_from)
+            # a stage's runs share the fingerprint's keys (pretrain: model, tokenizer; post-training: start, data
+            # and its own section): other keys are another stage's checkpoint, whose tensors may even fit
+            theirs, ours = (sorted(set(f) - {"resumed_from"}) for f in (origin["fingerprint"], fingerprint))
+            if theirs != ours:
+                raise UserError(f"{self.resume_from}: a checkpoint of another stage (its run is fingerprinted by "
+                                f"{', '.join(theirs)}; {command or 'this run'}'s by {', '.join(ours)}); "
+                                "--resume-from takes a checkpoint of the same stage")
             # A run continued from another's checkpoint is not the run these params start from scratch.
             fingerprint = {**fingerprint, "resumed_from": {"run": run_name(origin["fingerprint"]),
                                                            "step": origin["step"]}}
