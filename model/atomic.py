@@ -20,6 +20,7 @@ one line and exit 1 from the CLI, not a traceback from wherever the disk filled 
 from __future__ import annotations
 
 import errno
+import fnmatch
 import glob
 import os
 import re
@@ -28,6 +29,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 from safetensors import SafetensorError
@@ -148,10 +150,43 @@ def replace_dir(complete: Path, final: Path) -> None:
         _remove(old)
 
 
+# Whether an output folder may replace one holding files kiln would not write there: `kiln ... --force`.
+_replace_foreign: ContextVar[bool] = ContextVar("kiln_replace_foreign", default=False)
+
+
 @contextmanager
-def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield an empty temp folder beside `final`; on success it replaces `final`, on error it is removed."""
+def replacing(force: bool) -> Iterator[None]:
+    """Within the block, `atomic_dir` replaces whatever is in the way (`--force`)."""
+    token = _replace_foreign.set(force)
+    try:
+        yield
+    finally:
+        _replace_foreign.reset(token)
+
+
+def check_replaceable(final: Path, holds: tuple[str, ...], what: str) -> None:
+    """Refuse (UserError) to replace `final` if it is a file, or a folder with an entry none of the `holds`
+    patterns match: what this kind of output holds. Such a folder is the user's, not an earlier run's (`kiln
+    convert to-hf ... p` replaced a folder `p` that held someone's notes.txt)."""
+    if _replace_foreign.get() or not os.path.lexists(final):
+        return
+    if not final.is_dir() or final.is_symlink():
+        raise UserError(f"{final}: a file, not a {what} folder; choose another --out, or pass --force to replace it")
+    foreign = sorted(p.name for p in final.iterdir() if not any(fnmatch.fnmatch(p.name, h) for h in holds))
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise UserError(f"{final}: holds {foreign[0]!r}{more}, which no {what} folder kiln writes holds; choose "
+                        "another --out, or pass --force to replace the folder")
+
+
+@contextmanager
+def atomic_dir(final: Path, holds: tuple[str, ...] | None = None, what: str = "output") -> Iterator[Path]:
+    """Yield an empty temp folder beside `final`; on success it replaces `final`, on error it is removed. With
+    `holds` (the names, as glob patterns, this kind of output holds; None for kiln's own folders such as resume
+    state), a `final` in the way that holds anything else is refused first (`check_replaceable`)."""
     final = Path(final)
+    if holds is not None:
+        check_replaceable(final, holds, what)
     with writing(final):
         final.parent.mkdir(parents=True, exist_ok=True)
         recover(final)

@@ -27,6 +27,8 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 # A model trained with adapters also keeps them alone: their tensors, and config.json's "adapter" and "init"
 ADAPTER_WEIGHTS = "adapter.safetensors"
+# what a model folder holds (a converted one also its tokenizer.json): anything else in the way is the user's
+MODEL_FOLDER = (CONFIG, WEIGHTS, ADAPTER_WEIGHTS, "tokenizer.json")
 # Wrappers that prefix parameter names: torch.compile's OptimizedModule and DDP.
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
@@ -93,7 +95,7 @@ def save_model(model_or_state_dict: torch.nn.Module | dict, config: ModelConfig,
     # Strict JSON, checked before anything is written: fails early if `extra` is not JSON-able or not finite.
     meta = json.dumps({"model": config.to_dict(), **extra}, indent=2, allow_nan=False) + "\n"
 
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, MODEL_FOLDER, "model") as tmp:
         save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         if adapter is not None:
             save_file(adapter, tmp / ADAPTER_WEIGHTS, metadata={"format": "pt"})

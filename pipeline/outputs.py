@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover, writing
+from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover, replacing, writing
 from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.layout import METRICS
 
-__all__ = ["atomic_dir", "atomic_write_bytes", "recover", "write_json", "write_metrics", "sha256_file",
+__all__ = ["atomic_dir", "atomic_write_bytes", "recover", "replacing", "write_json", "write_metrics", "sha256_file",
            "exclusive", "lock_path"]
 LOCK_SUFFIX = ".lock"
 

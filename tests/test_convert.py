@@ -407,3 +407,35 @@ def test_to_hf_refuses_the_wrong_tokenizer_a_missing_model_and_gpt2_with_gqa(tin
     save_model(GPT(config), config, tmp_path / "gqa")
     assert_refused(convert("to-hf", tmp_path / "gqa", out, "--tokenizer", tiny.tokenizer),
                    "model.n_kv_head=2: HF GPT-2 has no grouped-query attention", out)
+
+
+def test_a_folder_kiln_did_not_write_is_refused_unless_forced(exported, tiny, tmp_path):
+    """`kiln convert to-hf MODEL p` replaced a folder p holding a user's notes.txt (exit 0). It is refused now,
+    naming the file, and kept byte for byte; --force replaces it; a folder of an earlier export is replaced, and so
+    is an empty one. The same for a kiln model folder (from-hf) and a file in the way."""
+    kiln_dir, hf_dir = exported
+    mine = tmp_path / "p"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    (mine / "config.json").write_text("{}")
+    result = convert("to-hf", kiln_dir, mine, "--tokenizer", tiny.tokenizer)
+    assert result.exit_code == 2 and "holds 'notes.txt', which no transformers model folder kiln writes holds" in \
+        result.output and "--force" in result.output, result.output
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "notes.txt"] and \
+        (mine / "config.json").read_text() == "{}"
+    earlier = tmp_path / "earlier"
+    shutil.copytree(hf_dir, earlier)
+    (tmp_path / "empty").mkdir()
+    for out in (earlier, tmp_path / "empty"):
+        assert convert("to-hf", kiln_dir, out, "--tokenizer", tiny.tokenizer).exit_code == 0
+    assert convert("to-hf", kiln_dir, mine, "--tokenizer", tiny.tokenizer, "--force").exit_code == 0
+    assert not (mine / "notes.txt").exists() and (mine / "model.safetensors").is_file()
+    back = tmp_path / "back"
+    back.mkdir()
+    (back / "draft.md").write_text("mine")
+    result = convert("from-hf", hf_dir, back)
+    assert result.exit_code == 2 and "holds 'draft.md', which no model folder kiln writes holds" in result.output
+    (tmp_path / "file").write_text("mine")
+    result = convert("from-hf", hf_dir, tmp_path / "file")
+    assert result.exit_code == 2 and "a file, not a model folder" in result.output
+    assert (tmp_path / "file").read_text() == "mine"

@@ -10,6 +10,7 @@ import typer
 from kiln.pipeline import layout
 from kiln.pipeline.commands.shared import (
     CorpusOpt,
+    ForceOpt,
     OutOpt,
     ParamsOpt,
     SetOpt,
@@ -23,7 +24,8 @@ app = typer.Typer(help="Corpus and token shards: prepare, shard, inspect.", no_a
 
 @app.command("prepare")
 @reports_errors
-def data_prepare(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], out: OutOpt = layout.CORPUS):
+def data_prepare(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], out: OutOpt = layout.CORPUS,
+                 force: ForceOpt = False):
     """Build train/val parquet files from `data.source` (stage `prepare`)."""
     from kiln.pipeline.config import load_section
     from kiln.pipeline.text.prepare import prepare
@@ -38,7 +40,7 @@ def data_prepare(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], out: OutO
 def data_shard(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], corpus: CorpusOpt = layout.CORPUS,
                tokenizer: TokenizerOpt = layout.TOKENIZER, out: OutOpt = layout.SHARDS,
                checkpoints: Annotated[Path, typer.Option(help="The finished shards of a killed run, to resume.")] =
-               layout.checkpoints("shard")):
+               layout.checkpoints("shard"), force: ForceOpt = False):
     """Tokenize both splits into binary shards and a manifest (stage `shard`); a rerun after a kill keeps the
     shards already finished."""
     from kiln.pipeline.config import load_section

@@ -11,6 +11,7 @@ import typer
 from rich.markup import escape
 
 from kiln.pipeline.errors import KilnError, UserError
+from kiln.pipeline.outputs import replacing
 from kiln.pipeline.progress import console
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to read.")]
@@ -18,6 +19,10 @@ SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=
 CorpusOpt = Annotated[Path, typer.Option(help="Corpus folder with train.parquet and val.parquet.")]
 TokenizerOpt = Annotated[Path, typer.Option(help="The tokenizer.json to use.")]
 OutOpt = Annotated[Path, typer.Option(help="Output folder (replaced whole, only when the stage succeeds).")]
+# read by `reports_errors`, which lets the command's output folders replace what is in the way
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace --out even if it holds files that kiln's output "
+                                                        "of this kind does not (by default such a folder is "
+                                                        "refused).")]
 ResumeOpt = Annotated[Path | None, typer.Option(help="A checkpoint (a step_NNNNNNNN folder, of any run) to go on from "
                                                      "with these params while this run has none of its own.")]
 
@@ -39,7 +44,8 @@ def reports_errors(fn):
             for name, value in kwargs.items():
                 if isinstance(value, float) and not math.isfinite(value):
                     raise UserError(f"--{name.replace('_', '-')}={value}: expected a finite number")
-            return fn(*args, **kwargs)
+            with replacing(bool(kwargs.get("force"))):
+                return fn(*args, **kwargs)
         except KilnError as e:
             # escape: a message quotes input, and "[/x]" in it would be read as rich markup
             console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)

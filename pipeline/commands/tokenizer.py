@@ -10,6 +10,7 @@ import typer
 from kiln.pipeline import layout
 from kiln.pipeline.commands.shared import (
     CorpusOpt,
+    ForceOpt,
     OutOpt,
     ParamsOpt,
     SetOpt,
@@ -24,7 +25,7 @@ app = typer.Typer(help="Byte-level BPE: train, encode, decode.", no_args_is_help
 @app.command("train")
 @reports_errors
 def tokenizer_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], corpus: CorpusOpt = layout.CORPUS,
-                    out: OutOpt = layout.TOKENIZER_DIR):
+                    out: OutOpt = layout.TOKENIZER_DIR, force: ForceOpt = False):
     """Train the byte-level BPE on the train split, or build GPT-2's with `source=gpt2` (stage `tokenizer`)."""
     from kiln.pipeline.config import load_section
     from kiln.pipeline.text.tokenizer import TokenizerParams, train_tokenizer

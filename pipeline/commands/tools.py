@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from kiln.pipeline import layout
-from kiln.pipeline.commands.shared import ParamsOpt, SetOpt, TokenizerOpt, reports_errors
+from kiln.pipeline.commands.shared import ForceOpt, ParamsOpt, SetOpt, TokenizerOpt, reports_errors
 from kiln.pipeline.errors import UserError
 
 convert_app = typer.Typer(help="Hugging Face interop: GPT-2 and Llama checkpoints in, transformers folders out.",
@@ -77,7 +77,8 @@ def plan_memory(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 def convert_from_hf(
         src: Annotated[str, typer.Argument(help="An HF model folder (config.json + safetensors), or a hub id to "
                                                 "download.")],
-        out: Annotated[Path, typer.Argument(help="The kiln model folder to write (replaced whole).")]):
+        out: Annotated[Path, typer.Argument(help="The kiln model folder to write (replaced whole).")],
+        force: ForceOpt = False):
     """Convert a GPT2LMHeadModel or LlamaForCausalLM into a kiln model folder (with its tokenizer.json, if any),
     refusing any setting kiln's model would not compute exactly."""
     from kiln.pipeline.tools.convert import from_hf
@@ -94,7 +95,8 @@ def convert_to_hf(
                                                             "if there, else data/tokenizer/tokenizer.json).")] = None,
         adapter: Annotated[bool, typer.Option("--adapter", help="For a model trained with a LoRA/QLoRA adapter: write "
                                                                 "the model it was trained on, and OUT/adapter/ in "
-                                                                "PEFT's format.")] = False):
+                                                                "PEFT's format.")] = False,
+        force: ForceOpt = False):
     """Convert a kiln model into a folder that transformers' AutoModelForCausalLM and AutoTokenizer load."""
     from kiln.pipeline.tools.convert import to_hf
 

@@ -12,6 +12,7 @@ import typer
 from kiln.pipeline import layout
 from kiln.pipeline.commands.shared import (
     CorpusOpt,
+    ForceOpt,
     OutOpt,
     ParamsOpt,
     ResumeOpt,
@@ -33,7 +34,7 @@ def pretrain_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                   checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] =
                   layout.checkpoints("pretrain"),
                   size: Annotated[Path, typer.Option(help="With model.size=auto: the choice `kiln scaling size` wrote.")]
-                  = layout.SIZE, resume_from: ResumeOpt = None):
+                  = layout.SIZE, resume_from: ResumeOpt = None, force: ForceOpt = False):
     """Pretrain the base model on the shards, resuming from the newest checkpoint (stage `pretrain`).
 
     Reads the `model` and `train` sections; `--set` takes `model.*` and `train.*` keys (bare keys mean train).
@@ -56,7 +57,7 @@ def sft_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 tokenizer: TokenizerOpt = layout.TOKENIZER, corpus: CorpusOpt = layout.CORPUS,
                 out: OutOpt = layout.SFT_MODEL,
                 checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = layout.checkpoints("sft"),
-                resume_from: ResumeOpt = None):
+                resume_from: ResumeOpt = None, force: ForceOpt = False):
     """Supervised fine-tuning on chat examples: the built-in task or a dataset (stage `sft`).
 
     Reads the `sft` section, and `train` for the device, precision, kernels, Adam settings and processes (as
@@ -80,7 +81,7 @@ def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 tokenizer: TokenizerOpt = layout.TOKENIZER, corpus: CorpusOpt = layout.CORPUS,
                 out: OutOpt = layout.DPO_MODEL,
                 checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = layout.checkpoints("dpo"),
-                resume_from: ResumeOpt = None):
+                resume_from: ResumeOpt = None, force: ForceOpt = False):
     """Direct preference optimisation from the SFT model on preference pairs (stage `dpo`).
 
     Reads the `dpo` section, and `train` for the device, precision, kernels, Adam settings and processes (as
@@ -104,7 +105,7 @@ def grpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                  tokenizer: TokenizerOpt = layout.TOKENIZER, corpus: CorpusOpt = layout.CORPUS,
                  out: OutOpt = layout.GRPO_MODEL,
                  checkpoints: Annotated[Path, typer.Option(help="Resume state folder.")] = layout.checkpoints("grpo"),
-                 resume_from: ResumeOpt = None):
+                 resume_from: ResumeOpt = None, force: ForceOpt = False):
     """Reinforcement learning from verifiable rewards (GRPO) on prompts with answers (stage `grpo`).
 
     Reads the `grpo` section, and `train` for the device, precision, kernels, Adam settings and processes (as

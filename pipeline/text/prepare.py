@@ -184,7 +184,7 @@ def prepare(params: DataParams, out_dir: Path = layout.CORPUS) -> dict:
     start = time.perf_counter()
     workers = params.workers or os.cpu_count() or 1
     units = plan_units(params)
-    with atomic_dir(out_dir) as tmp, Progress("prepare", unit="docs", total=params.max_docs) as progress:
+    with atomic_dir(out_dir, ("*.parquet",), "corpus") as tmp, Progress("prepare", unit="docs", total=params.max_docs) as progress:
         writers = {split: SplitWriter(tmp / f"{split}.parquet") for split in SPLITS}
         for unit in ordered_map(partial(clean, params=params), units, workers):
             keep, done = [], False

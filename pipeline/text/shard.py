@@ -242,7 +242,7 @@ def shard(params: ShardParams, corpus_dir: Path, tokenizer_path: Path, out_dir: 
         seconds = time.perf_counter() - start
         metrics.update({"text_mb": round(text_bytes / 1e6, 3), "seconds": round(seconds, 3),
                         "mb_per_s": round(encoded_bytes / 1e6 / seconds, 3)})
-        with atomic_dir(out_dir) as tmp:
+        with atomic_dir(out_dir, (MANIFEST, "*.bin"), "shards") as tmp:
             for split in SPLITS:
                 for entry in progress["shards"][split]:
                     link(work / entry["file"], tmp / entry["file"])

@@ -120,7 +120,7 @@ def train_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path = l
     tok.encode_special_tokens = False
     metrics = {"vocab_size": tok.get_vocab_size(), "bytes_per_token_val": round(val_bytes / max(val_tokens, 1), 4),
                **trained}
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir, (TOKENIZER_FILE,), "tokenizer") as tmp:
         tok.save(str(tmp / TOKENIZER_FILE))
         write_metrics("tokenizer", metrics)
     return metrics

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln.model.checkpoint import ADAPTER_WEIGHTS, read_json_object, save_model
+from kiln.model.checkpoint import ADAPTER_WEIGHTS, MODEL_FOLDER, read_json_object, save_model
 from kiln.model.config import ModelConfig
 from kiln.model.hf import (
     EMBEDDING,
@@ -50,6 +50,8 @@ CONFIG, WEIGHTS, INDEX = "config.json", "model.safetensors", "model.safetensors.
 TORCH_WEIGHTS, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 ADAPTER_DIR, PEFT_WEIGHTS, PEFT_CONFIG = "adapter", "adapter_model.safetensors", "adapter_config.json"
 TOKENIZER_CONFIG, GENERATION_CONFIG = "tokenizer_config.json", "generation_config.json"
+HF_FOLDER = (CONFIG, WEIGHTS, INDEX, "model-*.safetensors", GENERATION_CONFIG, TOKENIZER_FILE, TOKENIZER_CONFIG,
+             "special_tokens_map.json", ADAPTER_DIR)  # what `to-hf` writes, and what transformers' own save adds
 HUB_ID = re.compile(r"(?:[\w.-]+/)?[\w.-]+")
 # Tensors some checkpoints hold that are not weights: GPT-2's causal-mask buffers, Llama's rotary frequencies
 # (kiln derives both from the config).
@@ -86,7 +88,7 @@ def from_hf(src: str, out: Path) -> None:
         extra["tokenizer_sha256"] = sha256_file(tokenizer)
         if _chat_template(src_dir) == CHATML_TEMPLATE:
             extra["chat_format"] = "chatml"
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, MODEL_FOLDER, "model") as tmp:
         # save_model replaces the empty temp folder with the model; the tokenizer joins it before `out` appears.
         save_model(to_kiln_tensors(tensors, config), config, tmp, extra)
         if tokenizer.is_file():
@@ -288,7 +290,7 @@ def to_hf(model_dir: Path, out: Path, tokenizer_path: Path, adapter: bool = Fals
             state[name] = state[name] - delta
         peft_tensors, peft_config = peft_adapter(lora, spec, config, str(out))
     tensors = to_hf_tensors(state, config)
-    with atomic_dir(out) as tmp:
+    with atomic_dir(out, HF_FOLDER, "transformers model") as tmp:
         save_file(tensors, tmp / WEIGHTS, metadata={"format": "pt"})
         if adapter:
             (tmp / ADAPTER_DIR).mkdir()
