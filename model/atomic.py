@@ -201,23 +201,37 @@ def atomic_dir(final: Path, holds: tuple[str, ...] | None = None, what: str = "o
             raise
 
 
+def atomic_write_files(files: dict[Path, bytes]) -> None:
+    """Write several files all or none (a stage's outputs spread over folders: evaluate's samples, report and
+    metrics): every one to a synced temp file beside its target first, and only when all are written are they
+    renamed into place. A write the system refuses (a full disk) leaves every old file as it was. A rename needs
+    no space, so what can split them is a kill in the microseconds between renames."""
+    done: dict[Path, Path] = {}
+    try:
+        for path, data in files.items():
+            path = Path(path)
+            if path.is_dir():
+                raise UserError(f"{path}: a folder; expected the path of a file to write")
+            with writing(path):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.tmp-", dir=path.parent)
+                done[path] = Path(tmp)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.chmod(tmp, 0o644)
+    except BaseException:
+        for tmp in done.values():
+            tmp.unlink(missing_ok=True)
+        raise
+    for path, tmp in done.items():
+        os.replace(tmp, path)
+    for folder in {path.parent for path in done}:
+        fsync_path(folder)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `path` whole or not at all: a synced temp file beside it, renamed over it in one step. A folder at
     `path` is bad input (an `--out` that names one), refused before anything is written."""
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"{path}: a folder; expected the path of a file to write")
-    with writing(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        fsync_path(path.parent)
+    atomic_write_files({Path(path): data})

@@ -13,18 +13,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kiln.model.atomic import atomic_dir, atomic_write_bytes, recover, replacing, writing
+from kiln.model.atomic import atomic_dir, atomic_write_bytes, atomic_write_files, recover, replacing, writing
 from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.layout import METRICS
 
-__all__ = ["atomic_dir", "atomic_write_bytes", "recover", "replacing", "write_json", "write_metrics", "sha256_file",
-           "exclusive", "lock_path"]
+__all__ = ["atomic_dir", "atomic_write_bytes", "atomic_write_files", "recover", "replacing", "write_json", "json_bytes",
+           "write_metrics", "metrics_files", "sha256_file", "exclusive", "lock_path"]
 LOCK_SUFFIX = ".lock"
 
 
 def write_json(path: Path, obj) -> None:
     """Strict JSON (RFC 8259 has no NaN or Infinity, and most readers refuse them): a non-finite number is a
     StageError naming the key, and nothing is written."""
+    atomic_write_bytes(path, json_bytes(path, obj))
+
+
+def json_bytes(path: Path, obj) -> bytes:
+    """`obj` as the strict JSON `write_json` writes to `path` (named in the error)."""
     try:
         text = json.dumps(obj, indent=2, allow_nan=False)
     except ValueError:
@@ -32,7 +37,7 @@ def write_json(path: Path, obj) -> None:
         if key is None:  # not a number's fault (a circular reference): a bug, with its traceback
             raise
         raise StageError(f"{path}: not written: {key} is not a finite number") from None
-    atomic_write_bytes(path, (text + "\n").encode())
+    return (text + "\n").encode()
 
 
 def _non_finite_key(obj, where: str = "") -> str | None:
@@ -59,12 +64,20 @@ def write_metrics(stage: str, values: dict, metrics_dir: Path = METRICS) -> Path
     The results sit under the stage's name, so `dvc metrics show` and `dvc exp show` name a column
     `sft.val_accuracy`, not `metrics/sft.json:val_accuracy` (what DVC falls back to when two files share a key).
     """
+    files = metrics_files(stage, values, metrics_dir)
+    atomic_write_files(files)
+    return next(iter(files))
+
+
+def metrics_files(stage: str, values: dict, metrics_dir: Path = METRICS) -> dict[Path, bytes]:
+    """What `write_metrics` writes, path by path (the results first), for a stage that writes them together with
+    other outputs (`atomic_write_files`)."""
     path = Path(metrics_dir) / f"{stage}.json"
-    timings = {k: v for k, v in values.items() if k in TIMING_KEYS}
-    write_json(path, {stage: {k: v for k, v in values.items() if k not in TIMING_KEYS}})
-    if timings:
-        write_json(Path(metrics_dir) / "timings" / f"{stage}.json", timings)
-    return path
+    files = {path: json_bytes(path, {stage: {k: v for k, v in values.items() if k not in TIMING_KEYS}})}
+    if timings := {k: v for k, v in values.items() if k in TIMING_KEYS}:
+        timings_path = Path(metrics_dir) / "timings" / f"{stage}.json"
+        files[timings_path] = json_bytes(timings_path, timings)
+    return files
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

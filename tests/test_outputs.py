@@ -332,3 +332,31 @@ def test_a_model_with_non_finite_weights_is_not_saved(tmp_path, bad):
     with pytest.raises(StageError, match=r"base: not saved: blocks\.0\.mlp\.down_proj\.weight holds NaN or infinite"):
         save_model(model, config, tmp_path / "base")
     assert tree_bytes(tmp_path) == before
+
+
+def test_a_full_disk_halfway_through_a_stages_files_keeps_every_old_one(tmp_path, monkeypatch):
+    """Evaluate's samples, report and metrics are written together (`atomic_write_files`): a full disk on the
+    report, the second of three, left new samples beside an old report and no eval.json; now every old file stays
+    and no temp is left."""
+    from kiln.model.atomic import atomic_write_files
+
+    files = {tmp_path / "samples/base.md": b"new samples", tmp_path / "report.md": b"new report",
+             tmp_path / "eval.json": b"{}"}
+    atomic_write_files({path: b"old " + path.name.encode() for path in files})
+    before = tree_bytes(tmp_path)
+    real_fdopen, calls = os.fdopen, []
+
+    def fdopen(fd, *args, **kwargs):  # the second file's write finds the disk full
+        calls.append(fd)
+        if len(calls) == 2:
+            os.close(fd)
+            enospc()
+        return real_fdopen(fd, *args, **kwargs)
+    monkeypatch.setattr(os, "fdopen", fdopen)
+    with pytest.raises(StageError, match=rf"^{tmp_path / 'report.md'}: cannot write it: No space left on device"):
+        atomic_write_files(files)
+    monkeypatch.undo()
+    assert tree_bytes(tmp_path) == before and sorted(p.name for p in tmp_path.rglob("*")) == [
+        "base.md", "eval.json", "report.md", "samples"]
+    atomic_write_files(files)
+    assert {path: path.read_bytes() for path in files} == files

@@ -32,7 +32,7 @@ from kiln.pipeline.evaluate.generative import GenResult, GenTask, GenTaskSpec, l
 from kiln.pipeline.evaluate.params import EvalParams
 from kiln.pipeline.evaluate.report import report_markdown
 from kiln.pipeline.evaluate.scoring import ChoiceTask
-from kiln.pipeline.outputs import atomic_write_bytes, sha256_file, write_metrics
+from kiln.pipeline.outputs import atomic_write_files, metrics_files, sha256_file
 from kiln.pipeline.post.common import ChoiceScorer, load_chat_data
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
@@ -293,10 +293,10 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
     metrics = report(scores.results) | {"items": item_counts(p)}
     page = report_markdown(metrics, list(p.dirs), p.starts, list(zip(p.gen_tasks, scores.answers)), params.seed,
                            Path(os.path.relpath(samples_dir, metrics_dir)).as_posix())
-    for name, text in scores.samples.items():
-        atomic_write_bytes(samples_dir / f"{name}.md", text.encode("utf-8"))
-    atomic_write_bytes(Path(metrics_dir) / REPORT, page.encode("utf-8"))
-    write_metrics("eval", metrics, metrics_dir)
+    # the samples, the report and the metrics land together or not at all (a full disk once left new samples
+    # beside an old report)
+    atomic_write_files({**{samples_dir / f"{name}.md": text.encode("utf-8") for name, text in scores.samples.items()},
+                        Path(metrics_dir) / REPORT: page.encode("utf-8"), **metrics_files("eval", metrics, metrics_dir)})
     print_table(scores.results, list(p.dirs))
     return metrics
 
