@@ -188,13 +188,21 @@ def spec_problem(spec: object) -> str | None:
     return None
 
 
-def check_adapter(model: GPT, adapter: str, targets: list[str]) -> str | None:
-    """None, or what is wrong with adapting this model so: ("lora_targets: 'gate_proj' ...")."""
+def check_adapter(model: GPT, adapter: str, targets: list[str], rank: int) -> str | None:
+    """None, or what is wrong with adapting this model so: ("lora_targets: 'gate_proj' ..."), checked before a
+    byte is allocated: a rank is at most the smaller side of every matrix it adapts (a higher one adds nothing a
+    full update does not, and lora_rank=1000000 grew to 12.7 GB before it was killed)."""
     block = model.blocks[0]
-    have = [t for t in TARGETS if isinstance(getattr(block.attn, t, None) or getattr(block.mlp, t, None), nn.Linear)]
+    have = {t: m for t in TARGETS if isinstance(m := getattr(block.attn, t, None) or getattr(block.mlp, t, None),
+                                                 nn.Linear)}
     for t in targets:
         if t not in have:
             return f"lora_targets: {t!r} is not a projection of this {model.config.arch} model ({', '.join(have)})"
+    smallest = min(targets, key=lambda t: min(have[t].weight.shape))
+    out_features, in_features = have[smallest].weight.shape
+    if rank > min(out_features, in_features):
+        return (f"lora_rank={rank}: expected at most {min(out_features, in_features)}, the smaller side of "
+                f"{smallest} ({out_features} x {in_features}); a higher rank adds nothing a full update does not")
     if adapter == "qlora":
         c = model.config
         for name, size in (("d_model", c.d_model), ("d_ff", c.ffn_dim), ("n_head x head_dim", c.n_head * c.head_dim)):
@@ -210,7 +218,7 @@ def apply_adapter(model: GPT, adapter: str, rank: int, alpha: float, dropout: fl
     In place; returns the model. "full" returns it untouched. Raises ValueError from check_adapter."""
     if adapter == "full":
         return model
-    if (problem := check_adapter(model, adapter, targets)) is not None:
+    if (problem := check_adapter(model, adapter, targets, rank)) is not None:
         raise ValueError(problem)
     model.requires_grad_(False)
     if adapter == "qlora":

@@ -241,6 +241,10 @@ def test_adapter_sft_resumes_after_kill_9_to_the_same_model(tiny, project, adapt
     ({"lora_targets": ["q_proj", "wq"]}, ("sft.lora_targets", "'wq'")),
     ({"adapter": "dora"}, ("sft.adapter", "full | lora | qlora")),
     ({"adapter": "lora", "lora_targets": ["gate_proj"], "arch": "gpt2"}, ("lora_targets", "'gate_proj'", "gpt2")),
+    # past the smaller side of an adapted matrix: refused before a byte is allocated (1e6 grew to 12.7 GB, 1e9
+    # ended in a RuntimeError traceback)
+    ({"adapter": "lora", "lora_rank": 1_000_000}, ("sft.lora_rank=1000000", "expected at most")),
+    ({"adapter": "lora", "lora_rank": 1_000_000_000}, ("sft.lora_rank=1000000000", "expected at most")),
 ])
 def test_bad_adapter_params_fail_in_one_line(tiny, project, setting, names):
     setting = dict(setting)

@@ -342,3 +342,17 @@ def test_resume_from_another_stages_checkpoint_is_refused(tiny, tmp_path):
     with pytest.raises(UserError, match="a checkpoint of another stage .*kiln sft's by data, start, train"):
         Checkpoints(tmp_path / "sft-ckpt", post, keep=1, resume_from=pretrain_checkpoint, command="kiln sft")
     assert not (tmp_path / "sft-ckpt").exists()
+
+
+def test_a_run_that_cannot_fit_its_device_is_refused_before_it_allocates(tiny, tmp_path, monkeypatch):
+    """Gradients, AdamW state and one micro-batch's activations (kiln plan memory's model) against what the device
+    has free, checked before the optimizer or a batch exists: one line naming the key that dominates."""
+    from kiln.pipeline.train import memory
+
+    monkeypatch.setattr(memory, "memory_available", lambda device: 1_000_000)  # 1 MB free
+    with pytest.raises(UserError, match=r"^train\.batch_size: this run needs ~[0-9.]+ GB beyond its weights .* "
+                                        r"cpu has 0\.001 GB free"):
+        run(tiny, tmp_path, batch_size=64, batch_tokens=64 * 16, max_steps=2)
+    assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").rglob("step_*"))
+    monkeypatch.setattr(memory, "memory_available", lambda device: 10**12)
+    run(tiny, tmp_path, max_steps=2)  # the same run fits a larger device

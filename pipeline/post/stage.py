@@ -63,7 +63,8 @@ def run_stage(s: Start, prepare: Callable[[], Stage], out_dir: Path, checkpoint_
                                       f"kiln {stage.name}"),
               curves_dir=curves_dir,
               flops_per_token=s.flops_per_token() if stage.flops_per_token is None else stage.flops_per_token,
-              name=stage.name, log_metrics=stage.log_metrics, show=stage.show, world=world, suspect=stage.suspect)
+              name=stage.name, log_metrics=stage.log_metrics, show=stage.show, world=world, suspect=stage.suspect,
+              section=stage.name)
     console.print(f"{stage.name}: {stage.summary}{distributed.spread(world, loop.parallel)}", highlight=False)
     result = train(model, run)
     s.save(out_dir)

@@ -247,6 +247,9 @@ def natural(theta: np.ndarray) -> dict[str, float]:
     return {"E": math.exp(e), "A": math.exp(a), "B": math.exp(b), "alpha": alpha, "beta": beta}
 
 
+SIGNIFICANT = 6  # digits of every number fit.json holds
+
+
 def bootstrap(runs: Runs, theta: np.ndarray, samples: int, seed: int) -> dict[str, list[float]]:
     """2.5/97.5 percentiles over refits on resampled runs. Each refit starts from the full-data optimum: a
     resample moves the optimum a little, and a full grid search per sample would cost `STARTS` times more."""
@@ -304,10 +307,24 @@ def scaling_fit(runs_path: Path, out: Path, target_flops: float | None = None, p
     result["budgets"] = iso["minima"]
     if plots is not None:
         write_plots(Path(plots), runs, iso, fitted)
+    # what is written is rounded to the digits the fit supports (its bootstrap intervals are far wider), so
+    # L-BFGS's last-bit differences between CPUs do not change the file DVC hashes
+    result = significant(result)
     if metrics is not None:
         write_json(metrics, {"scaling": summary_metrics(result)})
     write_json(out, result)
     return result | {"skipped_budgets": iso["skipped"]}
+
+
+def significant(value, digits: int = SIGNIFICANT):
+    """Every float in `value` (dicts and lists walked) rounded to `digits` significant digits."""
+    if isinstance(value, float):
+        return float(f"{value:.{digits}g}")
+    if isinstance(value, dict):
+        return {k: significant(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [significant(v, digits) for v in value]
+    return value
 
 
 def summary_metrics(result: dict) -> dict:

@@ -93,6 +93,7 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
                                        params.eval_tokens, params.precision, world),
         checkpoints=Checkpoints(checkpoint_dir, fingerprint, params.keep_checkpoints, world, resume_from, command),
         curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name=name, world=world,
+        section="train" if name == "pretrain" else "scaling",
     )
     console.print(f"{name}: {config.arch} {model.num_params() / 1e6:.3g}M params "
                   f"({model.num_params(embeddings=False) / 1e6:.3g}M non-embedding), {steps} steps x "

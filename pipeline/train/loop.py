@@ -25,10 +25,11 @@ import torch
 
 from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.progress import Progress, console
-from kiln.pipeline.runtime import PRECISIONS, SINGLE, World, autocast
+from kiln.pipeline.runtime import PRECISIONS, SINGLE, World, autocast, resolve_kernels
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Curves
+from kiln.pipeline.train.memory import Shape, check_run_memory
 from kiln.pipeline.train.params import TrainParams
 from kiln.pipeline.train.ramp import BatchRamp
 from kiln.pipeline.train.stats import StepStats, draw, observing
@@ -90,6 +91,7 @@ class Run:
     show: tuple[str, ...] = ()
     # what a non-finite loss may come from besides the learning rate, said when one stops the run (GRPO's reward)
     suspect: str = ""
+    section: str = "train"  # the params section whose batch_size (and lora_rank) an error about memory names
 
 
 def accumulation_steps(params: TrainParams, micro_batch_tokens: int, world_size: int = 1) -> int:
@@ -176,6 +178,11 @@ class Training:
         if distributed.is_sharded(model) and (held := distributed.frozen_bytes(model))[1]:
             console.print(f"{run.name}: FSDP shards the frozen weights: {held[0]:,} of {held[1]:,} bytes on each rank",
                           highlight=False)
+        if not distributed.is_sharded(model):  # FSDP's state is each rank's share, which the model does not count
+            inner = distributed.unwrap(model)
+            shape = Shape(inner.config, params.precision, resolve_kernels(params.kernels, self.device) != "torch",
+                          params.activation_checkpointing)
+            check_run_memory(inner, shape, run.micro_batch_tokens, self.device, run.section)
         self.optimizer = build_optimizer(model, params, self.device, zero1=params.zero1 and world.size > 1)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=params.precision == "fp16")
         self.step, self.seconds_before, self.loss = self.resume()
