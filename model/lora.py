@@ -28,10 +28,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kiln.model.adapter_spec import TARGETS
 from kiln.model.gpt import GPT
 
-ADAPTERS = ("full", "lora", "qlora")
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 NF4_BLOCK = 64  # weights per absmax: a quantised matrix's rows must hold whole blocks
 
 
@@ -163,29 +162,6 @@ class LoRALinear(nn.Module):
         if not self.enabled:
             return y
         return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
-
-
-def spec_problem(spec: object) -> str | None:
-    """None, or what is wrong with an adapter spec as config.json records it ({adapter, rank, alpha, dropout,
-    targets}): the checks params get, for a file that may have been edited since."""
-    if not isinstance(spec, dict):
-        return f"expected an object, got {type(spec).__name__}"
-
-    def number(key: str) -> bool:
-        value = spec.get(key)
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if spec.get("adapter") not in ADAPTERS[1:]:
-        return f"adapter={spec.get('adapter')!r:.40}: expected {' or '.join(ADAPTERS[1:])}"
-    if not (isinstance(spec.get("rank"), int) and not isinstance(spec.get("rank"), bool) and spec["rank"] >= 1):
-        return f"rank={spec.get('rank')!r:.40}: expected a positive integer"
-    if not (number("alpha") and spec["alpha"] > 0):
-        return f"alpha={spec.get('alpha')!r:.40}: expected a positive number (the update is scaled by alpha / rank)"
-    if not (number("dropout") and 0 <= spec["dropout"] < 1):
-        return f"dropout={spec.get('dropout')!r:.40}: expected a number in [0, 1)"
-    targets = spec.get("targets")
-    if not (isinstance(targets, list) and targets and all(t in TARGETS for t in targets)):
-        return f"targets={targets!r:.80}: expected a list of names among {', '.join(TARGETS)}"
-    return None
 
 
 def check_adapter(model: GPT, adapter: str, targets: list[str], rank: int) -> str | None:

@@ -14,6 +14,22 @@ from kiln.pipeline.commands import bench, data, evaluate, scaling, serving, toke
 
 app = typer.Typer(help="kiln: an LLM training pipeline, one command per DVC stage.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
+
+
+def show_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"kiln {version('kiln')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def options(_version: bool = typer.Option(False, "--version", callback=show_version, is_eager=True,
+                                         help="Print kiln's version and exit.")) -> None:
+    """kiln: an LLM training pipeline, one command per DVC stage."""
+
+
 app.add_typer(data.app, name="data")
 app.add_typer(tokenizer.app, name="tokenizer")
 app.add_typer(scaling.app, name="scaling")

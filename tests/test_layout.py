@@ -306,3 +306,17 @@ def test_evaluate_reads_little_of_train_and_not_its_loop():
     modules = closure(stage_entry_modules(STAGES["evaluate"]["cmd"]))
     train = {m for m in modules if m.startswith("kiln.pipeline.train.")}
     assert len(train) <= 4 and "kiln.pipeline.train.loop" not in train, sorted(train)
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["pretrain", "--help"], ["serve", "--help"],
+                                  ["pretrain", "--set", "train.lr=abc"], ["sft", "--set", "nope=1"],
+                                  ["dpo", "--set", "beta=x"], ["grpo", "--set", "lr=-1"],
+                                  ["evaluate", "--set", "nope=1"], ["data", "prepare", "--set", "nope=1"]])
+def test_help_and_bad_params_answer_without_importing_torch(args):
+    """Help, --version and a bad param come back before torch is imported (about 2 s of the 2-9 s a user waited
+    for an error): the stage's code is imported once its params are known good."""
+    code = ("import sys\nfrom kiln.pipeline.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n"
+            "    print('exit', e.code)\nprint('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO)
+    lines = done.stdout.strip().splitlines()
+    assert lines[-1] == "False" and lines[-2] in ("exit 0", "exit 2"), done.stdout[-500:] + done.stderr[-500:]

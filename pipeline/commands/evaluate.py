@@ -32,11 +32,13 @@ def evaluate_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     data; bare `--set` keys mean eval. `kiln eval` is an alias.
     """
     from kiln.pipeline.config import load_sections
-    from kiln.pipeline.evaluate.evaluate import evaluate
     from kiln.pipeline.evaluate.params import EvalParams
     from kiln.pipeline.post.params import DPOParams, SFTParams
     from kiln.pipeline.train.params import TrainParams
 
     eval_params, train, sft_params, dpo_params = load_sections((EvalParams, TrainParams, SFTParams, DPOParams), params,
                                                                set_)
+    # the stage's code (torch) is imported once the params are known good: a bad value fails in a blink
+    from kiln.pipeline.evaluate.evaluate import evaluate
+
     evaluate(eval_params, train, sft_params, dpo_params, shards, tokenizer, corpus, models, metrics, samples)

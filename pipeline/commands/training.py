@@ -43,9 +43,10 @@ def pretrain_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     """
     from kiln.pipeline.config import load_sections
     from kiln.pipeline.train.params import ModelParams, TrainParams
-    from kiln.pipeline.train.pretrain import pretrain
 
     train, model = load_sections((TrainParams, ModelParams), params, set_)
+    # the stage's code (torch) is imported once the params are known good: a bad value fails in a blink
+    from kiln.pipeline.train.pretrain import pretrain
     train_stage("pretrain", train, lambda: pretrain(model, train, shards, tokenizer, out, checkpoints, size,
                                                      resume_from))
 
@@ -65,10 +66,11 @@ def sft_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     """
     from kiln.pipeline.config import load_sections
     from kiln.pipeline.post.params import SFTParams
-    from kiln.pipeline.post.sft import sft
     from kiln.pipeline.train.params import TrainParams
 
     sft_params, train = load_sections((SFTParams, TrainParams), params, set_)
+    # the stage's code (torch) is imported once the params are known good: a bad value fails in a blink
+    from kiln.pipeline.post.sft import sft
     train_stage("sft", train, lambda: sft(sft_params, train, base, tokenizer, corpus, out, checkpoints,
                                            resume_from=resume_from))
 
@@ -88,11 +90,12 @@ def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     pretrain's); bare `--set` keys mean dpo.
     """
     from kiln.pipeline.config import load_sections
-    from kiln.pipeline.post.dpo import dpo
     from kiln.pipeline.post.params import DPOParams
     from kiln.pipeline.train.params import TrainParams
 
     dpo_params, train = load_sections((DPOParams, TrainParams), params, set_)
+    # the stage's code (torch) is imported once the params are known good: a bad value fails in a blink
+    from kiln.pipeline.post.dpo import dpo
     train_stage("dpo", train, lambda: dpo(dpo_params, train, sft_model, tokenizer, corpus, out, checkpoints,
                                            resume_from=resume_from))
 
@@ -112,11 +115,12 @@ def grpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     pretrain's); bare `--set` keys mean grpo.
     """
     from kiln.pipeline.config import load_sections
-    from kiln.pipeline.post.grpo import grpo
     from kiln.pipeline.post.grpo_params import GRPOParams
     from kiln.pipeline.train.params import TrainParams
 
     grpo_params, train = load_sections((GRPOParams, TrainParams), params, set_)
+    # the stage's code (torch) is imported once the params are known good: a bad value fails in a blink
+    from kiln.pipeline.post.grpo import grpo
     start = layout.MODELS / grpo_params.init if start is None else start
     train_stage("grpo", train, lambda: grpo(grpo_params, train, start, tokenizer, corpus, out, checkpoints,
                                              resume_from=resume_from))

@@ -28,8 +28,8 @@ import torch
 from kiln.model.checkpoint import load_config
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.evaluate.generative import GenResult, GenTask, GenTaskSpec, load_gen_task, run_gen_task
-from kiln.pipeline.evaluate.params import EvalParams
+from kiln.pipeline.evaluate.generative import GenResult, GenTask, load_gen_task, run_gen_task
+from kiln.pipeline.evaluate.params import EvalParams, GenTaskSpec
 from kiln.pipeline.evaluate.report import report_markdown
 from kiln.pipeline.evaluate.scoring import ChoiceTask
 from kiln.pipeline.outputs import atomic_write_files, metrics_files, sha256_file

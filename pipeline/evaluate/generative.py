@@ -22,63 +22,23 @@ else runs beside it, so a rerun gives the same numbers and every model gets the 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from kiln.pipeline.errors import UserError, shown
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.evaluate.params import GenTaskSpec
 from kiln.pipeline.evaluate.pass_at_k import mean_pass_at_k
 from kiln.pipeline.runtime import autocast
 from kiln.pipeline.serve.engine import complete
 from kiln.pipeline.serve.request import Request, SamplingParams
-from kiln.pipeline.tasks.chat_data import PROMPT_FORMATS, load_prompts
+from kiln.pipeline.tasks.chat_data import load_prompts
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.tasks.corpus_task import held_out_items
 from kiln.pipeline.tasks.rewards import NamedReward, make_reward, score
 
 PLAIN_SUFFIX = "\n\nAnswer:"
-
-
-@dataclass
-class GenTaskSpec:
-    """An `eval.tasks` entry with a `reward` key."""
-
-    name: str
-    data: str                          # builtin | a .json/.jsonl/.parquet file | hf:<dataset>[:<config>]
-    reward: str                        # exact | numeric | contains | regex | module:function | file.py:function
-    reward_pattern: str | None = None  # reward regex: the pattern, {answer} standing for the escaped answer
-    format: str = "auto"               # auto | prompt_answer | gsm8k
-    split: str = "test"                # hf split
-    limit: int | None = None           # at most this many prompts (builtin: how many to derive)
-    samples: int = 8                   # n samples per prompt behind pass@k; 0: greedy only
-    temperature: float = 1.0           # of the samples
-    max_new_tokens: int = 16
-    reward_timeout: float = 10.0       # seconds a reward of the user's own may take per completion
-
-    def check(self, key: str) -> None:
-        def bad(name: str, expected: str) -> UserError:
-            return UserError(f"params: {key}.{name}={shown(getattr(self, name))}: expected {expected}")
-
-        if self.format not in ("auto", *PROMPT_FORMATS):
-            raise bad("format", f"auto or one of {', '.join(PROMPT_FORMATS)}")
-        if self.limit is not None and self.limit < 1:
-            raise bad("limit", "a positive integer or null")
-        if self.data == "builtin" and self.limit is None:
-            raise UserError(f"params: {key}.limit: the number of speaker questions to derive when data is builtin")
-        if self.samples < 0:
-            raise bad("samples", "0 (greedy only) or more")
-        if self.samples and self.temperature <= 0:
-            raise bad("temperature", "a number above 0 (the samples' temperature; samples: 0 for greedy only)")
-        if self.max_new_tokens < 1:
-            raise bad("max_new_tokens", "a positive integer")
-        if not 0 < self.reward_timeout < math.inf:
-            raise bad("reward_timeout", "a positive number of seconds")
-
-    def ks(self) -> list[int]:
-        """The k of each sampled/pass@k: powers of two up to n."""
-        return [2 ** i for i in range(self.samples.bit_length())]
 
 
 @dataclass

@@ -30,7 +30,7 @@ import math
 import torch
 from torch import Tensor
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+from kiln.pipeline.post.grpo_params import LOSS_TYPES
 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: bool = True, eps: float = 1e-4) -> Tensor:

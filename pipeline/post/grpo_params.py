@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from kiln.pipeline.post.grpo_loss import LOSS_TYPES
 from kiln.pipeline.post.params import PostTrainParams
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # how the per-token losses aggregate (post/grpo_loss.py)
 
 if TYPE_CHECKING:
     from kiln.pipeline.tasks.chat_data import PromptAnswer

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-from kiln.model.lora import ADAPTERS, TARGETS
+from kiln.model.adapter_spec import ADAPTERS, TARGETS
 from kiln.pipeline.config import Section, build_section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.train.params import TrainParams, loop_keys

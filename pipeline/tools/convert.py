@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from kiln.model.adapter_spec import spec_problem
 from kiln.model.checkpoint import ADAPTER_WEIGHTS, MODEL_FOLDER, read_json_object, save_model
 from kiln.model.config import ModelConfig
 from kiln.model.hf import (
@@ -37,7 +38,6 @@ from kiln.model.hf import (
     to_hf_tensors,
     to_kiln_tensors,
 )
-from kiln.model.lora import spec_problem
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.layout import TOKENIZER_FILE
 from kiln.pipeline.outputs import atomic_dir, sha256_file, write_json
