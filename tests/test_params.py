@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import re
 from pathlib import Path
 
 import pytest
@@ -417,3 +418,22 @@ def test_auto_kernels_are_torch_until_kiln_measures_faster_under_compile(monkeyp
     assert runtime.prepare_device(params).type == "cpu" and params.kernels == "torch"
     monkeypatch.setattr(runtime, "KILN_KERNELS_FASTER_UNDER_COMPILE", True)  # what a GPU session's result flips
     assert runtime.resolve_kernels("auto", cuda) == "triton" and runtime.resolve_kernels("auto", cpu) == "torch"
+
+
+@pytest.mark.parametrize(("command", "section"), [(["sft"], "sft"), (["grpo"], "grpo"), (["pretrain"], "train"),
+                                                  (["evaluate"], "eval"), (["data", "shard"], "shard")])
+def test_a_stage_help_lists_its_params_with_their_defaults(command, section):
+    """`kiln <stage> --help` shows every key of its params section as params.yaml sets it, with its comment, so
+    a user finds what --set can change without opening the file."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from kiln.pipeline.cli import app
+
+    shown = " ".join(CliRunner().invoke(app, [*command, "--help"], terminal_width=200).output.split())
+    values = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())[section]
+    for key, value in values.items():
+        found = re.search(rf"(?<![\w.]){re.escape(key)}: (\S+)", shown)
+        assert found, key
+        if not isinstance(value, (list, dict)):
+            assert yaml.safe_load(found.group(1)) == value, (key, found.group(1))

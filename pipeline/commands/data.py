@@ -15,6 +15,7 @@ from kiln.pipeline.commands.shared import (
     ParamsOpt,
     SetOpt,
     TokenizerOpt,
+    params_help,
     print_metrics,
     reports_errors,
 )
@@ -22,7 +23,7 @@ from kiln.pipeline.commands.shared import (
 app = typer.Typer(help="Corpus and token shards: prepare, shard, inspect.", no_args_is_help=True)
 
 
-@app.command("prepare")
+@app.command("prepare", epilog=params_help("data"))
 @reports_errors
 def data_prepare(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], out: OutOpt = layout.CORPUS,
                  force: ForceOpt = False):
@@ -35,7 +36,7 @@ def data_prepare(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], out: OutO
     print_metrics("prepare", metrics)
 
 
-@app.command("shard")
+@app.command("shard", epilog=params_help("shard"))
 @reports_errors
 def data_shard(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], corpus: CorpusOpt = layout.CORPUS,
                tokenizer: TokenizerOpt = layout.TOKENIZER, out: OutOpt = layout.SHARDS,

@@ -8,12 +8,12 @@ from typing import Annotated
 import typer
 
 from kiln.pipeline import layout
-from kiln.pipeline.commands.shared import CorpusOpt, ParamsOpt, SetOpt, TokenizerOpt, reports_errors
+from kiln.pipeline.commands.shared import CorpusOpt, ParamsOpt, SetOpt, TokenizerOpt, params_help, reports_errors
 
 app = typer.Typer()
 
 
-@app.command("evaluate")
+@app.command("evaluate", epilog=params_help("eval"))
 @app.command("eval", hidden=True)
 @reports_errors
 def evaluate_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],

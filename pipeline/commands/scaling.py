@@ -9,14 +9,14 @@ from typing import Annotated
 import typer
 
 from kiln.pipeline import layout
-from kiln.pipeline.commands.shared import ParamsOpt, SetOpt, TokenizerOpt, print_metrics, reports_errors
+from kiln.pipeline.commands.shared import ParamsOpt, SetOpt, TokenizerOpt, params_help, print_metrics, reports_errors
 
 app = typer.Typer(help="Scaling laws: an IsoFLOP sweep, Chinchilla's approaches 2 and 3 fitted to it, the model size "
                                "they give.",
                           no_args_is_help=True)
 
 
-@app.command("sweep")
+@app.command("sweep", epilog=params_help("scaling"))
 @reports_errors
 def scaling_sweep_command(
         params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],

@@ -10,6 +10,7 @@ import typer
 
 from kiln.pipeline import layout
 from kiln.pipeline.commands.shared import SamplingOpt, TokenizerOpt, reports_errors
+from kiln.pipeline.serve.request import TOOLS_TEMPERATURE, TOOLS_TOP_K, TOOLS_TOP_P
 
 app = typer.Typer()
 
@@ -22,9 +23,9 @@ def generate_command(
         layout.BASE_MODEL,
         tokenizer: TokenizerOpt = layout.TOKENIZER,
         max_new_tokens: Annotated[int | None, typer.Option(help="Tokens to add (default: fill the context).")] = None,
-        temperature: SamplingOpt("0 is greedy.") = None,
-        top_k: SamplingOpt("Sample among the k likeliest tokens.", int) = None,
-        top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.") = None,
+        temperature: SamplingOpt("0 is greedy.", TOOLS_TEMPERATURE) = None,
+        top_k: SamplingOpt("Sample among the k likeliest tokens.", TOOLS_TOP_K, int) = None,
+        top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.", TOOLS_TOP_P) = None,
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Continue each --prompt with a trained model, stopping at <|endoftext|>."""
@@ -47,9 +48,9 @@ def chat_command(
         system: Annotated[str | None, typer.Option(help="A system message that opens the conversation.")] = None,
         max_new_tokens: Annotated[int | None, typer.Option(help="Most tokens per answer (default: a quarter of the "
                                                                 "context).")] = None,
-        temperature: SamplingOpt("0 is greedy.") = None,
-        top_k: SamplingOpt("Sample among the k likeliest tokens.", int) = None,
-        top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.") = None,
+        temperature: SamplingOpt("0 is greedy.", TOOLS_TEMPERATURE) = None,
+        top_k: SamplingOpt("Sample among the k likeliest tokens.", TOOLS_TOP_K, int) = None,
+        top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.", TOOLS_TOP_P) = None,
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Talk to a chat model: each line you type is a user turn, the answer streams back (/reset starts over,

@@ -27,11 +27,34 @@ ResumeOpt = Annotated[Path | None, typer.Option(help="A checkpoint (a step_NNNNN
                                                      "with these params while this run has none of its own.")]
 
 
-def SamplingOpt(help: str, kind: type = float):
-    """A sampling option of `generate` and `chat`: unset means the one default both share (serve/text_model.py)."""
-    return Annotated[kind | None, typer.Option(help=f"{help} (default: kiln's sampling default)")]
+def SamplingOpt(help: str, default: object, kind: type = float):
+    """A sampling option of `generate` and `chat`: unset means the one default both share (serve/request.py)."""
+    return Annotated[kind | None, typer.Option(help=f"{help} (default: {'none' if default is None else default})")]
 
 
+
+
+def params_help(*sections: str) -> str:
+    """The keys of params.yaml's `sections` with their defaults and comments, as a command's help epilog: what
+    `--set key=value` can change, without opening the file (kiln's own params.yaml, beside the package)."""
+    path = Path(__file__).resolve().parents[2] / "params.yaml"
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return ""
+    out, inside = [], None
+    for line in lines:
+        if line and not line.startswith((" ", "#")):
+            inside = line.rstrip(":") if line.rstrip(":") in sections else None
+            if inside:
+                out.append(f"[bold]{inside}[/]:")
+        elif inside and line.startswith("  ") and not line.startswith("   ") and not line.lstrip().startswith("#") \
+                and ":" in line:  # a key of the section (not an item of a nested list)
+            key_value, _, comment = line.strip().partition("  #")
+            out.append(f"  {escape(key_value.strip())}" + (f"  [dim]{escape(comment.strip())}[/]" if comment else ""))
+    if not out:
+        return ""
+    return "Params (params.yaml's defaults; change one with --set section.key=value):\n\n" + "\n".join(out)
 
 
 def reports_errors(fn):

@@ -15,6 +15,7 @@ from kiln.pipeline.commands.shared import (
     ParamsOpt,
     SetOpt,
     TokenizerOpt,
+    params_help,
     print_metrics,
     reports_errors,
 )
@@ -22,7 +23,7 @@ from kiln.pipeline.commands.shared import (
 app = typer.Typer(help="Byte-level BPE: train, encode, decode.", no_args_is_help=True)
 
 
-@app.command("train")
+@app.command("train", epilog=params_help("tokenizer"))
 @reports_errors
 def tokenizer_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], corpus: CorpusOpt = layout.CORPUS,
                     out: OutOpt = layout.TOKENIZER_DIR, force: ForceOpt = False):

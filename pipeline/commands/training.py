@@ -18,6 +18,7 @@ from kiln.pipeline.commands.shared import (
     ResumeOpt,
     SetOpt,
     TokenizerOpt,
+    params_help,
     print_metrics,
     reports_errors,
 )
@@ -25,7 +26,7 @@ from kiln.pipeline.commands.shared import (
 app = typer.Typer()
 
 
-@app.command("pretrain")
+@app.command("pretrain", epilog=params_help("train", "model"))
 @app.command("train", hidden=True)
 @reports_errors
 def pretrain_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
@@ -51,7 +52,7 @@ def pretrain_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                                                      resume_from))
 
 
-@app.command("sft")
+@app.command("sft", epilog=params_help("sft"))
 @reports_errors
 def sft_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 base: Annotated[Path, typer.Option(help="The model to start from.")] = layout.BASE_MODEL,
@@ -75,7 +76,7 @@ def sft_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                                            resume_from=resume_from))
 
 
-@app.command("dpo")
+@app.command("dpo", epilog=params_help("dpo"))
 @reports_errors
 def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 sft_model: Annotated[Path, typer.Option("--sft", help="The SFT model: policy start and reference.")] =
@@ -100,7 +101,7 @@ def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                                            resume_from=resume_from))
 
 
-@app.command("grpo")
+@app.command("grpo", epilog=params_help("grpo"))
 @reports_errors
 def grpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                  start: Annotated[Path | None, typer.Option(help="The model to start from (default: data/models/"

@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+# What `kiln generate` and `kiln chat` sample with unless told otherwise (serve/text_model.py's Sampling; their
+# --help quotes these). evaluate's samples are greedy, set by the eval section, so its report is the same every run.
+TOOLS_TEMPERATURE, TOOLS_TOP_K, TOOLS_TOP_P = 0.8, None, 0.95
+
 
 @dataclass(frozen=True)
 class SamplingParams:

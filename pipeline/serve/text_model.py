@@ -22,7 +22,7 @@ from kiln.model.checkpoint import load_model
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.serve.engine import Engine, complete
-from kiln.pipeline.serve.request import Request, SamplingParams
+from kiln.pipeline.serve.request import TOOLS_TEMPERATURE, TOOLS_TOP_K, TOOLS_TOP_P, Request, SamplingParams
 from kiln.pipeline.text.bpe import EOT, load_tokenizer
 from kiln.pipeline.text.corpus import SURROGATE
 
@@ -30,11 +30,9 @@ from kiln.pipeline.text.corpus import SURROGATE
 @dataclass
 class Sampling:
     max_new_tokens: int | None = None  # None: fill the model's context window
-    # What `kiln generate` and `kiln chat` sample with unless told otherwise (evaluate's samples are greedy, set by
-    # the eval section, so that its report is the same on every run).
-    temperature: float = 0.8  # 0: greedy
-    top_k: int | None = None
-    top_p: float | None = 0.95
+    temperature: float = TOOLS_TEMPERATURE  # 0: greedy
+    top_k: int | None = TOOLS_TOP_K
+    top_p: float | None = TOOLS_TOP_P
     seed: int | None = None
 
     @classmethod
