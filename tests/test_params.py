@@ -8,14 +8,15 @@ CLI turns that into exit code 2 and one line on stderr.
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
-import re
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from conftest import write_params
 from typer.testing import CliRunner
 
 from kiln.pipeline.cli import app
@@ -25,13 +26,11 @@ from kiln.pipeline.evaluate.params import EvalParams
 from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.scaling.params import ScalingParams
+from kiln.pipeline.text.bpe import SPECIAL_TOKENS
 from kiln.pipeline.text.shard import ShardParams
 from kiln.pipeline.text.sources import DataParams
 from kiln.pipeline.text.tokenizer import TokenizerParams
-from kiln.pipeline.text.bpe import SPECIAL_TOKENS
 from kiln.pipeline.train.params import ModelParams, TrainParams
-
-from conftest import write_params
 
 REPO = Path(__file__).resolve().parents[1]
 KILN = Path(sys.executable).parent / "kiln"
