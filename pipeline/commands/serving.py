@@ -103,10 +103,12 @@ def serve_command(
                                                     help="Require `Authorization: Bearer KEY` on every /v1 "
                                                          "route (401 otherwise).")] = None,
         max_request_bytes: Annotated[int | None, typer.Option(help="Largest request body accepted, 413 beyond it "
-                                                                   "(default: 1,000,000).")] = None):
+                                                                   "(default: 1,000,000).")] = None,
+        quiet: Annotated[bool, typer.Option("--quiet", help="No line per request (method, path, status, tokens, "
+                                                            "ms).")] = False):
     """Serve a model over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on a
     continuous-batching engine with a paged KV cache."""
     from kiln.pipeline.serve.server import serve
 
     serve(model, tokenizer, host, port, device, kv_blocks, block_size, max_batch_tokens, name, draft, speculate,
-          enforce_eager, api_key, max_request_bytes)
+          enforce_eager, api_key, max_request_bytes, quiet)

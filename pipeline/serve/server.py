@@ -314,8 +314,38 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def create_app(service: Service):
-    """The FastAPI app: /health, /v1/models, /v1/completions, /v1/chat/completions."""
+class RequestLog:
+    """ASGI middleware: one line per request once its response is sent (or the client left): method, path, status,
+    prompt + completion tokens when it generated, milliseconds. Pure ASGI, so a stream is timed to its last chunk."""
+
+    def __init__(self, app, log: logging.Logger):
+        self.app, self.log = app, log
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), ["-"]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            usage = scope.get("kiln", {}).get("usage")
+            tokens = ""
+            if usage is not None:
+                used = usage()
+                tokens = f" {used['prompt_tokens']}+{used['completion_tokens']} tokens"
+            note = scope.get("kiln", {}).get("note")
+            self.log.info("%s %s %s%s %.0f ms%s", scope["method"], scope["path"], status[0], tokens,
+                          1000 * (time.perf_counter() - started), f" ({note})" if note else "")
+
+
+def create_app(service: Service, log_requests: bool = False):
+    """The FastAPI app: /health, /v1/models, /v1/completions, /v1/chat/completions; `log_requests`: a line per
+    request on the `kiln.serve` logger."""
     from fastapi import FastAPI
 
     @contextlib.asynccontextmanager
@@ -327,6 +357,8 @@ def create_app(service: Service):
     add_error_handlers(app)
     add_model_routes(app, service)
     add_completion_routes(app, service)
+    if log_requests:
+        app.add_middleware(RequestLog, log=logging.getLogger("kiln.serve"))
     return app
 
 
@@ -369,9 +401,8 @@ def add_error_handlers(app) -> None:
 
     @app.exception_handler(Disconnected)
     async def disconnected(http, _):
-        client = f"{http.client.host}:{http.client.port}" if http.client else "a client"
-        logging.getLogger("uvicorn.error").warning("kiln serve: %s left before sending its whole request to %s",
-                                                   client, http.url.path)
+        # said on the request's one log line, not a traceback
+        http.scope.setdefault("kiln", {})["note"] = "client left before sending its whole request"
         return JSONResponse(error_body("the client went away"), status_code=400)  # read by no one
 
 
@@ -406,8 +437,8 @@ def add_completion_routes(app, service: Service) -> None:
         ids = await asyncio.to_thread(service.completion_prompt, body)  # a long prompt never stalls the others
         sampling = service.sampling(body, len(ids), (service.eot,), default_max=16)
         decode = lambda out: service.tokenizer.decode([t for t in out if t != service.eot])  # noqa: E731
-        return await respond(service, body, service.start_jobs(ids, sampling, service.stops(body), decode),
-                             chat=False)
+        return await respond(service, http, body,
+                             service.start_jobs(ids, sampling, service.stops(body), decode), chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[key_check(service)])
     async def chat_completions(http: HTTPRequest):
@@ -416,7 +447,7 @@ def add_completion_routes(app, service: Service) -> None:
         chat = service.chat
         sampling = service.sampling(body, len(ids), (chat.im_end, chat.eot), default_max=None)
         jobs = service.start_jobs(ids, sampling, service.stops(body), chat.parse_reply)
-        return await respond(service, body, jobs, chat=True)
+        return await respond(service, http, body, jobs, chat=True)
 
 
 async def read_body(service: Service, http: HTTPRequest) -> bytes:
@@ -489,15 +520,16 @@ def unpaired_surrogate(body: dict) -> str | None:
     return None
 
 
-async def respond(service: Service, body: dict, jobs: list[Job], chat: bool):
+async def respond(service: Service, http: HTTPRequest, body: dict, jobs: list[Job], chat: bool):
     """The jobs' completion (`chat`: chat completion), one choice each, as one JSON object or, if the body asks to
-    `stream`, as server-sent events."""
+    `stream`, as server-sent events; its usage is left on the request for the log line (`RequestLog`)."""
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         for job in jobs:
             service.worker.abort(job.request)
         raise BadRequest("stream_options: expected an object such as {\"include_usage\": true}", "stream_options")
     reply = Reply(service, jobs, chat)
+    http.scope.setdefault("kiln", {})["usage"] = reply.usage
     if not body.get("stream"):
         return await reply.whole()
     return reply.streamed(include_usage=bool((options or {}).get("include_usage")))
@@ -605,7 +637,7 @@ def model_card(service: Service) -> dict:
 def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: str, kv_blocks: int | None,
           block_size: int, max_batch_tokens: int, name: str | None = None, draft_dir: Path | None = None,
           speculate: int = 4, enforce_eager: bool = False, api_key: str | None = None,
-          max_body: int | None = None) -> None:
+          max_body: int | None = None, quiet: bool = False) -> None:
     """Load the model, build the engine and run the HTTP server until interrupted."""
     import uvicorn
 
@@ -652,7 +684,12 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     if api_key is None and not loopback(host):
         console.print(f"kiln serve: warning: listening on {host} without an API key: anyone who can reach this "
                       "port can use the model (set --api-key or KILN_API_KEY)", highlight=False)
-    uvicorn.run(create_app(service), host=host, port=port, log_level="warning")
+    if not quiet:  # a line per request, after uvicorn's own warnings
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s kiln serve: %(message)s", "%H:%M:%S"))
+        logging.getLogger("kiln.serve").addHandler(handler)
+        logging.getLogger("kiln.serve").setLevel(logging.INFO)
+    uvicorn.run(create_app(service, log_requests=not quiet), host=host, port=port, log_level="warning")
 
 
 def loopback(host: str) -> bool:
