@@ -144,3 +144,29 @@ def test_held_out_split_ignores_row_order():
     _, val2 = held_out(reordered, 5)
     assert {keys[i] for i in val} == {reordered[i] for i in val2}
     assert len(held_out(keys[:8], 5)[1]) == 2  # never more than a quarter
+
+
+def lines(*given: str):
+    """A `read` over `given`, then end of input."""
+    it = iter(given)
+
+    def read() -> str:
+        try:
+            return next(it)
+        except StopIteration:
+            raise EOFError from None
+    return read
+
+
+def test_kiln_chat_takes_a_message_of_several_lines():
+    """The built-in task's questions are several lines: between two lines of three double quotes they are one
+    turn, and so are lines pasted together (input already waiting); otherwise a line is a turn."""
+    from kiln.pipeline.commands.serving import read_message
+
+    read = lines('"""', "Which play is this from?", "", "ROMEO: But soft!", '"""', "and this?")
+    assert read_message(read) == "Which play is this from?\n\nROMEO: But soft!"
+    assert read_message(read) == "and this?" and read_message(read) is None
+    assert read_message(lines('"""one line"""')) == "one line"
+    waiting = iter([True, True, False])
+    assert read_message(lines("first", "second", "third", "fourth"), lambda: next(waiting)) == "first\nsecond\nthird"
+    assert read_message(lines('"""', "never closed")) == "never closed"  # end of input ends it

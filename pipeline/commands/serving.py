@@ -54,7 +54,8 @@ def chat_command(
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
         device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
     """Talk to a chat model: each line you type is a user turn, the answer streams back (/reset starts over,
-    /quit or end of input stops)."""
+    /quit or end of input stops). A message of several lines: paste it (lines that arrive together are one turn),
+    or put it between two lines of three double quotes."""
     from kiln.pipeline.runtime import pick_device
     from kiln.pipeline.serve.text_model import ChatSession, Sampling, TextModel
 
@@ -62,9 +63,8 @@ def chat_command(
                           Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed), system)
     interactive = sys.stdin.isatty()
     while True:
-        try:
-            line = input("you> " if interactive else "")
-        except EOFError:
+        line = read_message(lambda: input("you> " if interactive else ""), pasted if interactive else None)
+        if line is None:
             break
         if line.strip() in ("/quit", "/exit"):
             break
@@ -112,3 +112,40 @@ def serve_command(
 
     serve(model, tokenizer, host, port, device, kv_blocks, block_size, max_batch_tokens, name, draft, speculate,
           enforce_eager, api_key, max_request_bytes, quiet)
+
+
+QUOTES = '"""'
+
+
+def read_message(read, pending=None) -> str | None:
+    """The next user turn: a line; the lines between two lines of three double quotes; or, when `pending()` says
+    more input is already waiting (a paste into a terminal), every line that arrived with it. None at the end of
+    input."""
+    try:
+        first = read()
+    except EOFError:
+        return None
+    if first.strip().startswith(QUOTES):
+        lines = [first.strip()[len(QUOTES):]]
+        while not lines[-1].rstrip().endswith(QUOTES) or len(lines) == 1 and first.strip() == QUOTES:
+            try:
+                lines.append(read())
+            except EOFError:
+                break
+        lines[-1] = lines[-1].rstrip().removesuffix(QUOTES)
+        return "\n".join(lines).strip("\n")
+    lines = [first]
+    while pending is not None and pending():
+        try:
+            lines.append(read())
+        except EOFError:
+            break
+    return "\n".join(lines)
+
+
+def pasted() -> bool:
+    """Whether more of stdin is waiting to be read right now: the rest of a paste, not the next thing typed."""
+    import select
+
+    return bool(select.select([sys.stdin], [], [], 0.01)[0])
+
