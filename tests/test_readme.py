@@ -10,6 +10,7 @@ and every `-S` / `--set` key=value is accepted by its params section's validatio
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import re
 import shlex
@@ -201,3 +202,36 @@ def test_command(page, line, tmp_path, request):
 @pytest.mark.parametrize("page,line", INLINE, ids=[f"{p}:{line[:60]}" for p, line in INLINE])
 def test_dvc_quoted_in_prose_has_the_options_it_names(page, line):
     check_dvc_options(shlex.split(line)[1:])
+
+
+def test_the_figures_the_readme_quotes_are_the_committed_metrics():
+    """What the README says the defaults produce is what metrics/ holds, to the digits it quotes: a rerun that
+    moves a result fails here until the README moves with it."""
+    text = " ".join((REPO / "README.md").read_text().split())
+    metrics = {name: json.loads((REPO / "metrics" / f"{name}.json").read_text())[name]
+               for name in ("tokenizer", "pretrain", "scaling", "eval")}
+    pre, ev = metrics["pretrain"], metrics["eval"]
+
+    def quoted(pattern: str) -> list[float]:
+        found = re.search(pattern, text)
+        assert found, pattern
+        return [float(g) for g in found.groups()]
+
+    def same(said: list[float], values: list[float]) -> None:
+        assert said == [round(v, 2) for v in values], (said, values)
+    models = ("base", "sft", "dpo", "grpo")
+    same(quoted(r"BPE, ([\d.]+) bytes/token"), [metrics["tokenizer"]["bytes_per_token_val"]])
+    same(quoted(r"N_opt grows as C\^([\d.]+), D_opt as C\^([\d.]+)"), [metrics["scaling"][k] for k in "ab"])
+    same(quoted(r"val loss ([\d.]+) nats/token \(([\d.]+) bits/byte\) against a unigram entropy of ([\d.]+)"),
+         [pre["val_loss"], pre["val_bpb"], pre["unigram_entropy"]])
+    same(quoted(r"held-out accuracy ([\d.]+) base, ([\d.]+) SFT, ([\d.]+) DPO"),
+         [ev["posttrain/accuracy"][m] for m in models[:3]])
+    same(quoted(r"preference accuracy ([\d.]+) SFT, ([\d.]+) DPO"),
+         [ev["posttrain/preference_accuracy"][m] for m in ("sft", "dpo")])
+    passes = ev["speaker/pass@1"]
+    same(quoted(r"passages ([\d.]+) base, ([\d.]+) SFT, ([\d.]+) DPO, ([\d.]+) GRPO \(\+([\d.]+) over"),
+         [*(passes[m] for m in models), passes["grpo"] - passes["sft"]])
+    interval = re.search(r"\| grpo \| sft \|[^\n]*\[([+-][\d.]+), ([+-][\d.]+)\]", (REPO / "metrics/report.md").read_text())
+    same(quoted(r"interval \[([+-][\d.]+), ([+-][\d.]+)\]"), [float(g) for g in interval.groups()])
+    same(quoted(r"val bits/byte ([\d.]+) base, ([\d.]+) SFT, ([\d.]+) DPO, ([\d.]+) GRPO"),
+         [ev["val_bpb"][m] for m in models])
