@@ -12,6 +12,7 @@ its range checks are comparisons, and every comparison with NaN is false, so a N
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 import types
@@ -77,7 +78,8 @@ def read_params_file(path: Path) -> dict:
         raise UserError(f"{path}: expected a mapping of sections at the top level")
     for key in raw:
         if key not in SECTIONS:
-            raise UserError(f"{path}: unknown section '{key}' (expected one of: {', '.join(SECTIONS)})")
+            raise UserError(f"{path}: unknown section '{key}'{did_you_mean(key, SECTIONS)} (expected one of: "
+                            f"{', '.join(SECTIONS)})")
     return raw
 
 
@@ -126,11 +128,18 @@ def build_section(cls: type[S], values: dict) -> S:
     kwargs = {}
     for key, value in values.items():
         if key not in names:
-            raise UserError(f"params: unknown key {cls.SECTION}.{key} (expected one of: {', '.join(names)})")
+            raise UserError(f"params: unknown key {cls.SECTION}.{key}{did_you_mean(key, names, cls.SECTION + '.')} "
+                            f"(expected one of: {', '.join(names)})")
         kwargs[key] = coerce(f"{cls.SECTION}.{key}", value, hints[key])
     obj = cls(**kwargs)
     obj.check()
     return obj
+
+
+def did_you_mean(name: object, known, prefix: str = "") -> str:
+    """"; did you mean 'lr'?" for the closest of `known` to a mistyped `name`, or "" when none is close."""
+    close = difflib.get_close_matches(str(name), list(known), n=1, cutoff=0.6)
+    return f"; did you mean '{prefix}{close[0]}'?" if close else ""
 
 
 def coerce(key: str, value, tp):

@@ -330,3 +330,16 @@ def test_pretrain_refuses_the_tokenizers_vocabulary_when_it_cannot_fit(tiny, tmp
     fails_in_one_line(["pretrain", "--shards", str(tiny.shards), "--tokenizer", str(tiny.tokenizer), "--set",
                        "train.device=cpu"], 2, f"model.vocab_size={vocab}", "to train")
     assert not (tmp_path / "data").exists()
+
+
+def test_a_mistyped_key_gets_a_suggestion(tmp_path):
+    """`--set lora_rnk=4` and a section `trian:` name the key they most likely meant."""
+    with pytest.raises(UserError, match=r"unknown key sft\.lora_rnk; did you mean 'sft\.lora_rank'\?"):
+        build_section(SFTParams, {"lora_rnk": 4})
+    path = tmp_path / "params.yaml"
+    path.write_text("trian:\n  lr: 0.1\n", encoding="utf-8")
+    with pytest.raises(UserError, match=r"unknown section 'trian'; did you mean 'train'\?"):
+        load_section(TrainParams, path)
+    with pytest.raises(UserError) as far:  # nothing close: no guess
+        build_section(SFTParams, {"zzz": 4})
+    assert "did you mean" not in str(far.value)

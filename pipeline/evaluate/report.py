@@ -1,9 +1,9 @@
 """metrics/report.md: what a reader opens first after `dvc repro` or `dvc exp run`.
 
-One table of every model on every metric of eval.json, each post-trained model's value with its change against
-the model it started from (its metadata's `init`, when that model was evaluated too); for each generative task,
-whether that change in greedy pass@1 is more than noise; then a few of the task's prompts with every model's
-answer. Everything in it is computed from the run's deterministic results (no timings, a seeded bootstrap), so
+One table of every model on every metric of eval.json (and which way it improves), each post-trained model's
+value with its change against the model it started from (its metadata's `init`, when that model was evaluated
+too); for each generative task, whether that change in greedy pass@1 is more than noise; then a few of the
+task's prompts with every model's answer. Everything in it is computed from the run's deterministic results (no timings, a seeded bootstrap), so
 two runs of the same pipeline write the same bytes.
 
 The noise check is a paired bootstrap over prompts: both models answered the same prompts, so the per-prompt
@@ -69,8 +69,8 @@ def report_markdown(metrics: dict, models: list[str], starts: dict[str, str | No
 
 def _metric_table(metrics: dict, models: list[str], starts: dict[str, str | None]) -> list[str]:
     heads = [m if starts.get(m) is None else f"{m} (vs {starts[m]})" for m in models]
-    lines = ["## Every metric", "", "| metric | " + " | ".join(heads) + " |",
-             "| --- |" + " ---: |" * len(models)]
+    lines = ["## Every metric", "", "| metric | better | " + " | ".join(heads) + " |",
+             "| --- | --- |" + " ---: |" * len(models)]
     for key, row in metrics.items():
         if key == "items":
             continue
@@ -82,12 +82,17 @@ def _metric_table(metrics: dict, models: list[str], starts: dict[str, str | None
             start = starts.get(m)
             delta = f" ({row[m] - row[start]:+.4f})" if start is not None and start in row else ""
             cells.append(f"{row[m]:.4f}{delta}")
-        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+        lines.append(f"| {key} | {better(key)} | " + " | ".join(cells) + " |")
     items = metrics.get("items") or {}
     if items:
         lines += ["", "Items scored (the same for every model): "
                   + ", ".join(f"{k} {v:,}" for k, v in items.items()) + "."]
     return [*lines, ""]
+
+
+def better(metric: str) -> str:
+    """Which way a metric improves: losses, bits per byte and perplexity down, accuracies and rewards up."""
+    return "lower" if metric.rsplit("/", 1)[-1] in ("val_loss", "val_bpb", "val_ppl") else "higher"
 
 
 def _noise_check(task: GenTask, results: dict[str, GenResult], models: list[str], starts: dict[str, str | None],
