@@ -228,9 +228,9 @@ def test_evaluate_writes_generative_metrics_and_the_same_report_twice(tiny, mode
         assert list(metrics[key]) == ["base", "sft", "dpo"] and all(0 <= v <= 1 for v in metrics[key].values())
     assert metrics["items"] == {"qa": 5, "qa/too_long": 1}
     report = runs[0]["report.md"].decode()
-    assert "| metric | base | sft (vs base) | dpo (vs sft) |" in report
+    assert "| metric | better | base | sft (vs base) | dpo (vs sft) |" in report
     sft, dpo = metrics["qa/pass@1"]["sft"], metrics["qa/pass@1"]["dpo"]
-    assert f"| qa/pass@1 | {metrics['qa/pass@1']['base']:.4f} | {sft:.4f} (" in report
+    assert f"| qa/pass@1 | higher | {metrics['qa/pass@1']['base']:.4f} | {sft:.4f} (" in report
     assert "Paired bootstrap over the same 5 prompts" in report
     assert f"| dpo | sft | {dpo:.4f} | {sft:.4f} | {dpo - sft:+.4f} | [" in report
     assert "### qa 3" in report and "### qa 4" not in report

@@ -149,7 +149,7 @@ BODIES = st.one_of(JSON, st.fixed_dictionaries({"model": st.just("tiny"), "max_c
                                                            "content": JSON | st.text(max_size=30)}), max_size=3)}))
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=BODIES, path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_random_json_is_answered_with_a_2xx_or_an_openai_4xx(guarded, body, path):
     base, headers, _ = guarded
