@@ -34,16 +34,20 @@ def SamplingOpt(help: str, default: object, kind: type = float):
 
 
 
+@functools.cache
+def _params_lines() -> tuple[str, ...]:
+    """kiln's own params.yaml, beside the package, read once however many commands quote it."""
+    try:
+        return tuple((Path(__file__).resolve().parents[2] / "params.yaml").read_text(encoding="utf-8").splitlines())
+    except OSError:
+        return ()
+
+
 def params_help(*sections: str) -> str:
     """The keys of params.yaml's `sections` with their defaults and comments, as a command's help epilog: what
     `--set key=value` can change, without opening the file (kiln's own params.yaml, beside the package)."""
-    path = Path(__file__).resolve().parents[2] / "params.yaml"
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return ""
     out, inside = [], None
-    for line in lines:
+    for line in _params_lines():
         if line and not line.startswith((" ", "#")):
             inside = line.rstrip(":") if line.rstrip(":") in sections else None
             if inside:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
 
-from kiln.pipeline.errors import UserError
+from kiln.pipeline.errors import UserError, shown
 
 CHOICES = "exact, numeric, regex, contains, or module:function (a module on sys.path or a .py file)"
 
@@ -121,7 +121,7 @@ def contains_reward(prompt: str, completion: str, answer: str) -> float:
     gold = normalize(answer)
     # The empty string occurs in every completion: rewarding everything would be a silent failure.
     if not gold:
-        raise UserError(f"answer {_preview(answer)} is empty once normalised; nothing to look for")
+        raise UserError(f"answer {shown(answer)} is empty once normalised; nothing to look for")
     return float(gold in normalize(completion))
 
 
@@ -145,7 +145,7 @@ def final_number(text: str) -> Decimal | None:
 def numeric_reward(prompt: str, completion: str, answer: str) -> float:
     gold = final_number(answer)
     if gold is None:
-        raise UserError(f"answer {_preview(answer)} holds no number")
+        raise UserError(f"answer {shown(answer)} holds no number")
     # Decimal compares values exactly: 72 == 72.0 == 72.00, and no float rounding makes 2**53 + 1 "equal" 2**53.
     return float(final_number(completion) == gold)
 
@@ -247,14 +247,14 @@ def score(reward: NamedReward, rows: Sequence[tuple[str, str, str]], what: str) 
         try:
             value = reward(prompt, completion, answer)
         except RewardTimeout:
-            raise UserError(f"{where} did not return within {reward.timeout:g} s (its prompt: {_preview(prompt)}); "
+            raise UserError(f"{where} did not return within {reward.timeout:g} s (its prompt: {shown(prompt)}); "
                             f"the limit is {reward.label.split('.reward=')[0]}.reward_timeout") from None
         except UserError as e:
             raise UserError(f"{where}: {_one_line(e)}") from None
         except Exception as e:
             raise UserError(f"{where} raised {type(e).__name__}: {_one_line(e)}") from None
         if not isinstance(value, (numbers.Real, Decimal)):
-            raise UserError(f"{where} returned {_preview(value)} ({type(value).__name__}); expected a finite number")
+            raise UserError(f"{where} returned {shown(value)} ({type(value).__name__}); expected a finite number")
         try:
             value = float(value)
         except OverflowError:  # a Decimal or an int beyond float's range
@@ -270,8 +270,3 @@ def score(reward: NamedReward, rows: Sequence[tuple[str, str, str]], what: str) 
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or "(no message)"
-
-
-def _preview(value: object, limit: int = 60) -> str:
-    text = " ".join(repr(value).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
