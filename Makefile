@@ -12,7 +12,7 @@ PYTEST_ARGS ?= -n 2
 # The page `dvc plots show` fills (.dvc/config names it): Vega inlined, so the plots draw offline.
 PLOTS_PAGE := .dvc/plots/offline.html
 
-.PHONY: setup repro test check-readme lock clean gpu-wheels gpu-check
+.PHONY: setup repro test test-slow check-readme lock clean gpu-wheels gpu-check
 
 setup: $(STAMP) $(PLOTS_PAGE)
 
@@ -31,6 +31,10 @@ repro: setup
 
 test: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The end-to-end checks `make test` leaves out for time (DVC experiments on a copy of the DAG, ~3 min).
+test-slow: setup
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS) -m slow
 
 # Every command in the README's and docs/'s code blocks, run or checked against what it names (tests/test_readme.py).
 check-readme: setup

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kiln.model.atomic import atomic_dir, atomic_write_bytes, atomic_write_files, recover, replacing, writing
+from kiln.pipeline import layout
 from kiln.pipeline.errors import StageError, UserError
-from kiln.pipeline.layout import METRICS
 
 __all__ = ["atomic_dir", "atomic_write_bytes", "atomic_write_files", "recover", "replacing", "write_json", "json_bytes",
            "write_metrics", "metrics_files", "sha256_file", "exclusive", "lock_path"]
@@ -52,14 +52,15 @@ def _non_finite_key(obj, where: str = "") -> str | None:
 
 
 # How a run went rather than what it produced: they differ between two runs that give bit-identical outputs, so
-# they go to metrics/timings/<stage>.json, a plain output, and `dvc metrics diff` of a rerun shows no change.
+# they go to metrics/timings/<stage>.json, which neither DVC nor git tracks: `dvc metrics diff` of a rerun shows
+# no change and a fresh `dvc repro` leaves `git status` clean.
 TIMING_KEYS = frozenset({"seconds", "train_seconds", "tokens_per_s", "mb_per_s", "mfu", "peak_memory_gb", "trained",
                          "reused", "trained_flops", "rollout_tokens_per_s", "generate_share"})
 
 
-def write_metrics(stage: str, values: dict, metrics_dir: Path = METRICS) -> Path:
+def write_metrics(stage: str, values: dict, metrics_dir: Path | None = None) -> Path:
     """`metrics/<stage>.json` (the results dvc.yaml lists under `metrics:`) and, when the stage measured any,
-    `metrics/timings/<stage>.json` (its timings, throughput and memory).
+    `metrics/timings/<stage>.json` (its timings, throughput and memory); a hand run's under its own folder.
 
     The results sit under the stage's name, so `dvc metrics show` and `dvc exp show` name a column
     `sft.val_accuracy`, not `metrics/sft.json:val_accuracy` (what DVC falls back to when two files share a key).
@@ -69,13 +70,14 @@ def write_metrics(stage: str, values: dict, metrics_dir: Path = METRICS) -> Path
     return next(iter(files))
 
 
-def metrics_files(stage: str, values: dict, metrics_dir: Path = METRICS) -> dict[Path, bytes]:
+def metrics_files(stage: str, values: dict, metrics_dir: Path | None = None) -> dict[Path, bytes]:
     """What `write_metrics` writes, path by path (the results first), for a stage that writes them together with
     other outputs (`atomic_write_files`)."""
-    path = Path(metrics_dir) / f"{stage}.json"
+    metrics_dir = layout.metrics_dir() if metrics_dir is None else Path(metrics_dir)
+    path = metrics_dir / f"{stage}.json"
     files = {path: json_bytes(path, {stage: {k: v for k, v in values.items() if k not in TIMING_KEYS}})}
     if timings := {k: v for k, v in values.items() if k in TIMING_KEYS}:
-        timings_path = Path(metrics_dir) / "timings" / f"{stage}.json"
+        timings_path = metrics_dir / layout.TIMINGS / f"{stage}.json"
         files[timings_path] = json_bytes(timings_path, timings)
     return files
 

@@ -72,7 +72,7 @@ def test_real_pretrain_stage_ran_in_the_scratch_folder(smoke):
     metrics = json.loads((out / "pretrain.json").read_text())["pretrain"]
     assert metrics["steps"] == 4 and metrics["val_loss"] > 0
     assert (out / "pretrain" / "curves.png").is_file()
-    assert (work / "data" / "models" / "base" / "model.safetensors").is_file()
+    assert (work / "run" / "model" / "model.safetensors").is_file()  # a hand run's folder, not data/
     summary = json.loads((out / "summary.json").read_text())
     assert summary["headline"]["pretrain_val_loss"] == metrics["val_loss"]
 

@@ -27,11 +27,11 @@ SHAPE = {"batch_tokens": 256, "max_steps": 8, "checkpoint_every": 4, "log_every"
 def single(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("single")
     metrics, weights = run(tiny, root, batch_size=8, **SHAPE)
-    return metrics, weights, losses(root)
+    return metrics, weights, losses(root / "metrics")
 
 
-def losses(root):
-    return read_metric(metric_files(root / "metrics/pretrain")["loss"])
+def losses(metrics):
+    return read_metric(metric_files(metrics / "pretrain")["loss"])
 
 
 def torchrun(root, *args):
@@ -43,13 +43,14 @@ def torchrun(root, *args):
 
 def assert_same_run(root, single, abs=1e-5):
     metrics, weights, curve = single
-    assert [s for s, _ in losses(root)] == list(range(1, 9))  # one writer: no step logged twice
-    for (_, a), (_, b) in zip(curve, losses(root)):
+    # the CLI runs are hand runs into base/: the model in base/model, the metrics in base/metrics
+    assert [s for s, _ in losses(root / "base/metrics")] == list(range(1, 9))  # one writer: no step logged twice
+    for (_, a), (_, b) in zip(curve, losses(root / "base/metrics")):
         assert b == pytest.approx(a, abs=abs)
-    written = json.loads((root / "metrics/pretrain.json").read_text())["pretrain"]
+    written = json.loads((root / "base/metrics/pretrain.json").read_text())["pretrain"]
     assert written["val_loss"] == pytest.approx(metrics["val_loss"], abs=abs)
     assert written["tokens"] == metrics["tokens"]
-    mine = load_file(root / "base" / "model.safetensors")
+    mine = load_file(root / "base/model/model.safetensors")
     assert mine.keys() == weights.keys()
     for name, tensor in weights.items():
         assert (tensor - mine[name]).abs().max() < abs, name
@@ -67,16 +68,16 @@ def test_ddp_matches_one_process_and_resumes_with_zero1(tiny, single, tmp_path):
     assert done.returncode == 0, done.output
     assert "nproc_per_node=2: running" in done.output and "x 2 processes (ddp)" in done.output
     assert_same_run(tmp_path, single)
-    straight = load_file(tmp_path / "base" / "model.safetensors")
+    straight = load_file(tmp_path / "base/model/model.safetensors")
 
     drop_last_checkpoint(tmp_path)
     resumed = kiln(tmp_path, *args, "--set", "train.zero1=true")
     assert resumed.returncode == 0, resumed.output
     assert "resuming from" in resumed.output and "(step 4)" in resumed.output
-    again = load_file(tmp_path / "base" / "model.safetensors")
+    again = load_file(tmp_path / "base/model/model.safetensors")
     for name, tensor in straight.items():
         assert (tensor - again[name]).abs().max() <= 1e-6, name
-    assert [s for s, _ in losses(tmp_path)] == list(range(1, 9))
+    assert [s for s, _ in losses(tmp_path / "base/metrics")] == list(range(1, 9))
 
 
 def test_fsdp_matches_one_process_and_resumes_on_one(tiny, single, tmp_path):
@@ -87,20 +88,20 @@ def test_fsdp_matches_one_process_and_resumes_on_one(tiny, single, tmp_path):
     assert_same_run(tmp_path, single)
     # Sharded: each rank wrote its own part of every tensor.
     assert len(list((next((tmp_path / "ckpt").glob("*/step_00000004")) / "dcp").glob("*.safetensors"))) == 2
-    straight = load_file(tmp_path / "base" / "model.safetensors")
+    straight = load_file(tmp_path / "base/model/model.safetensors")
 
     drop_last_checkpoint(tmp_path)
     resumed = kiln(tmp_path, *args, "--set", "train.batch_size=8")  # one process, the same global micro-batch
     assert resumed.returncode == 0, resumed.output
     assert "resuming from" in resumed.output and "(step 4)" in resumed.output
     assert "processes" not in resumed.output
-    again = load_file(tmp_path / "base" / "model.safetensors")
+    again = load_file(tmp_path / "base/model/model.safetensors")
     for name, tensor in straight.items():
         assert (tensor - again[name]).abs().max() <= 1e-6, name
 
 
-def sft_losses(root):
-    return read_metric(metric_files(root / "metrics/sft")["loss"])
+def sft_losses(run):
+    return read_metric(metric_files(run / "metrics/sft")["loss"])
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -113,18 +114,18 @@ def test_qlora_sft_on_two_processes_matches_one_with_the_nf4_codes_sharded(tiny,
     setting = {"adapter": "qlora", "lora_rank": 4, "batch_examples": 8}
     one = kiln(tmp_path, *sft_args(tiny, tmp_path, "one", batch_size=4, **setting))
     assert one.returncode == 0, one.output
-    curve = sft_losses(tmp_path)
+    curve = sft_losses(tmp_path / "one")
     two = kiln(tmp_path, *sft_args(tiny, tmp_path, "two", batch_size=2, **setting), "--set",
                f"train.parallel={parallel}", "--set", "train.nproc_per_node=2")
     assert two.returncode == 0, two.output
     assert f"x 2 processes ({parallel})" in two.output
-    assert [s for s, _ in sft_losses(tmp_path)] == [s for s, _ in curve] == list(range(1, 7))
-    for (_, a), (_, b) in zip(curve, sft_losses(tmp_path)):
+    assert [s for s, _ in sft_losses(tmp_path / "two")] == [s for s, _ in curve] == list(range(1, 7))
+    for (_, a), (_, b) in zip(curve, sft_losses(tmp_path / "two")):
         assert b == pytest.approx(a, abs=1e-5)
     # Weights to 1e-4: Adam divides each gradient by its running scale, so where a gradient is tiny the other
     # summation order moves the update by more than the loss (measured: 3e-5 at most after 6 steps at lr 1e-2).
     for name in ("model.safetensors", "adapter.safetensors"):
-        a, b = load_file(tmp_path / "one" / name), load_file(tmp_path / "two" / name)
+        a, b = load_file(tmp_path / "one/model" / name), load_file(tmp_path / "two/model" / name)
         assert a.keys() == b.keys() and all((a[k] - b[k]).abs().max() < 1e-4 for k in a), name
     if parallel == "fsdp":
         held = re.search(r"frozen weights: ([\d,]+) of ([\d,]+) bytes on each rank", two.output)
@@ -147,24 +148,24 @@ def test_lora_dpo_under_fsdp_matches_one_process_and_resumes_on_one(tiny, tmp_pa
         return ["dpo", "--sft", "sft", "--tokenizer", str(tiny.tokenizer), "--corpus", str(tiny.corpus), "--out",
                 out, "--checkpoints", f"ckpt-{out}"]
 
-    def curve():
-        return read_metric(metric_files(tmp_path / "metrics/dpo")["loss"])
+    def curve(run):
+        return read_metric(metric_files(tmp_path / run / "metrics/dpo")["loss"])
 
     one = kiln(tmp_path, *args("one", batch_size=2))
     assert one.returncode == 0, one.output
-    single = curve()
+    single = curve("one")
     sharded = args("two", batch_size=1)
     two = torchrun(tmp_path, *sharded, "--set", "train.parallel=fsdp")
     assert two.returncode == 0, two.output
     assert "x 2 processes (fsdp)" in two.output
-    for (_, a), (_, b) in zip(single, curve(), strict=True):
+    for (_, a), (_, b) in zip(single, curve("two"), strict=True):
         assert b == pytest.approx(a, abs=1e-5)
-    straight = load_file(tmp_path / "two/adapter.safetensors")
+    straight = load_file(tmp_path / "two/model/adapter.safetensors")
 
     shutil.rmtree(sorted((tmp_path / "ckpt-two").glob("*/step_*"))[-1])
     resumed = kiln(tmp_path, *args("two", batch_size=2))  # one process, the same global micro-batch of 2 pairs
     assert resumed.returncode == 0 and "(step 2)" in resumed.output, resumed.output
-    again = load_file(tmp_path / "two/adapter.safetensors")
+    again = load_file(tmp_path / "two/model/adapter.safetensors")
     assert all((straight[k] - again[k]).abs().max() < 1e-4 for k in straight)
 
 
@@ -179,19 +180,19 @@ def test_grpo_under_fsdp_samples_and_trains_as_one_process(tiny, tmp_path, monke
     save_base(tiny.tokenizer, tmp_path / "start")
     setting = {"max_steps": 4, "eval_every": 2, "checkpoint_every": 2, "log_every": 1, "beta": 0.04}
 
-    def curves():
-        files = metric_files(tmp_path / "metrics/grpo")
+    def curves(run):
+        files = metric_files(tmp_path / run / "metrics/grpo")
         return {k: read_metric(files[k]) for k in ("loss", "reward", "kl")}
 
     one = kiln(tmp_path, *grpo_args(tiny, tmp_path, "one", **setting))
     assert one.returncode == 0, one.output
-    single = curves()
+    single = curves("one")
     # kiln starts torchrun itself: the launcher must not read grpo's --start as its --start-method
     two = kiln(tmp_path, *grpo_args(tiny, tmp_path, "two", batch_size=8, **setting), "--set", "train.parallel=fsdp",
                "--set", "train.nproc_per_node=2")
     assert two.returncode == 0, two.output
     assert "x 2 processes (fsdp)" in two.output
-    for key, curve in curves().items():
+    for key, curve in curves("two").items():
         assert [s for s, _ in curve] == [s for s, _ in single[key]] == [1, 2, 3, 4], key
         for (_, a), (_, b) in zip(single[key], curve):
             # kl is a mean of micro-batch means, and the micro-batches are other rows on two ranks

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import make_documents
+from conftest import make_documents, tree_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def project(tmp_path):
     return root
 
 
-def test_repro_noop_and_experiment(project):
+def test_repro_noop_clean_tree_and_hand_runs(project):
     first = run(project, "dvc", "repro")
     assert ran_stages(first) == {"prepare", "tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size",
                                  "pretrain", "sft", "dpo", "grpo", "evaluate"}
@@ -131,11 +131,35 @@ def test_repro_noop_and_experiment(project):
     run(project, "git", "add", "-A")
     run(project, "git", "commit", "-qm", "baseline")
 
-    # A forced rerun gives the same outputs in another time: `dvc metrics diff` shows nothing, because the
-    # timings it measured anew live in metrics/timings/, a plain output.
+    # A forced rerun gives the same outputs in another time: `dvc metrics diff` shows nothing and git sees no
+    # change, because what it measured anew (seconds, tokens/s) lives in metrics/timings/, neither DVC's nor
+    # git's. Pretraining again from scratch (its resume state gone) writes the same model, curves and lock.
     assert ran_stages(run(project, "dvc", "repro", "-f", "-s", "tokenizer")) == {"tokenizer"}
     assert "train_seconds" in json.loads((project / "metrics/timings/tokenizer.json").read_text())
+    shutil.rmtree(project / "data/checkpoints/pretrain")
+    assert ran_stages(run(project, "dvc", "repro", "-f", "-s", "pretrain")) == {"pretrain"}
+    assert (project / "metrics/timings/pretrain/plots/metrics/tokens_per_s.tsv").is_file()
     assert json.loads(run(project, "dvc", "metrics", "diff", "--json") or "{}") == {}
+    assert run(project, "git", "status", "--porcelain") == ""
+
+    # A stage run by hand with other params is not the stage: it writes its own run folder and leaves every file
+    # of the DAG's as it was, so DVC sees nothing to do.
+    dag = {name: tree_bytes(project / name) for name in ("data", "metrics")}
+    hand = run(project, "kiln", "pretrain", "--set", "train.max_steps=2")
+    folder = project / hand.split("what it wrote is under ")[1].split("/,")[0]
+    assert folder.parent == project / "runs" and (folder / "model/model.safetensors").is_file()
+    assert json.loads((folder / "metrics/pretrain.json").read_text())["pretrain"]["steps"] == 2
+    assert (folder / "checkpoints/pretrain").is_dir() and (folder / "metrics/timings/pretrain.json").is_file()
+    assert {name: tree_bytes(project / name) for name in ("data", "metrics")} == dag
+    assert "up to date" in run(project, "dvc", "status")
+    assert run(project, "git", "status", "--porcelain") == ""  # runs/ is git-ignored
+
+
+@pytest.mark.slow  # ~3 min of DVC experiments on 2 cores: `make test-slow`, not `make test`
+def test_experiments_rerun_only_what_they_change(project):
+    run(project, "dvc", "repro")
+    run(project, "git", "add", "-A")
+    run(project, "git", "commit", "-qm", "baseline")
 
     # Another budget: the sweep trains only its 3 runs, and with model.size fixed pretrain is left alone.
     exp = run(project, "dvc", "exp", "run", "-S", "scaling.budgets=[2e7,4e7,8e7]")

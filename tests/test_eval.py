@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -171,8 +172,8 @@ def run_eval(shakespeare, root: Path, eval_params: dict, out: str = "out") -> tu
     result = CliRunner().invoke(app, [
         "eval", "--params", str(params), "--models", str(root / "models"), "--shards", str(shakespeare.shards),
         "--tokenizer", str(shakespeare.tokenizer), "--corpus", str(shakespeare.corpus),
-        "--metrics", str(root / out), "--samples", str(root / out / "samples")])
-    return result, root / out
+        "--out", str(root / out)])
+    return result, root / out / "metrics"  # a hand run (--params, --models...): its metrics/ in its --out
 
 
 def test_eval_reports_every_model_side_by_side_and_is_deterministic(shakespeare, workspace, tmp_path):
@@ -202,6 +203,14 @@ def test_eval_reports_every_model_side_by_side_and_is_deterministic(shakespeare,
     base_samples = (out / "samples" / "base.md").read_text()
     assert "plain continuation" in base_samples and "ROMEO." in base_samples
     assert "chat format" in (out / "samples" / "dpo.md").read_text()
+    # The report says where guessing lands: ln V for the loss, 1/2 for mine's two choices, a coin for pairs
+    page = (out / "report.md").read_text()
+    vocab = json.loads((workspace / "models/base/config.json").read_text())["model"]["vocab_size"]
+    assert f"| val_loss | lower | {math.log(vocab):.4f} | " in page and f"| val_ppl | lower | {vocab:.4f} | " in page
+    bpb = math.log(vocab) * report["val_bpb"]["sft"] / report["val_loss"]["sft"]
+    assert f"| val_bpb | lower | {bpb:.4f} | " in page
+    assert "| mine/acc | higher | 0.5000 | " in page and "| posttrain/preference_accuracy | higher | 0.5000 | " in page
+    assert re.search(r"Made with params digest `[0-9a-f]{12}` .* from the models base `[0-9a-f]{12}`, sft", page)
 
     again, out2 = run_eval(shakespeare, workspace, params, out="again")
     assert again.exit_code == 0, again.output

@@ -202,8 +202,7 @@ def eval_args(tiny, models: Path, out: Path, task: dict) -> list[str]:
                  "posttrain": False, "samples": ["doc 1:"], "max_new_tokens": 2, "gen_batch_size": 8},
         "train": {"device": "cpu"}})
     return ["evaluate", "--params", str(params), "--models", str(models), "--shards", str(tiny.shards),
-            "--tokenizer", str(tiny.tokenizer), "--corpus", str(tiny.corpus), "--metrics", str(out),
-            "--samples", str(out / "samples")]
+            "--tokenizer", str(tiny.tokenizer), "--corpus", str(tiny.corpus), "--out", str(out)]
 
 
 def qa_task(tmp_path: Path, reward: str = "exact") -> dict:
@@ -218,7 +217,7 @@ def test_evaluate_writes_generative_metrics_and_the_same_report_twice(tiny, mode
     for out in (tmp_path / "one", tmp_path / "two"):
         result = CliRunner().invoke(app, eval_args(tiny, models, out, task))
         assert result.exit_code == 0, result.output
-        runs.append(tree_bytes(out))
+        runs.append(tree_bytes(out / "metrics"))  # a hand run's metrics: its --out's metrics/
     assert runs[0] == runs[1]  # eval.json, report.md and the samples, byte for byte
     assert set(runs[0]) == {"eval.json", "report.md", "samples/base.md", "samples/sft.md", "samples/dpo.md"}
     metrics = json.loads(runs[0]["eval.json"])["eval"]
@@ -228,9 +227,9 @@ def test_evaluate_writes_generative_metrics_and_the_same_report_twice(tiny, mode
         assert list(metrics[key]) == ["base", "sft", "dpo"] and all(0 <= v <= 1 for v in metrics[key].values())
     assert metrics["items"] == {"qa": 5, "qa/too_long": 1}
     report = runs[0]["report.md"].decode()
-    assert "| metric | better | base | sft (vs base) | dpo (vs sft) |" in report
+    assert "| metric | better | chance | base | sft (vs base) | dpo (vs sft) |" in report
     sft, dpo = metrics["qa/pass@1"]["sft"], metrics["qa/pass@1"]["dpo"]
-    assert f"| qa/pass@1 | higher | {metrics['qa/pass@1']['base']:.4f} | {sft:.4f} (" in report
+    assert f"| qa/pass@1 | higher | - | {metrics['qa/pass@1']['base']:.4f} | {sft:.4f} (" in report
     assert "Paired bootstrap over the same 5 prompts" in report
     assert f"| dpo | sft | {dpo:.4f} | {sft:.4f} | {dpo - sft:+.4f} | [" in report
     assert "### qa 3" in report and "### qa 4" not in report

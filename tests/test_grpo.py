@@ -74,20 +74,20 @@ def rewards_of(root: Path) -> list[float]:
 def test_a_tiny_model_learns_to_answer_x(tiny, project):
     done = kiln(project, *grpo_args(tiny, project))
     assert done.returncode == 0, done.output
-    rewards = rewards_of(project)
+    rewards = rewards_of(project / "grpo")
     assert len(rewards) == 6 and rewards[0] < 0.3 and rewards[-1] > 0.9, rewards
-    metrics = json.loads((project / "metrics/grpo.json").read_text())["grpo"]
+    metrics = json.loads((project / "grpo/metrics/grpo.json").read_text())["grpo"]
     assert metrics["start"]["val/reward"] < 0.3 and metrics["val/reward"] > 0.9
     assert metrics["prompts"] == 36 and metrics["val_prompts"] == 4 and metrics["steps"] == 30
-    timings = json.loads((project / "metrics/timings/grpo.json").read_text())
+    timings = json.loads((project / "grpo/metrics/timings/grpo.json").read_text())
     assert timings["rollout_tokens_per_s"] > 0 and 0 < timings["generate_share"] < 1
-    curves = {p.relative_to(project / "metrics/grpo/plots/metrics").as_posix()
-              for p in (project / "metrics/grpo/plots/metrics").rglob("*.tsv")}
+    curves = {p.relative_to(project / "grpo/metrics/grpo/plots/metrics").as_posix()
+              for p in (project / "grpo/metrics/grpo/plots/metrics").rglob("*.tsv")}
     assert {"reward.tsv", "reward_std.tsv", "frac_reward_zero_std.tsv", "entropy.tsv", "completions/mean_length.tsv",
             "completions/clipped_ratio.tsv", "clip_ratio/region_mean.tsv", "val/pass@1.tsv", "loss.tsv"} <= curves
     assert "kl.tsv" not in curves  # beta 0: no reference model, as in TRL
-    assert (project / "metrics/grpo/curves.png").read_bytes().startswith(b"\x89PNG")
-    model, meta = load_model(project / "grpo")
+    assert (project / "grpo/metrics/grpo/curves.png").read_bytes().startswith(b"\x89PNG")
+    model, meta = load_model(project / "grpo/model")
     assert meta["init"]["model"] == "start" and meta["chat_format"] == "chatml"
 
 
@@ -101,21 +101,22 @@ def test_killed_run_resumes_to_the_same_model(tiny, project):
     args = grpo_args(tiny, project, "resumed", **setting)
     killed = kiln(project, *args, prelude=KILL_IN_SECOND_SAVE)
     assert killed.returncode == -9, killed.output
-    assert not (project / "resumed").exists()
+    assert not (project / "resumed/model").exists()
     resumed = kiln(project, *args)
     assert resumed.returncode == 0 and "resuming from" in resumed.output and "step 2)" in resumed.output
-    a, b = load_file(project / "straight/model.safetensors"), load_file(project / "resumed/model.safetensors")
+    a = load_file(project / "straight/model/model.safetensors")
+    b = load_file(project / "resumed/model/model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # The sampling totals came back with the checkpoint: the whole run's, not the resumed part's alone.
-    timings = json.loads((project / "metrics/timings/grpo.json").read_text())
+    timings = json.loads((project / "resumed/metrics/timings/grpo.json").read_text())
     assert timings["rollout_tokens_per_s"] > 0 and 0 < timings["generate_share"] < 1
     again = kiln(project, *args)  # from the final checkpoint: nothing to train, the same totals
-    final = json.loads((project / "metrics/timings/grpo.json").read_text())
+    final = json.loads((project / "resumed/metrics/timings/grpo.json").read_text())
     assert again.returncode == 0 and final["rollout_tokens_per_s"] == timings["rollout_tokens_per_s"]
     # Not equal: this run's seconds are the checkpoint's plus its own final evaluation, the first run's its own
     # time after the checkpoint; on a busy machine either can be the longer (measured 0.364 against 0.358).
     assert 0 < final["generate_share"] <= timings["generate_share"] * 1.05
-    kl = (project / "metrics/grpo/plots/metrics/kl.tsv").read_text().splitlines()[1:]  # logged with beta > 0
+    kl = (project / "resumed/metrics/grpo/plots/metrics/kl.tsv").read_text().splitlines()[1:]  # logged with beta > 0
     assert [int(line.split("\t")[0]) for line in kl] == [5, 6] and all(float(line.split("\t")[1]) >= 0 for line in kl)
 
 

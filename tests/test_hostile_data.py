@@ -28,9 +28,9 @@ from conftest import fails_in_one_line, tree_bytes, write_params
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch, tiny):
-    """A project folder holding a copy of the tiny pipeline's shards as the earlier run's output."""
+    """A project folder holding a copy of the tiny pipeline's shards as the earlier hand run's output (run/shards)."""
     monkeypatch.chdir(tmp_path)
-    shutil.copytree(tiny.shards, tmp_path / "shards")
+    shutil.copytree(tiny.shards, tmp_path / "run" / "shards")
     write_params(tmp_path / "params.yaml", {"shard": {"shard_tokens": 2048}})
     return tmp_path
 
@@ -45,7 +45,7 @@ def run_kiln(args: list[str]):
 
 def shard_args(corpus, tokenizer) -> list[str]:
     return ["data", "shard", "--params", "params.yaml", "--corpus", str(corpus), "--tokenizer", str(tokenizer),
-            "--out", "shards"]
+            "--out", "run"]
 
 
 def spec_of(tiny) -> dict:
@@ -95,19 +95,19 @@ def test_shard_refuses_a_hostile_tokenizer(workdir, tiny, case):
     make, field = BAD_TOKENIZERS[case]
     bad = workdir / "bad.json"
     bad.write_bytes(make(spec_of(tiny)))
-    before = tree_bytes(workdir / "shards")
+    before = tree_bytes(workdir / "run" / "shards")
     fails_in_one_line(shard_args(tiny.corpus, bad), 2, bad, field)
-    assert tree_bytes(workdir / "shards") == before
-    assert not (workdir / "data").exists()  # nothing started: no resume state either
+    assert tree_bytes(workdir / "run" / "shards") == before
+    assert not (workdir / "run" / "checkpoints").exists()  # nothing started: no resume state either
 
 
 def test_pretrain_refuses_a_hostile_tokenizer(workdir, tiny):
     """The shards name the tokenizer they were made with (its sha256), so training stops before reading it."""
     bad = workdir / "bad.json"
     bad.write_bytes(BAD_TOKENIZERS["no pre_tokenizer"][0](spec_of(tiny)))
-    fails_in_one_line(["pretrain", "--shards", "shards", "--tokenizer", str(bad), "--out", "base",
+    fails_in_one_line(["pretrain", "--shards", "run/shards", "--tokenizer", str(bad), "--out", "base",
                        "--checkpoints", "ckpt"], 2, "another tokenizer")
-    assert not (workdir / "base").exists()
+    assert not (workdir / "base" / "model").exists()
 
 
 def tokenizer_reader_verdict(path: Path) -> None:
@@ -256,9 +256,9 @@ def test_shard_refuses_a_truncated_corpus_split(workdir, tiny):
     shutil.copytree(tiny.corpus, corpus)
     data = (corpus / "val.parquet").read_bytes()
     (corpus / "val.parquet").write_bytes(data[: len(data) - 100])
-    before = tree_bytes(workdir / "shards")
+    before = tree_bytes(workdir / "run" / "shards")
     fails_in_one_line(shard_args(corpus, tiny.tokenizer), 2, corpus / "val.parquet", "unreadable")
-    assert tree_bytes(workdir / "shards") == before
+    assert tree_bytes(workdir / "run" / "shards") == before
 
 
 # --- class 13: the disk fills up while shards are written ----------------------------------------------------
@@ -272,14 +272,14 @@ def test_disk_full_mid_shard_keeps_the_previous_output_and_the_finished_shards(w
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real_fsync(fd)
 
-    before = tree_bytes(workdir / "shards")
+    before = tree_bytes(workdir / "run" / "shards")
     monkeypatch.setattr(os, "fsync", fsync)
     fails_in_one_line(shard_args(tiny.corpus, tiny.tokenizer), 1, "train_000001.bin", "No space left on device")
-    assert tree_bytes(workdir / "shards") == before
-    assert [p.name for p in workdir.iterdir() if p.name.startswith("shards")] == ["shards"]
+    assert tree_bytes(workdir / "run" / "shards") == before
+    assert [p.name for p in (workdir / "run").iterdir() if p.name.startswith("shards")] == ["shards"]
     # The shard finished before the disk filled is kept for the next run; the one being written is gone.
-    work = workdir / "data/checkpoints/shard"
+    work = workdir / "run/checkpoints/shard"
     assert sorted(p.name for p in work.iterdir()) == ["progress.json", "train_000000.bin"]
     monkeypatch.setattr(os, "fsync", real_fsync)
     assert run_kiln(shard_args(tiny.corpus, tiny.tokenizer)).exit_code == 0
-    assert tree_bytes(workdir / "shards") == before
+    assert tree_bytes(workdir / "run" / "shards") == before

@@ -50,8 +50,7 @@ class Run:
             "train": {"device": "cpu"}})
         return ["evaluate", "--params", str(params), "--models", str(self.root / "models"),
                 "--shards", str(self.built.shards), "--tokenizer", str(self.built.tokenizer),
-                "--corpus", str(self.built.corpus), "--metrics", str(self.metrics),
-                "--samples", str(self.metrics / "samples")]
+                "--corpus", str(self.built.corpus), "--out", str(self.root)]  # a hand run: root/metrics
 
     def invoke(self, task: dict):
         from typer.testing import CliRunner

@@ -223,12 +223,12 @@ def test_adapter_sft_resumes_after_kill_9_to_the_same_model(tiny, project, adapt
     resumed = kiln(project, *args)
     assert resumed.returncode == 0 and "resuming from" in resumed.output, resumed.output
     for name in ("model.safetensors", "adapter.safetensors"):
-        a, b = load_file(project / "straight" / name), load_file(project / "resumed" / name)
+        a, b = load_file(project / "straight/model" / name), load_file(project / "resumed/model" / name)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    adapter_tensors = load_file(project / "straight/adapter.safetensors")
+    adapter_tensors = load_file(project / "straight/model/adapter.safetensors")
     assert sorted(adapter_tensors) == sorted(f"blocks.{i}.{m}.lora_{ab}.weight" for i in range(2)
                                             for m in ("attn.q_proj", "attn.v_proj", "mlp.up_proj") for ab in "AB")
-    model, meta = load_model(project / "straight")  # a plain kiln model: evaluate, chat, convert take it
+    model, meta = load_model(project / "straight/model")  # a plain kiln model: evaluate, chat, convert take it
     assert meta["adapter"]["adapter"] == adapter and meta["adapter"]["rank"] == 4
     start, _ = load_model(project / "base")
     k = "blocks.0.attn.k_proj.weight"  # not adapted: the base's (QLoRA: dequantised) weight
@@ -286,11 +286,11 @@ def test_grpo_trains_a_qlora_adapter_against_the_base_as_reference(tiny, tmp_pat
                      adapter="qlora", lora_rank=4)
     done = kiln(tmp_path, *args)
     assert done.returncode == 0, done.output
-    kl = [float(line.split("\t")[1]) for line in (tmp_path / "metrics/grpo/plots/metrics/kl.tsv").read_text()
+    kl = [float(line.split("\t")[1]) for line in (tmp_path / "grpo/metrics/grpo/plots/metrics/kl.tsv").read_text()
           .splitlines()[1:]]
     assert len(kl) == 3 and kl[0] == 0 and kl[-1] > 0
-    assert (tmp_path / "grpo/adapter.safetensors").is_file()
-    assert load_model(tmp_path / "grpo")[1]["adapter"]["adapter"] == "qlora"
+    assert (tmp_path / "grpo/model/adapter.safetensors").is_file()
+    assert load_model(tmp_path / "grpo/model")[1]["adapter"]["adapter"] == "qlora"
 
 
 @pytest.mark.parametrize(("edit", "said"), [

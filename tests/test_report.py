@@ -74,14 +74,25 @@ def test_report_table_has_every_model_and_metric_with_its_delta():
     lines = page.splitlines()
     assert lines[0] == "# Evaluation report"
     assert "(sft from base, dpo from sft, grpo from sft)" in page
-    assert "| metric | better | base | sft (vs base) | dpo (vs sft) | grpo (vs sft) |" in lines
-    assert "| val_loss | lower | 4.0000 | 4.2500 (+0.2500) | 4.5000 (+0.2500) | 4.1250 (-0.1250) |" in lines
-    assert "| speaker/pass@1 | higher | 0.0000 | 0.5000 (+0.5000) | 0.4000 (-0.1000) | 0.7500 (+0.2500) |" in lines
+    assert "| metric | better | chance | base | sft (vs base) | dpo (vs sft) | grpo (vs sft) |" in lines
+    assert "| val_loss | lower | - | 4.0000 | 4.2500 (+0.2500) | 4.5000 (+0.2500) | 4.1250 (-0.1250) |" in lines
+    assert "| speaker/pass@1 | higher | - | 0.0000 | 0.5000 (+0.5000) | 0.4000 (-0.1000) | 0.7500 (+0.2500) |" in lines
     # No value for base: sft's reward accuracy has nothing to be compared with.
-    assert "| posttrain/reward_accuracy | higher | - | 0.7000 | 0.7500 (+0.0500) | - |" in lines
+    assert "| posttrain/reward_accuracy | higher | - | - | 0.7000 | 0.7500 (+0.0500) | - |" in lines
     assert "Items scored (the same for every model): speaker 4, speaker/too_long 0." in lines
     assert not any(line.startswith("| items") for line in lines)
     assert report_markdown(METRICS, MODELS, STARTS, [(task, results)], seed=0) == page  # the same bytes
+
+
+def test_report_gives_chance_levels_and_provenance_where_known():
+    task, results = task_and_results(MODELS, {m: [0, 1, 0, 1] for m in MODELS})
+    lines = report_markdown(METRICS, MODELS, STARTS, [(task, results)], seed=0,
+                            chance={"val_loss": 6.9315, "posttrain/reward_accuracy": 0.5},
+                            provenance="Made with params digest `abc`.").splitlines()
+    assert lines[lines.index("# Evaluation report") + 4] == "Made with params digest `abc`."
+    assert "| val_loss | lower | 6.9315 | 4.0000 | 4.2500 (+0.2500) | 4.5000 (+0.2500) | 4.1250 (-0.1250) |" in lines
+    assert "| posttrain/reward_accuracy | higher | 0.5000 | - | 0.7000 | 0.7500 (+0.0500) | - |" in lines
+    assert any(line.startswith("| speaker/pass@1 | higher | - | ") for line in lines)  # a reward: no level
 
 
 def test_report_bootstrap_rows_compare_each_model_with_its_start():
@@ -127,7 +138,7 @@ def test_report_without_starting_models_says_there_is_nothing_to_compare():
     task, results = task_and_results(["a", "b"], {"a": [1, 0], "b": [0, 1]})
     page = report_markdown({"val_loss": {"a": 1.0, "b": 2.0}}, ["a", "b"], {"a": None, "b": None},
                            [(task, results)], seed=0)
-    assert "| metric | better | a | b |" in page and "| val_loss | lower | 1.0000 | 2.0000 |" in page
+    assert "| metric | better | chance | a | b |" in page and "| val_loss | lower | - | 1.0000 | 2.0000 |" in page
     assert "No model started from another evaluated model: no changes to show." in page
     assert "No model started from another evaluated model: nothing to compare." in page
     assert "Paired bootstrap" not in page

@@ -254,9 +254,11 @@ def test_cli_builds_gpt2(tmp_path, built, gpt2_dir):
     assert result.exit_code == 0, result.output
     assert any(line.startswith("tokenizer.source=gpt2") and "vocab_size, pattern and min_frequency are ignored"
                in line for line in result.output.splitlines())
-    written = tmp_path / "data/tokenizer/tokenizer.json"
+    (run,) = (tmp_path / "runs").glob("tokenizer-*")  # --set: a hand run, in a folder of its own
+    written = run / "tokenizer/tokenizer.json"
     assert written.read_bytes() == (built / "data/tokenizer/tokenizer.json").read_bytes()  # same params, same file
-    assert json.loads((tmp_path / "metrics/tokenizer.json").read_text())["tokenizer"]["vocab_size"] == 50260
+    assert json.loads((run / "metrics/tokenizer.json").read_text())["tokenizer"]["vocab_size"] == 50260
+    assert not (tmp_path / "data/tokenizer").exists() and not (tmp_path / "metrics/tokenizer.json").exists()
 
 
 def tampered(folder: Path, gpt2_dir: Path) -> Path:

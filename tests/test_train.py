@@ -59,7 +59,9 @@ def test_resumed_run_equals_straight_run(tiny, tmp_path):
         assert (tensor - w_resumed[name]).abs().max() <= 1e-6, name
     assert straight["val_loss"] < math.log(300)  # it learned something beyond uniform
     curves = metric_files(tmp_path / "b" / "metrics/pretrain")
-    assert set(curves) == {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_bpb"}
+    assert set(curves) == {"loss", "lr", "grad_norm", "val_loss", "val_bpb"}
+    # tokens/s measures the machine, not the model: beside the stage's timings, out of the curves DVC hashes
+    assert set(metric_files(tmp_path / "b" / "metrics/timings/pretrain")) == {"tokens_per_s"}
     assert [s for s, _ in read_metric(curves["loss"])] == [2, 4, 6, 8]  # no duplicated rows
     assert [s for s, _ in read_metric(curves["val_loss"])] == [4, 8]
     assert read_metric(curves["val_loss"])[-1][1] == pytest.approx(resumed["val_loss"], abs=1e-5)
@@ -159,7 +161,8 @@ def test_nan_guard_stops_and_keeps_last_good_checkpoint(tmp_path):
 
 
 def cli_project(tiny, root, **train):
-    """A folder with params.yaml for `kiln train` on the tiny shards."""
+    """A folder with params.yaml for `kiln train` on the tiny shards: a hand run into base/ (its model in
+    base/model, its metrics in base/metrics), checkpoints in ckpt/."""
     root.mkdir(exist_ok=True)
     (root / "params.yaml").write_text(json.dumps({"model": MODEL, "train": {**TRAIN, **train}}))
     return ["train", "--shards", str(tiny.shards), "--tokenizer", str(tiny.tokenizer), "--out", "base",
@@ -194,27 +197,27 @@ def test_killed_mid_checkpoint_resumes_from_the_previous_one(tiny, tmp_path):
     killed = kiln(tmp_path, *args, prelude=KILL_IN_SECOND_SAVE)
     assert killed.returncode == -signal.SIGKILL
     assert [p.name for p in checkpoints(tmp_path / "ckpt")] == ["step_00000002"]
-    assert not (tmp_path / "base").exists()
+    assert not (tmp_path / "base" / "model").exists()
     resumed = kiln(tmp_path, *args)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "resuming from" in resumed.output and "step 2)" in resumed.output
     assert [p.name for p in checkpoints(tmp_path / "ckpt")] == ["step_00000006", "step_00000008"]
     assert not list((tmp_path / "ckpt").glob("*/*.tmp-*"))  # the killed save's leftovers are gone
     straight, _ = run(tiny, tmp_path / "straight", max_steps=8, checkpoint_every=2)
-    assert json.loads((tmp_path / "metrics/pretrain.json").read_text())["pretrain"]["val_loss"] == straight["val_loss"]
+    assert json.loads((tmp_path / "base/metrics/pretrain.json").read_text())["pretrain"]["val_loss"] == straight["val_loss"]
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tiny, tmp_path):
     args = cli_project(tiny, tmp_path, max_steps=4, checkpoint_every=2)
     assert kiln(tmp_path, *args).returncode == 0
-    before = (tmp_path / "base" / "model.safetensors").read_bytes()
+    before = (tmp_path / "base" / "model" / "model.safetensors").read_bytes()
     newest = checkpoints(tmp_path / "ckpt")[-1]
     (newest / "optimizer.safetensors").write_bytes(b"\0" * 100)
     failed = kiln(tmp_path, *args)
     assert failed.returncode == 2
     assert "corrupt checkpoint" in failed.output and "step_00000004" in failed.output
     assert "Traceback" not in failed.output
-    assert (tmp_path / "base" / "model.safetensors").read_bytes() == before
+    assert (tmp_path / "base" / "model" / "model.safetensors").read_bytes() == before
     assert (newest / "model.safetensors").is_file()  # left for the user to inspect, not deleted
 
 
@@ -224,7 +227,7 @@ def test_shards_from_another_tokenizer_are_refused(tiny, shakespeare, tmp_path):
     failed = kiln(tmp_path, *args)
     assert failed.returncode == 2
     assert "tokenizer" in failed.output and str(tiny.shards) in failed.output.replace("\n", "")
-    assert not (tmp_path / "base").exists() and not (tmp_path / "ckpt").exists()
+    assert not (tmp_path / "base" / "model").exists() and not (tmp_path / "ckpt").exists()
 
 
 @pytest.mark.parametrize("key, value", [("train.precision", "fp8"), ("model.n_head", "3"),
@@ -292,13 +295,13 @@ def test_the_nan_stops_advice_followed_literally_deletes_nothing(tiny, tmp_path,
     kept = re.search(r"Last good checkpoint: (\S+)\.", message).group(1)
     assert "loss is nan at step 3" in message and kept.endswith("step_00000002")
     command = re.search(r"go on from it: kiln pretrain (.+?); no checkpoint is deleted", message).group(1)
-    assert not (tmp_path / "base").exists()
+    assert not (tmp_path / "base" / "model").exists()
     stopped_run = tree_bytes(tmp_path / "ckpt")
 
     go_on = CliRunner().invoke(app, [*args, *command.replace("<lower>", "0.005").split()])
     assert go_on.exit_code == 0, go_on.output
     assert f"resuming from {kept} (step 2)" in " ".join(go_on.output.split())
-    assert json.loads((tmp_path / "metrics/pretrain.json").read_text())["pretrain"]["steps"] == 6
+    assert json.loads((tmp_path / "base/metrics/pretrain.json").read_text())["pretrain"]["steps"] == 6
 
     afresh = CliRunner().invoke(app, [*args, "--set", "lr=0.002"])
     assert afresh.exit_code == 0, afresh.output

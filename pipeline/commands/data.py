@@ -15,6 +15,7 @@ from kiln.pipeline.commands.shared import (
     ParamsOpt,
     SetOpt,
     TokenizerOpt,
+    hand_runs,
     params_help,
     print_metrics,
     reports_errors,
@@ -25,6 +26,7 @@ app = typer.Typer(help="Corpus and token shards: prepare, shard, inspect.", no_a
 
 @app.command("prepare", epilog=params_help("data"))
 @reports_errors
+@hand_runs("prepare", "corpus")
 def data_prepare(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], out: OutOpt = layout.CORPUS,
                  force: ForceOpt = False):
     """Build train/val parquet files from `data.source` (stage `prepare`)."""
@@ -38,6 +40,7 @@ def data_prepare(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], out: OutO
 
 @app.command("shard", epilog=params_help("shard"))
 @reports_errors
+@hand_runs("shard", "shards")
 def data_shard(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], corpus: CorpusOpt = layout.CORPUS,
                tokenizer: TokenizerOpt = layout.TOKENIZER, out: OutOpt = layout.SHARDS,
                checkpoints: Annotated[Path, typer.Option(help="The finished shards of a killed run, to resume.")] =

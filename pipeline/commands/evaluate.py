@@ -8,7 +8,15 @@ from typing import Annotated
 import typer
 
 from kiln.pipeline import layout
-from kiln.pipeline.commands.shared import CorpusOpt, ParamsOpt, SetOpt, TokenizerOpt, params_help, reports_errors
+from kiln.pipeline.commands.shared import (
+    CorpusOpt,
+    ParamsOpt,
+    SetOpt,
+    TokenizerOpt,
+    hand_runs,
+    params_help,
+    reports_errors,
+)
 
 app = typer.Typer()
 
@@ -16,15 +24,16 @@ app = typer.Typer()
 @app.command("evaluate", epilog=params_help("eval"))
 @app.command("eval", hidden=True)
 @reports_errors
+@hand_runs("evaluate", "metrics")
 def evaluate_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                  models: Annotated[Path, typer.Option(help="The folder holding the eval.models folders.")] =
                  layout.MODELS,
                  shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json (val split).")] =
                  layout.SHARDS,
                  tokenizer: TokenizerOpt = layout.TOKENIZER, corpus: CorpusOpt = layout.CORPUS,
-                 metrics: Annotated[Path, typer.Option(help="Folder for eval.json.")] = layout.METRICS,
-                 samples: Annotated[Path, typer.Option(help="Folder for <model>.md generations.")] =
-                 layout.SAMPLES):
+                 out: Annotated[Path, typer.Option(help="Folder for eval.json, report.md and samples/; given, or with "
+                                                        "--set or another input, a hand run's own folder (its "
+                                                        "metrics/ then holds them).")] = layout.METRICS):
     """Val loss/perplexity/bits per byte, multiple-choice tasks, post-training accuracy and samples of every
     model in eval.models, side by side in metrics/eval.json (stage `evaluate`).
 
@@ -41,4 +50,4 @@ def evaluate_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     # the stage's code (torch) is imported once the params are known good: a bad value fails in a blink
     from kiln.pipeline.evaluate.evaluate import evaluate
 
-    evaluate(eval_params, train, sft_params, dpo_params, shards, tokenizer, corpus, models, metrics, samples)
+    evaluate(eval_params, train, sft_params, dpo_params, shards, tokenizer, corpus, models, out)

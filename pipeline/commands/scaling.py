@@ -9,7 +9,15 @@ from typing import Annotated
 import typer
 
 from kiln.pipeline import layout
-from kiln.pipeline.commands.shared import ParamsOpt, SetOpt, TokenizerOpt, params_help, print_metrics, reports_errors
+from kiln.pipeline.commands.shared import (
+    ParamsOpt,
+    SetOpt,
+    TokenizerOpt,
+    hand_runs,
+    params_help,
+    print_metrics,
+    reports_errors,
+)
 
 app = typer.Typer(help="Scaling laws: an IsoFLOP sweep, Chinchilla's approaches 2 and 3 fitted to it, the model size "
                                "they give.",
@@ -18,11 +26,13 @@ app = typer.Typer(help="Scaling laws: an IsoFLOP sweep, Chinchilla's approaches 
 
 @app.command("sweep", epilog=params_help("scaling"))
 @reports_errors
+@hand_runs("scaling_sweep", "scaling")
 def scaling_sweep_command(
         params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
         shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = layout.SHARDS,
         tokenizer: TokenizerOpt = layout.TOKENIZER,
-        out: Annotated[Path, typer.Option(help="Folder for runs.csv and each run's curves (kept across runs).")] =
+        out: Annotated[Path, typer.Option(help="Folder for runs.csv and each run's curves (kept across runs); a hand "
+                                               "run's own folder (see `kiln pretrain --help`).")] =
         layout.SCALING,
         checkpoints: Annotated[Path, typer.Option(help="Resume state of the run in progress.")] =
         layout.checkpoints("scaling")):
@@ -43,11 +53,13 @@ def scaling_sweep_command(
 
 @app.command("size")
 @reports_errors
+@hand_runs("scaling_size", "size.json", one_file=True)
 def scaling_size_command(
         params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
         fit: Annotated[Path, typer.Option(help="The fit `kiln scaling fit` wrote.")] = layout.FIT,
         tokenizer: TokenizerOpt = layout.TOKENIZER,
-        out: Annotated[Path, typer.Option(help="Where to write the choice (JSON).")] = layout.SIZE):
+        out: Annotated[Path, typer.Option(help="Where to write the choice (JSON); by default, a hand run's goes to "
+                                               "runs/scaling_size-<time>/size.json.")] = layout.SIZE):
     """With model.size=auto, pick the depth-dial model and token count for scaling.target_flops from the fit
     (stage `scaling_size`); with model.size=fixed, record just that.
 

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import math
+import os
+import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.markup import escape
 
+from kiln.pipeline import layout
 from kiln.pipeline.errors import KilnError, UserError
 from kiln.pipeline.outputs import replacing
 from kiln.pipeline.progress import console
@@ -18,7 +22,9 @@ ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to re
 SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
 CorpusOpt = Annotated[Path, typer.Option(help="Corpus folder with train.parquet and val.parquet.")]
 TokenizerOpt = Annotated[Path, typer.Option(help="The tokenizer.json to use.")]
-OutOpt = Annotated[Path, typer.Option(help="Output folder (replaced whole, only when the stage succeeds).")]
+OutOpt = Annotated[Path, typer.Option(help="Output folder (replaced whole, only when the stage succeeds); given, or with "
+                                           "--set or another --params or input, it is a hand run's own folder: "
+                                           "see the epilog.")]
 # read by `reports_errors`, which lets the command's output folders replace what is in the way
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace --out even if it holds files that kiln's output "
                                                         "of this kind does not (by default such a folder is "
@@ -61,6 +67,65 @@ def params_help(*sections: str) -> str:
     return "Params (params.yaml's defaults; change one with --set section.key=value):\n\n" + "\n".join(out)
 
 
+def hand_runs(stage: str, output: str, out: str = "out", one_file: bool = False):
+    """Keep a stage command run by hand away from the DAG's outputs.
+
+    The command is the DAG's stage only as dvc.yaml runs it: params.yaml, no --set, every path at its default.
+    Otherwise it is a hand run: what it writes (its `output`, metrics, curves, timings, checkpoints) goes under
+    one folder, `--out` or `runs/<stage>-<time>/`: `<run>/<output>`, `<run>/metrics/`, `<run>/checkpoints/<stage>`
+    (a --checkpoints option left at its default is moved there too). A stage that writes `one_file` and nothing
+    else takes a named --out as that file."""
+
+    def wrap(fn):
+        defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
+
+        @functools.wraps(fn)
+        def wrapper(**kwargs):
+            why = [f"--set {' '.join(kwargs['set_'])}"] if kwargs.get("set_") else []
+            why += [f"--{k.replace('_', '-')} {v}" for k, v in kwargs.items()
+                    if k not in ("set_", "force") and not _same(v, defaults[k])]
+            if not why:
+                return fn(**kwargs)
+            named = not _same(kwargs[out], defaults[out])
+            root = (kwargs[out].parent if one_file else kwargs[out]) if named else _new_run(stage)
+            if not (named and one_file):
+                kwargs[out] = root / output
+            with layout.hand_run(root):
+                if "checkpoints" in kwargs and _same(kwargs["checkpoints"], defaults["checkpoints"]):
+                    kwargs["checkpoints"] = layout.checkpoints(stage)
+                try:
+                    result = fn(**kwargs)
+                except KeyboardInterrupt:
+                    if not named:
+                        console.print(f"to go on from its last checkpoint: the same command with --out {root}",
+                                      highlight=False, soft_wrap=True)
+                    raise
+            if os.environ.get("RANK", "0") == "0":  # said last, after the stage's own lines, on one rank
+                console.print(f"{stage}: a hand run ({'; '.join(why)}): what it wrote is under {root}/, none of the "
+                              "DAG's outputs", highlight=False, soft_wrap=True)
+            return result
+
+        return wrapper
+
+    return wrap
+
+
+def _same(value, default) -> bool:
+    if isinstance(value, Path) and isinstance(default, Path):
+        return value.resolve() == default.resolve()
+    return value == default
+
+
+def _new_run(stage: str) -> Path:
+    """runs/<stage>-<local time>, with -2, -3... for a second run in the same second."""
+    base = layout.RUNS / f"{stage}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return path
+
+
 def reports_errors(fn):
     """Turn a KilnError into its one-line message and exit code instead of a traceback; refuse a non-finite
     number in any float option (click parses `inf` and `nan`) before the command sees it."""
@@ -84,7 +149,32 @@ def reports_errors(fn):
     return wrapper
 
 
+# Rates a stage reports over its whole run, unlike the progress line's "now" (since the last log line).
+_AVERAGES = frozenset({"tokens_per_s", "rollout_tokens_per_s", "mb_per_s", "mfu"})
+
+
 def print_metrics(stage: str, metrics: dict) -> None:
-    console.print(f"{stage}: " + ", ".join(f"{k}={v}" for k, v in metrics.items()), highlight=False)
+    """The stage's summary as an aligned table of plain lines (nested values under dotted keys), never wrapped."""
+    rows = list(_flat(metrics))
+    width = max((len(k) for k, _ in rows), default=0)
+    lines = [f"{stage}:"] + [f"  {k:<{width}}  {_value(v)}{'  (stage average)' if k in _AVERAGES else ''}"
+                             for k, v in rows]
+    console.print("\n".join(lines), highlight=False, soft_wrap=True, markup=False)
+
+
+def _flat(values: dict, prefix: str = ""):
+    for key, value in values.items():
+        if isinstance(value, dict) and value:
+            yield from _flat(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def _value(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.6g}" if abs(value) < 1e15 else f"{value:.6g}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
 
 

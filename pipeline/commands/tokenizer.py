@@ -15,6 +15,7 @@ from kiln.pipeline.commands.shared import (
     ParamsOpt,
     SetOpt,
     TokenizerOpt,
+    hand_runs,
     params_help,
     print_metrics,
     reports_errors,
@@ -25,6 +26,7 @@ app = typer.Typer(help="Byte-level BPE: train, encode, decode.", no_args_is_help
 
 @app.command("train", epilog=params_help("tokenizer"))
 @reports_errors
+@hand_runs("tokenizer", "tokenizer")
 def tokenizer_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], corpus: CorpusOpt = layout.CORPUS,
                     out: OutOpt = layout.TOKENIZER_DIR, force: ForceOpt = False):
     """Train the byte-level BPE on the train split, or build GPT-2's with `source=gpt2` (stage `tokenizer`)."""

@@ -18,6 +18,7 @@ from kiln.pipeline.commands.shared import (
     ResumeOpt,
     SetOpt,
     TokenizerOpt,
+    hand_runs,
     params_help,
     print_metrics,
     reports_errors,
@@ -29,6 +30,7 @@ app = typer.Typer()
 @app.command("pretrain", epilog=params_help("train", "model"))
 @app.command("train", hidden=True)
 @reports_errors
+@hand_runs("pretrain", "model")
 def pretrain_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                   shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = layout.SHARDS,
                   tokenizer: TokenizerOpt = layout.TOKENIZER, out: OutOpt = layout.BASE_MODEL,
@@ -54,6 +56,7 @@ def pretrain_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 
 @app.command("sft", epilog=params_help("sft"))
 @reports_errors
+@hand_runs("sft", "model")
 def sft_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 base: Annotated[Path, typer.Option(help="The model to start from.")] = layout.BASE_MODEL,
                 tokenizer: TokenizerOpt = layout.TOKENIZER, corpus: CorpusOpt = layout.CORPUS,
@@ -78,6 +81,7 @@ def sft_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 
 @app.command("dpo", epilog=params_help("dpo"))
 @reports_errors
+@hand_runs("dpo", "model")
 def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 sft_model: Annotated[Path, typer.Option("--sft", help="The SFT model: policy start and reference.")] =
                 layout.SFT_MODEL,
@@ -103,6 +107,7 @@ def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 
 @app.command("grpo", epilog=params_help("grpo"))
 @reports_errors
+@hand_runs("grpo", "model")
 def grpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                  start: Annotated[Path | None, typer.Option(help="The model to start from (default: data/models/"
                                                                  "<grpo.init>).")] = None,
@@ -134,7 +139,10 @@ def train_stage(stage: str, train, run) -> None:
     from kiln.pipeline.train import distributed
 
     if train.nproc_per_node > 1 and not runtime.launched():
-        raise typer.Exit(distributed.relaunch(train.nproc_per_node, sys.argv[1:]))
+        args = sys.argv[1:]
+        if (root := layout.hand_run_root()) is not None and "--out" not in args:  # every rank writes the one run
+            args = [*args, "--out", str(root)]
+        raise typer.Exit(distributed.relaunch(train.nproc_per_node, args))
     try:
         metrics = run()
     finally:

@@ -18,8 +18,10 @@ metrics use the chat format for every model, the base model included (as sft.jso
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,7 @@ from kiln.pipeline.train.lm_eval import byte_lengths, evaluate_lm
 from kiln.pipeline.train.params import TrainParams
 
 REPORT = "report.md"  # in the metrics folder, beside eval.json
+SAMPLES = "samples"  # the folder of <model>.md generations, beside them too
 @dataclass
 class PostTrainData:
     """The held-out data of the post-training stages: built-in items (accuracy) and preference pairs."""
@@ -267,6 +270,46 @@ def score_posttrain(plan: Plan, params: EvalParams, train: TrainParams, name: st
     return out
 
 
+def chance_levels(plan: Plan, metrics: dict) -> dict[str, float]:
+    """What guessing scores on each metric that has such a level: a uniform guess over the vocabulary for the
+    losses (bits per byte by the tokens-to-bytes ratio of the scored window, the same for every model), over each
+    item's choices for a multiple-choice accuracy, a coin for a preference pair. A generative task's reward is the
+    user's: it has none."""
+    vocab = plan.first.model.config.vocab_size
+    chance = {"val_loss": math.log(vocab), "val_ppl": float(vocab)}
+    loss, bpb = metrics.get("val_loss", {}), metrics.get("val_bpb", {})
+    if (model := next((m for m in loss if m in bpb and loss[m] > 0), None)) is not None:
+        chance["val_bpb"] = math.log(vocab) * bpb[model] / loss[model]
+    for task, scorer in zip(plan.tasks.values(), plan.scorers):
+        if not scorer.lambada and scorer.items:  # LAMBADA's one continuation: greedy exact match, no guess
+            level = sum(1 / item.n_choices for item in scorer.items) / len(scorer.items)
+            chance |= {f"{task.name}/acc": level, f"{task.name}/acc_norm": level}
+    if plan.post is not None:
+        if plan.post.scorer.n_choices:
+            chance |= {k: 1 / plan.post.scorer.n_choices for k in metrics if k.startswith("posttrain/accuracy")}
+        chance |= {"posttrain/preference_accuracy": 0.5, "posttrain/reward_accuracy": 0.5}
+    return {k: v for k, v in chance.items() if k in metrics}
+
+
+# What evaluate reads besides its own section, as dvc.yaml's evaluate stage lists it.
+READS = {"train": ("device", "precision", "kernels"), "sft": ("data", "val_examples", "seed"),
+         "dpo": ("data", "format", "split", "max_examples", "val_examples", "seed")}
+
+
+def provenance(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOParams, dirs: dict[str, Path]) -> str:
+    """The report's line on where it came from: a digest of the params it read and each model's hash. No commit
+    id: written inside, it would change the report (a DVC output) at every commit; the commit whose dvc.lock
+    records the report's hash is the one."""
+    read = {"eval": dataclasses.asdict(params)} | {
+        section: {k: getattr(obj, k) for k in READS[section]} for section, obj in (("train", train), ("sft", sft),
+                                                                                   ("dpo", dpo))}
+    digest = hashlib.sha256(json.dumps(read, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    models = ", ".join(f"{name} `{sha256_file(path / 'model.safetensors')[:12]}`" for name, path in dirs.items())
+    return (f"Made with params digest `{digest}` (sha256 of the `eval` section and the train, sft and dpo keys "
+            f"dvc.yaml lists for evaluate, as loaded) from the models {models} (sha256 of model.safetensors, first "
+            "12 hex digits); the commit is the one whose dvc.lock holds this file's hash.")
+
+
 def item_counts(plan: Plan) -> dict[str, int]:
     """How many items each task scored and how many it left out as too long."""
     counts = {}
@@ -281,7 +324,11 @@ def item_counts(plan: Plan) -> dict[str, int]:
 
 def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOParams, shards_dir: Path,
              tokenizer_path: Path, corpus_dir: Path, models_dir: Path = layout.MODELS,
-             metrics_dir: Path = layout.METRICS, samples_dir: Path = layout.SAMPLES) -> dict:
+             metrics_dir: Path | None = None) -> dict:
+    """Score every model of eval.models; eval.json, report.md and samples/<model>.md go to `metrics_dir` (the
+    stage's metrics/, or a hand run's)."""
+    metrics_dir = layout.metrics_dir() if metrics_dir is None else Path(metrics_dir)
+    samples_dir = metrics_dir / SAMPLES
     p = plan_evaluation(params, train, sft, dpo, shards_dir, tokenizer_path, corpus_dir, models_dir)
     scores = Scores(p)
     with Progress("eval", unit="parts", total=len(p.dirs) * p.parts()) as progress:
@@ -292,11 +339,11 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
                       + (f", {sum(task.skipped.values()):,} rows skipped" if task.skipped else ""), highlight=False)
     metrics = report(scores.results) | {"items": item_counts(p)}
     page = report_markdown(metrics, list(p.dirs), p.starts, list(zip(p.gen_tasks, scores.answers)), params.seed,
-                           Path(os.path.relpath(samples_dir, metrics_dir)).as_posix())
+                           SAMPLES, chance_levels(p, metrics), provenance(params, train, sft, dpo, p.dirs))
     # the samples, the report and the metrics land together or not at all (a full disk once left new samples
     # beside an old report)
     atomic_write_files({**{samples_dir / f"{name}.md": text.encode("utf-8") for name, text in scores.samples.items()},
-                        Path(metrics_dir) / REPORT: page.encode("utf-8"), **metrics_files("eval", metrics, metrics_dir)})
+                        metrics_dir / REPORT: page.encode("utf-8"), **metrics_files("eval", metrics, metrics_dir)})
     print_table(scores.results, list(p.dirs))
     return metrics
 

@@ -47,17 +47,21 @@ def paired_bootstrap(model: np.ndarray, start: np.ndarray, seed: int, resamples:
 
 
 def report_markdown(metrics: dict, models: list[str], starts: dict[str, str | None],
-                    tasks: list[tuple[GenTask, dict[str, GenResult]]], seed: int, samples: str = "samples") -> str:
+                    tasks: list[tuple[GenTask, dict[str, GenResult]]], seed: int, samples: str = "samples",
+                    chance: dict[str, float] | None = None, provenance: str = "") -> str:
     """`metrics` is eval.json's content ({metric: {model: value}}, and `items`); `starts` names each model's
     starting model among `models` (None for none); `tasks` pairs each generative task with each model's result;
-    `samples` is the folder of the `<model>.md` generations, relative to the report."""
+    `samples` is the folder of the `<model>.md` generations, relative to the report; `chance` what guessing
+    scores on a metric (absent: no such level); `provenance` a line saying which params and models made it."""
     chains = ", ".join(f"{m} from {s}" for m, s in starts.items() if s)
     lines = ["# Evaluation report", "",
              "Every model of `eval.models` measured the same way by `kiln evaluate` (the numbers of "
              "`metrics/eval.json`). " + (f"A model's change, in brackets, is against the model it started from "
                                           f"({chains})." if chains else
                                           "No model started from another evaluated model: no changes to show."), ""]
-    lines += _metric_table(metrics, models, starts)
+    if provenance:
+        lines += [provenance, ""]
+    lines += _metric_table(metrics, models, starts, chance or {})
     for task, results in tasks:
         lines += _noise_check(task, results, models, starts, seed)
     for task, results in tasks:
@@ -67,10 +71,13 @@ def report_markdown(metrics: dict, models: list[str], starts: dict[str, str | No
     return "\n".join(lines)
 
 
-def _metric_table(metrics: dict, models: list[str], starts: dict[str, str | None]) -> list[str]:
+def _metric_table(metrics: dict, models: list[str], starts: dict[str, str | None],
+                  chance: dict[str, float]) -> list[str]:
     heads = [m if starts.get(m) is None else f"{m} (vs {starts[m]})" for m in models]
-    lines = ["## Every metric", "", "| metric | better | " + " | ".join(heads) + " |",
-             "| --- | --- |" + " ---: |" * len(models)]
+    lines = ["## Every metric", "", "`chance` is what guessing scores: a uniform guess over the vocabulary for the "
+             "losses, over an item's choices for an accuracy, a coin for a pair; `-` where no guess has a level "
+             "(a reward of your own).", "", "| metric | better | chance | " + " | ".join(heads) + " |",
+             "| --- | --- | ---: |" + " ---: |" * len(models)]
     for key, row in metrics.items():
         if key == "items":
             continue
@@ -82,7 +89,8 @@ def _metric_table(metrics: dict, models: list[str], starts: dict[str, str | None
             start = starts.get(m)
             delta = f" ({row[m] - row[start]:+.4f})" if start is not None and start in row else ""
             cells.append(f"{row[m]:.4f}{delta}")
-        lines.append(f"| {key} | {better(key)} | " + " | ".join(cells) + " |")
+        level = f"{chance[key]:.4f}" if key in chance else "-"
+        lines.append(f"| {key} | {better(key)} | {level} | " + " | ".join(cells) + " |")
     items = metrics.get("items") or {}
     if items:
         lines += ["", "Items scored (the same for every model): "

@@ -23,7 +23,7 @@ from kiln.model.lora import adapter_state_dict, apply_adapter, merged_state_dict
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.post.params import PostTrainParams
-from kiln.pipeline.progress import console
+from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.runtime import World, autocast, from_env, prepare_device
 from kiln.pipeline.tasks.chat_format import ChatFormat, Rendered
 from kiln.pipeline.tasks.corpus_task import TaskItem
@@ -79,6 +79,12 @@ def start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokenize
           corpus_dir: Path) -> Start:
     """Load the model a stage starts from, refusing a tokenizer other than the one it was trained with, and
     the stage's data rendered for its context length."""
+    with Progress(f"{params.SECTION}: loading {model_dir} and the data"):
+        return _start(params, train, model_dir, tokenizer_path, corpus_dir)
+
+
+def _start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokenizer_path: Path,
+           corpus_dir: Path) -> Start:
     torch.manual_seed(params.seed)  # every rank draws the same adapter init
     world = from_env()
     device = prepare_device(train, world)

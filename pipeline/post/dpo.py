@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-from kiln.pipeline import layout
 from kiln.pipeline.post.common import (
     ChoiceScorer,
     ExampleBatches,
@@ -41,9 +40,6 @@ from kiln.pipeline.post.stage import Stage, run_stage
 from kiln.pipeline.train.curves import Panel
 from kiln.pipeline.train.params import TrainParams
 
-MODEL_DIR = layout.DPO_MODEL
-CHECKPOINT_DIR = layout.checkpoints("dpo")
-CURVES_DIR = layout.curves("dpo")
 PANELS = [Panel("DPO loss", "loss, mean over pairs", {"loss": "train", "val_loss": "held-out"}),
           Panel("pairs ranked right", "share of pairs", {"train/rewards/accuracies": "reward, train",
                                                          "val/rewards/accuracies": "reward, held-out",
@@ -69,7 +65,7 @@ def pair_metrics(params: DPOParams, rows: PairRows, pc: torch.Tensor, pr: torch.
 
 
 def dpo(params: DPOParams, train_params: TrainParams, sft_dir: Path, tokenizer_path: Path, corpus_dir: Path,
-        out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR,
+        out_dir: Path, checkpoint_dir: Path, curves_dir: Path | None = None,
         resume_from: Path | None = None) -> dict:
     s = start(params, train_params, sft_dir, tokenizer_path, corpus_dir)
     return run_stage(s, lambda: dpo_stage(params, s, sft_dir), out_dir, checkpoint_dir, curves_dir, resume_from)

@@ -36,7 +36,6 @@ import numpy as np
 import torch
 
 from kiln.model.lora import adapters_off, is_adapted
-from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.post.common import IGNORE, ExampleBatches, Start, start
 from kiln.pipeline.post.grpo_loss import group_advantages, policy_loss
@@ -57,9 +56,6 @@ from kiln.pipeline.train.params import TrainParams
 # The serving engine, each completion with its own seed (rollout batch seed + j): the draws differ from the
 # batched generator's that the runs before it sampled with.
 ROLLOUT_SAMPLER = "engine, seed + j"
-MODEL_DIR = layout.GRPO_MODEL
-CHECKPOINT_DIR = layout.checkpoints("grpo")
-CURVES_DIR = layout.curves("grpo")
 PANELS = [Panel("reward", "mean over the step's completions", {"reward": "train (sampled)",
                                                                "val/reward": "held-out (greedy)"}),
           Panel("held-out greedy pass@1", "share of prompts", {"val/pass@1": "pass@1"}),
@@ -279,7 +275,7 @@ def greedy_rewards(model, prompts: Prompts, chat: ChatFormat, reward: NamedRewar
 
 
 def grpo(params: GRPOParams, train_params: TrainParams, start_dir: Path, tokenizer_path: Path, corpus_dir: Path,
-         out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR,
+         out_dir: Path, checkpoint_dir: Path, curves_dir: Path | None = None,
          resume_from: Path | None = None) -> dict:
     # a bad reward fails before the model loads
     reward = make_reward(params.reward, params.reward_pattern, timeout=params.reward_timeout)

@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, Start, fits, rows_sha256, score_rows, start, to_rows
 from kiln.pipeline.post.params import SFTParams
@@ -25,9 +24,6 @@ from kiln.pipeline.text.corpus import iter_texts
 from kiln.pipeline.train.curves import Panel
 from kiln.pipeline.train.params import TrainParams
 
-MODEL_DIR = layout.SFT_MODEL
-CHECKPOINT_DIR = layout.checkpoints("sft")
-CURVES_DIR = layout.curves("sft")
 PANELS = [Panel("loss on assistant tokens", "cross-entropy (nats/token)", {"loss": "train", "val_loss": "held-out"}),
           Panel("built-in task, held-out", "accuracy", {"val_accuracy": "all", "val_accuracy_title": "title",
                                                        "val_accuracy_speaker": "speaker",
@@ -73,7 +69,7 @@ def text_rows(corpus_dir: Path, chat: ChatFormat, seq_len: int, n: int, seed: in
 
 
 def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_path: Path, corpus_dir: Path,
-        out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, curves_dir: Path = CURVES_DIR,
+        out_dir: Path, checkpoint_dir: Path, curves_dir: Path | None = None,
         resume_from: Path | None = None) -> dict:
     s = start(params, train_params, base_dir, tokenizer_path, corpus_dir)
     return run_stage(s, lambda: sft_stage(params, s, base_dir, corpus_dir), out_dir, checkpoint_dir, curves_dir,

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import torch
 
+from kiln.pipeline import layout
 from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.post.common import Start
-from kiln.pipeline.progress import console
+from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Panel, plot_png
@@ -45,15 +46,19 @@ class Stage:
     suspect: str = ""  # Run.suspect
 
 
-def run_stage(s: Start, prepare: Callable[[], Stage], out_dir: Path, checkpoint_dir: Path, curves_dir: Path,
+def run_stage(s: Start, prepare: Callable[[], Stage], out_dir: Path, checkpoint_dir: Path, curves_dir: Path | None,
               resume_from: Path | None) -> dict:
     """Train the stage `prepare` builds from `s` and save it to out_dir: the metrics on rank 0, the loop's
-    result on the others. `prepare` runs once out_dir is repaired, before the starting model is evaluated."""
+    result on the others. `prepare` runs once out_dir is repaired, before the starting model is evaluated.
+    `curves_dir` None: the stage's own (`layout.curves`, a hand run's folder while inside one)."""
     model, loop, world = s.model, s.loop, s.world
     if world.main:  # rank 0 alone writes, so it alone repairs what a killed write of the model left
         recover(out_dir)
-    stage = prepare()
-    before = stage.evaluate(model)
+    with Progress("preparing the stage's rows (and reference scores)"):
+        stage = prepare()
+    curves_dir = layout.curves(stage.name) if curves_dir is None else curves_dir
+    with Progress(f"{stage.name}: scoring the start model on the held-out data"):
+        before = stage.evaluate(model)
     fingerprint = {**s.identity(), "data": stage.data, **stage.fingerprint,
                    "train": run_identity(loop)}
     micro = stage.micro_batch_tokens
@@ -67,7 +72,8 @@ def run_stage(s: Start, prepare: Callable[[], Stage], out_dir: Path, checkpoint_
               section=stage.name)
     console.print(f"{stage.name}: {stage.summary}{distributed.spread(world, loop.parallel)}", highlight=False)
     result = train(model, run)
-    s.save(out_dir)
+    with Progress(f"{stage.name}: saving the model to {out_dir}"):
+        s.save(out_dir)
     if not world.main:
         return result
     metrics = stage.metrics(result, before)

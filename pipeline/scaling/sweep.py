@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import math
 import shutil
 import time
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from pathlib import Path
 from kiln.model.config import ModelConfig
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.outputs import atomic_write_bytes, lock_path, write_metrics
+from kiln.pipeline.outputs import atomic_write_bytes, lock_path, write_json, write_metrics
 from kiln.pipeline.progress import console
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.train.checkpoints import run_name
@@ -42,8 +43,11 @@ from kiln.pipeline.train.lm import LMData, lm_fingerprint, train_lm
 from kiln.pipeline.train.params import ModelParams, TrainParams, run_identity
 from kiln.pipeline.train.size_choice import count_params
 
-COLUMNS = ("run", "params", "non_embedding_params", "tokens", "flops", "loss", "bpb", "seconds", "budget", "depth",
-           "d_model", "n_head", "steps", "train_loss", "fingerprint")
+# What a run gave, not how long it took: runs.csv is a DVC output, the same bytes on every rerun. Each run's
+# seconds are kept in SECONDS beside it, a scratch file (a runs.csv from before had them as a column).
+COLUMNS = ("run", "params", "non_embedding_params", "tokens", "flops", "loss", "bpb", "budget", "depth", "d_model",
+           "n_head", "steps", "train_loss", "fingerprint")
+SECONDS = "seconds.json"
 
 
 @dataclass
@@ -107,20 +111,37 @@ def read_rows(path: Path) -> dict[str, dict]:
     return {row["run"]: row for row in reader}
 
 
+def read_seconds(path: Path, rows: dict[str, dict]) -> dict[str, float]:
+    """Each finished run's training seconds: SECONDS, or the column a runs.csv from before it had (unreadable:
+    none, since it is only a timing)."""
+    try:
+        seconds = {str(k): float(v) for k, v in json.loads(path.read_text(encoding="utf-8")).items()
+                   if math.isfinite(float(v))}
+    except (OSError, ValueError, AttributeError):
+        seconds = {}
+    for name, row in rows.items():
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            if math.isfinite(float(row["seconds"])):
+                seconds.setdefault(name, float(row["seconds"]))
+    return seconds
+
+
 def write_rows(path: Path, rows: list[dict]) -> None:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, COLUMNS, lineterminator="\n")
+    writer = csv.DictWriter(buf, COLUMNS, lineterminator="\n", extrasaction="ignore")
     writer.writeheader()
     writer.writerows(rows)
     atomic_write_bytes(path, buf.getvalue().encode())
 
 
 def sweep(scaling: ScalingParams, model: ModelParams, shards_dir: Path, tokenizer_path: Path,
-          out_dir: Path = layout.SCALING, checkpoint_dir: Path = layout.checkpoints("scaling")) -> dict:
+          out_dir: Path = layout.SCALING, checkpoint_dir: Path | None = None) -> dict:
+    checkpoint_dir = layout.checkpoints("scaling") if checkpoint_dir is None else checkpoint_dir
     data = LMData.load(shards_dir, tokenizer_path)
     runs = plan(scaling, model, data.train.vocab_size, data.tokenizer_sha256)
     csv_path = out_dir / "runs.csv"
     rows = read_rows(csv_path)
+    seconds = read_seconds(out_dir / SECONDS, rows)
     todo = [r for r in runs if rows.get(r.name, {}).get("fingerprint") != r.fingerprint]
     todo_flops = sum(r.flops for r in todo)
     console.print(f"scaling sweep: {len(runs)} runs ({len(set(scaling.budgets))} budgets x "
@@ -133,11 +154,13 @@ def sweep(scaling: ScalingParams, model: ModelParams, shards_dir: Path, tokenize
         rows[run.name] = {
             "run": run.name, "params": run.params, "non_embedding_params": run.non_embedding_params,
             "tokens": run.tokens, "flops": f"{run.flops:.6g}", "loss": result["val_loss"], "bpb": result["val_bpb"],
-            "seconds": result["seconds"], "budget": f"{run.budget:g}", "depth": run.depth,
+            "budget": f"{run.budget:g}", "depth": run.depth,
             "d_model": run.config.d_model, "n_head": run.config.n_head, "steps": result["steps"],
             "train_loss": result["train_loss"], "fingerprint": run.fingerprint}
         write_rows(csv_path, [rows[r.name] for r in runs if r.name in rows
                               and rows[r.name]["fingerprint"] == r.fingerprint])
+        seconds[run.name] = result["seconds"]
+        write_json(out_dir / SECONDS, seconds)
         # A finished run needs no resume state; other params' runs of this name keep theirs.
         own = checkpoint_dir / run.name
         shutil.rmtree(own / run_name(lm_fingerprint(run.config, run.train, data.tokenizer_sha256)), ignore_errors=True)
@@ -151,10 +174,11 @@ def sweep(scaling: ScalingParams, model: ModelParams, shards_dir: Path, tokenize
                       "(by FLOPs)", highlight=False)
     # Runs of budgets or depths no longer in the grid are dropped here, not fitted.
     write_rows(csv_path, [rows[r.name] for r in runs])
+    write_json(out_dir / SECONDS, seconds)  # also what an older runs.csv held
     metrics = {"runs": len(runs), "trained": len(todo), "reused": len(runs) - len(todo),
                "trained_flops": float(f"{todo_flops:.4g}"), "seconds": round(time.perf_counter() - start, 1),
-               # the whole grid's training time, as runs.csv records it: the same after a rerun that reuses runs
-               "train_seconds": round(sum(float(rows[r.name]["seconds"]) for r in runs), 1),
+               # the whole grid's training time, as seconds.json records it: the same after a rerun that reuses runs
+               "train_seconds": round(sum(seconds.get(r.name, 0.0) for r in runs), 1),
                "best_loss": min(float(rows[r.name]["loss"]) for r in runs)}
     write_metrics("scaling_sweep", metrics)
     return metrics

@@ -188,7 +188,8 @@ def intact(path: Path, entry: dict) -> bool:
 
 
 def shard(params: ShardParams, corpus_dir: Path, tokenizer_path: Path, out_dir: Path = layout.SHARDS,
-          work: Path = layout.checkpoints("shard")) -> dict:
+          work: Path | None = None) -> dict:
+    work = layout.checkpoints("shard") if work is None else work
     tok = load_tokenizer(tokenizer_path)
     vocab_size, eot = tok.get_vocab_size(), tok.token_to_id(EOT)
     if eot is None:

@@ -37,11 +37,13 @@ from kiln.pipeline.tools.machine import machine
 
 POLL_S = 0.02
 # Each stage: its command (run in the scale's folder, on the params file) and the module it spends its time in.
+# They are hand runs into one folder, RUN: its corpus/, tokenizer/, shards/, metrics/ and checkpoints/.
+RUN = "run"
 COMMANDS = {
-    "prepare": (["data", "prepare", "--out", "corpus"], "kiln.pipeline.text.prepare"),
-    "tokenizer": (["tokenizer", "train", "--corpus", "corpus", "--out", "tokenizer"], "kiln.pipeline.text.tokenizer"),
-    "shard": (["data", "shard", "--corpus", "corpus", "--tokenizer", "tokenizer/tokenizer.json", "--out", "shards",
-               "--checkpoints", "checkpoints/shard"], "kiln.pipeline.text.shard"),
+    "prepare": (["data", "prepare", "--out", RUN], "kiln.pipeline.text.prepare"),
+    "tokenizer": (["tokenizer", "train", "--corpus", f"{RUN}/corpus", "--out", RUN], "kiln.pipeline.text.tokenizer"),
+    "shard": (["data", "shard", "--corpus", f"{RUN}/corpus", "--tokenizer", f"{RUN}/tokenizer/tokenizer.json",
+               "--out", RUN], "kiln.pipeline.text.shard"),
 }
 STAGES = tuple(COMMANDS)
 
@@ -155,8 +157,8 @@ def measure_stage(stage: str, params: Path, source: Path, root: Path, imports: U
     args, _ = COMMANDS[stage]
     extra = ["--set", f"data.source={source}"] if stage == "prepare" else []
     usage = run_measured(kiln(*args, "--params", str(params), *extra), root)
-    timings = json.loads((root / "metrics/timings" / f"{stage}.json").read_text())
-    results = json.loads((root / "metrics" / f"{stage}.json").read_text())[stage]
+    timings = json.loads((root / RUN / "metrics/timings" / f"{stage}.json").read_text())
+    results = json.loads((root / RUN / "metrics" / f"{stage}.json").read_text())[stage]
     if stage == "prepare":
         docs = results["train_documents"] + results["val_documents"]
         mb, what = (results["train_bytes"] + results["val_bytes"]) / 1e6, f"{docs:,} docs"

@@ -55,7 +55,7 @@ import kiln.pipeline.tools.bench_train, kiln.pipeline.tools.bench_generate
 import kiln.pipeline.text.prepare, kiln.pipeline.text.sources, kiln.pipeline.text.tokenizer, kiln.pipeline.text.shard
 import kiln.pipeline.train.pretrain, kiln.pipeline.train.curves
 with tempfile.TemporaryDirectory() as d:
-    run = kiln.pipeline.train.curves.Curves(d, 0)
+    run = kiln.pipeline.train.curves.Curves(d + "/run", 0)
     run.add(1, {"loss": 1.0})
     run.end()
 print(json.dumps(sorted({m.split(".")[0] for m in sys.modules})))

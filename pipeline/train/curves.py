@@ -12,7 +12,8 @@ import io
 from dataclasses import dataclass
 from pathlib import Path
 
-from kiln.pipeline.outputs import atomic_write_bytes
+from kiln.pipeline import layout
+from kiln.pipeline.outputs import TIMING_KEYS, atomic_write_bytes
 
 PLOTS = Path("plots/metrics")
 
@@ -34,30 +35,39 @@ def read_metric(path: Path) -> list[tuple[int, float]]:
 class Curves:
     """A DVCLive run in `directory`. Resuming from step S first drops rows logged after S (they belong to
     the steps that will be trained again), so no step appears twice in a curve. A run's other ranks pass
-    `write=False`: one process logs."""
+    `write=False`: one process logs.
+
+    Series that measure the machine rather than the model (tokens/s: `TIMING_KEYS`) go to a second DVCLive run
+    in `layout.timings(directory)`, outside the folder DVC hashes, so a rerun that trains the same model leaves
+    the stage's outputs byte-identical."""
 
     def __init__(self, directory: Path, resume_step: int, write: bool = True):
-        self.live = None
+        self.lives = {}
         if not write:
             return
         from dvclive import Live
 
-        if resume_step:
-            for path in metric_files(directory).values():
-                _drop_rows_after(path, resume_step)
-        self.live = Live(str(directory), resume=bool(resume_step), save_dvc_exp=False, dvcyaml=None, report=None)
+        for kind, folder in (("results", Path(directory)), ("timings", layout.timings(directory))):
+            if resume_step:
+                for path in metric_files(folder).values():
+                    _drop_rows_after(path, resume_step)
+            self.lives[kind] = Live(str(folder), resume=bool(resume_step), save_dvc_exp=False, dvcyaml=None,
+                                    report=None)
 
     def add(self, step: int, values: dict[str, float]) -> None:
-        if self.live is None:
+        if not self.lives:
             return
-        self.live.step = step
-        for name, value in values.items():
-            self.live.log_metric(name, value)
-        self.live.make_summary()
+        for kind, live in self.lives.items():
+            logged = {k: v for k, v in values.items() if (k in TIMING_KEYS) == (kind == "timings")}
+            if logged:
+                live.step = step
+                for name, value in logged.items():
+                    live.log_metric(name, value)
+                live.make_summary()
 
     def end(self) -> None:
-        if self.live is not None:
-            self.live.end()
+        for live in self.lives.values():
+            live.end()
 
 
 def _drop_rows_after(path: Path, step: int) -> None:

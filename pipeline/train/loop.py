@@ -257,7 +257,7 @@ class Training:
             self.peak, _ = peak_flops(device, params.precision)
         mfu = run.flops_per_token * tps / (self.peak * world.size) if self.peak else None  # tps counts every rank
         progress.advance(0, loss=self.loss, **{k: round(extra[k], 3) for k in run.show if k in extra}, lr=lr,
-                         **{"tok/s": round(tps)},
+                         **{"tok/s now": round(tps)},  # since the last log; the stage's average is in its summary
                          **({"mfu": f"{mfu:.1%}"} if mfu is not None else {}))
         self.timer_tokens, self.timer_start = 0, time.perf_counter()
 

@@ -14,7 +14,7 @@ import torch
 from kiln.model.checkpoint import save_model
 from kiln.pipeline import layout, runtime
 from kiln.pipeline.outputs import recover, write_metrics
-from kiln.pipeline.progress import console
+from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.text.loader import ShardSet
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.curves import Panel, plot_png
@@ -23,18 +23,14 @@ from kiln.pipeline.train.params import ModelParams, TrainParams
 from kiln.pipeline.train.size_choice import SHAPE_KEYS, auto_size, describe
 from kiln.pipeline.train.throughput import peak_flops
 
-MODEL_DIR = layout.BASE_MODEL
-CHECKPOINT_DIR = layout.checkpoints("pretrain")
-CURVES_DIR = layout.curves("pretrain")
 PANELS = [Panel("loss", "cross-entropy (nats/token)", {"loss": "train", "val_loss": "held-out"}),
           Panel("held-out bits per byte", "bits/byte", {"val_bpb": "val_bpb"}),
           Panel("learning rate", "lr", {"lr": "lr"}),
-          Panel("gradient norm before clipping", "global L2 norm", {"grad_norm": "grad_norm"}),
-          Panel("throughput", "tokens/s", {"tokens_per_s": "tokens/s"})]
+          Panel("gradient norm before clipping", "global L2 norm", {"grad_norm": "grad_norm"})]
 
 
 def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, tokenizer_path: Path,
-             out_dir: Path = MODEL_DIR, checkpoint_dir: Path = CHECKPOINT_DIR, size_file: Path = layout.SIZE,
+             out_dir: Path, checkpoint_dir: Path, size_file: Path = layout.SIZE,
              resume_from: Path | None = None) -> dict:
     if runtime.from_env().main:  # rank 0 alone writes, so it alone repairs what a killed write left
         recover(out_dir)
@@ -49,18 +45,21 @@ def pretrain(model_params: ModelParams, params: TrainParams, shards_dir: Path, t
                                                       "d_model", "tokens")}}
     else:
         config = model_params.config(data.train.vocab_size)
-    model, result = train_lm(config, params, data, checkpoint_dir, CURVES_DIR, "pretrain", resume_from, "kiln pretrain")
+    curves_dir = layout.curves("pretrain")
+    model, result = train_lm(config, params, data, checkpoint_dir, curves_dir, "pretrain", resume_from, "kiln pretrain")
     weights = distributed.full_state_dict(model)
     if not runtime.from_env().main:
         return result
     _, peak_source = peak_flops(model.tok_emb.weight.device, params.precision)
-    save_model(weights, config, out_dir, {"tokenizer_sha256": data.tokenizer_sha256, "mfu_peak_source": peak_source})
+    with Progress(f"pretrain: saving the model to {out_dir}"):
+        save_model(weights, config, out_dir, {"tokenizer_sha256": data.tokenizer_sha256,
+                                              "mfu_peak_source": peak_source})
     unigram = unigram_entropy(data.train)
     console.print(f"pretrain: val loss {result.get('val_loss', float('nan')):.4f} nats/token vs the corpus's "
                   f"unigram entropy {unigram:.4f}", highlight=False)
     n_params = model.num_params()
     metrics = {**result, "params": n_params, "unigram_entropy": round(unigram, 5), **size}
-    plot_png(CURVES_DIR, CURVES_DIR / "curves.png", PANELS,
+    plot_png(curves_dir, curves_dir / "curves.png", PANELS,
              f"pretrain: {config.arch} {n_params / 1e6:.2f}M params, {result['tokens']:,} tokens")
     write_metrics("pretrain", metrics)
     return metrics
