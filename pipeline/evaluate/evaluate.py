@@ -329,7 +329,8 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
     stage's metrics/, or a hand run's)."""
     metrics_dir = layout.metrics_dir() if metrics_dir is None else Path(metrics_dir)
     samples_dir = metrics_dir / SAMPLES
-    p = plan_evaluation(params, train, sft, dpo, shards_dir, tokenizer_path, corpus_dir, models_dir)
+    with Progress("eval: checking the models and loading every task"):
+        p = plan_evaluation(params, train, sft, dpo, shards_dir, tokenizer_path, corpus_dir, models_dir)
     scores = Scores(p)
     with Progress("eval", unit="parts", total=len(p.dirs) * p.parts()) as progress:
         for name, model_dir in p.dirs.items():

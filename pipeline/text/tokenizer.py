@@ -19,6 +19,7 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -35,7 +36,7 @@ from kiln.pipeline.config import Section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.layout import TOKENIZER_FILE
 from kiln.pipeline.outputs import atomic_dir, write_metrics
-from kiln.pipeline.progress import console
+from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.text.bpe import SPECIAL_TOKENS, resolve_pattern
 from kiln.pipeline.text.corpus import iter_texts, open_split
 
@@ -109,7 +110,9 @@ def train_tokenizer(params: TokenizerParams, corpus_dir: Path, out_dir: Path = l
                       f"{tok.get_vocab_size():,}; tokenizer.vocab_size, pattern and min_frequency are ignored "
                       "(max_chars too)", highlight=False, soft_wrap=True)
     else:
-        tok, chars = trained_tokenizer(params, train_path)
+        # the trainer draws its own bar in a terminal; elsewhere our timed lines say it is at work
+        with Progress("tokenizer: training the BPE") if not console.is_terminal else contextlib.nullcontext():
+            tok, chars = trained_tokenizer(params, train_path)
         trained = {"requested_vocab_size": params.vocab_size, "train_chars": chars,
                    "train_seconds": round(time.perf_counter() - start, 3)}
     tok.encode_special_tokens = True  # measure documents as the shard stage will encode them
