@@ -49,6 +49,7 @@ class Start:
 
     adapter: dict
     world: World
+    stage: str  # sft, dpo or grpo: what its progress lines are headed with
 
     def identity(self) -> dict:
         """The start of a run's fingerprint: the starting weights and, when not full, the adapter on them."""
@@ -106,7 +107,7 @@ def _start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokeniz
         raise UserError(f"params: {params.SECTION}.{e}") from None
     return Start(model, Path(model_dir), want, sha256_file(Path(model_dir) / "model.safetensors"),
                  params.loop_params(train, seq_len), chat, load_chat_data(params, chat, seq_len, corpus_dir), spec,
-                 world)
+                 world, params.SECTION)
 
 
 def to_rows(rendered: list[Rendered], seq_len: int, pad: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:

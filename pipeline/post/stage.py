@@ -54,7 +54,7 @@ def run_stage(s: Start, prepare: Callable[[], Stage], out_dir: Path, checkpoint_
     model, loop, world = s.model, s.loop, s.world
     if world.main:  # rank 0 alone writes, so it alone repairs what a killed write of the model left
         recover(out_dir)
-    with Progress("preparing the stage's rows (and reference scores)"):
+    with Progress(f"{s.stage}: building its rows" + (" and reference scores" if s.stage == "dpo" else "")):
         stage = prepare()
     curves_dir = layout.curves(stage.name) if curves_dir is None else curves_dir
     with Progress(f"{stage.name}: scoring the start model on the held-out data"):
