@@ -22,9 +22,10 @@ ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to re
 SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
 CorpusOpt = Annotated[Path, typer.Option(help="Corpus folder with train.parquet and val.parquet.")]
 TokenizerOpt = Annotated[Path, typer.Option(help="The tokenizer.json to use.")]
-OutOpt = Annotated[Path, typer.Option(help="Output folder (replaced whole, only when the stage succeeds); given, or with "
-                                           "--set or another --params or input, it is a hand run's own folder: "
-                                           "see the epilog.")]
+OutOpt = Annotated[Path, typer.Option(help="Output folder (replaced whole, only when the stage succeeds). Given, or with "
+                                           "--set, another --params or another input, the run is a hand run: "
+                                           "everything it writes goes under this folder (default runs/<stage>-"
+                                           "<time>/): model/ (or the stage's output), metrics/, checkpoints/.")]
 # read by `reports_errors`, which lets the command's output folders replace what is in the way
 ForceOpt = Annotated[bool, typer.Option("--force", help="Replace --out even if it holds files that kiln's output "
                                                         "of this kind does not (by default such a folder is "
