@@ -64,13 +64,16 @@ def test_clock():
 
 def test_the_summary_is_an_aligned_table_with_averages_labelled(capsys):
     print_metrics("pretrain", {"val_loss": 4.01205, "steps": 400, "tokens_per_s": 16479.0,
-                               "size_auto": {"n_layer": 2, "tokens": 1_600_000}, "note": "a [bold] word"})
+                               "size_auto": {"n_layer": 2, "tokens": 1_600_000, "flops": 1e21},
+                               "logps": -12.91322, "note": "a [bold] word"})
     assert capsys.readouterr().err.splitlines() == [
         "pretrain:",
         "  val_loss           4.01205",
         "  steps              400",
-        "  tokens_per_s       16,479  (stage average)",
+        "  tokens_per_s       16,479.0  (stage average)",
         "  size_auto.n_layer  2",
         "  size_auto.tokens   1,600,000",
+        "  size_auto.flops    1e+21",
+        "  logps              -12.91322",  # every digit the metrics file has
         "  note               a [bold] word",
     ]

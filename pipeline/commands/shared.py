@@ -172,8 +172,8 @@ def _flat(values: dict, prefix: str = ""):
 
 
 def _value(value) -> str:
-    if isinstance(value, float):
-        return f"{value:,.6g}" if abs(value) < 1e15 else f"{value:.6g}"
+    if isinstance(value, float):  # every digit the metrics file has (stages round what they report)
+        return f"{value:,}" if abs(value) < 1e15 else f"{value:g}"
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
     return str(value)
