@@ -3,6 +3,8 @@ bootstrap against a plain resampling loop written here, and the samples section.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -142,3 +144,14 @@ def test_report_without_starting_models_says_there_is_nothing_to_compare():
     assert "No model started from another evaluated model: no changes to show." in page
     assert "No model started from another evaluated model: nothing to compare." in page
     assert "Paired bootstrap" not in page
+
+
+def test_the_params_the_report_digests_are_those_dvc_yaml_gives_evaluate():
+    """report.md's params digest covers what evaluate reads; dvc.yaml reruns it on exactly those keys."""
+    import yaml
+
+    from kiln.pipeline.evaluate.evaluate import READS
+
+    stages = yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"]
+    digested = {"eval"} | {f"{section}.{key}" for section, keys in READS.items() for key in keys}
+    assert set(stages["evaluate"]["params"]) == digested

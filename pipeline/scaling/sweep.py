@@ -36,7 +36,7 @@ from kiln.model.config import ModelConfig
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import atomic_write_bytes, lock_path, write_json, write_metrics
-from kiln.pipeline.progress import console
+from kiln.pipeline.progress import clock, console
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.train.checkpoints import run_name
 from kiln.pipeline.train.lm import LMData, lm_fingerprint, train_lm
@@ -170,8 +170,8 @@ def sweep(scaling: ScalingParams, model: ModelParams, shards_dir: Path, tokenize
         flops_done += run.flops
         elapsed = time.perf_counter() - start
         console.print(f"sweep: {run.name} N={run.params:,} D={run.tokens:,} val loss {result['val_loss']:.4f}; "
-                      f"{i}/{len(todo)} trained, ~{elapsed * (todo_flops / flops_done - 1):.0f} s left "
-                      "(by FLOPs)", highlight=False)
+                      f"{i}/{len(todo)} trained, eta {clock(elapsed * (todo_flops / flops_done - 1))} (by FLOPs)",
+                      highlight=False)
     # Runs of budgets or depths no longer in the grid are dropped here, not fitted.
     write_rows(csv_path, [rows[r.name] for r in runs])
     write_json(out_dir / SECONDS, seconds)  # also what an older runs.csv held
