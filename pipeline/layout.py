@@ -30,6 +30,9 @@ CHECKPOINTS = DATA / "checkpoints"  # resume state, one folder per training stag
 METRICS = Path("metrics")  # <stage>.json for `dvc metrics`, timings/<stage>.json, <stage>/ curves
 TIMINGS = "timings"  # under a metrics folder: what varies run to run (git-ignored, not a DVC output)
 BENCH = METRICS / "bench"
+# Files of your own that params name (reward functions, task and dataset files): tasks/<stage>/ is that stage's
+# DVC dep, tasks/ evaluate's (pipeline/stage_inputs.py)
+TASKS = Path("tasks")
 RUNS = Path("runs")  # hand runs' folders by default (git-ignored)
 
 _hand_run: ContextVar[Path | None] = ContextVar("kiln_hand_run", default=None)

@@ -15,12 +15,13 @@ from conftest import make_documents, tree_bytes
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(cwd: Path, *cmd: str) -> str:
+def run(cwd: Path, *cmd: str, fails: bool = False) -> str:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
            "GIT_COMMITTER_EMAIL": "t@t"}
     result = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
-    assert result.returncode == 0, f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}"
+    said = f"{' '.join(cmd)}: exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    assert (result.returncode != 0) == fails, said
     return result.stdout + result.stderr
 
 
@@ -47,7 +48,7 @@ def project(tmp_path):
     root.mkdir()
     for name in ("dvc.yaml", ".gitignore", ".dvcignore"):
         shutil.copy(REPO / name, root / name)
-    for package in ("pipeline", "model", "kernels"):
+    for package in ("pipeline", "model", "kernels", "tasks"):
         shutil.copytree(REPO / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / ".dvc", root / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache", "config.local"))
     corpus = tmp_path / "corpus"
@@ -67,25 +68,25 @@ def project(tmp_path):
     # Post-training on local files in two of the real formats (the built-in task needs longer contexts).
     chat = [{"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"yo {i}"}]}
             for i in range(12)]
-    (tmp_path / "chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in chat))
+    (root / "tasks/sft/chat.jsonl").write_text("".join(json.dumps(row) + "\n" for row in chat))
     pairs = [{"question": f"up {i}?", "response_j": f"yes {i}", "response_k": f"no {i}"} for i in range(12)]
-    (tmp_path / "pairs.json").write_text(json.dumps(pairs))
+    (root / "tasks/dpo/pairs.json").write_text(json.dumps(pairs))
     loop = dict(max_steps=4, batch_size=2, batch_examples=4, warmup_steps=1, eval_every=2, checkpoint_every=2,
                 log_every=2, val_examples=3)
-    params["sft"].update(data=str(tmp_path / "chat.jsonl"), **loop)
-    params["dpo"].update(data=str(tmp_path / "pairs.json"), **loop)
+    params["sft"].update(data="tasks/sft/chat.jsonl", **loop)
+    params["dpo"].update(data="tasks/dpo/pairs.json", **loop)
     # A reward of the user's own that differs between any two completions of unequal length, so that GRPO moves
     # the weights (with equal rewards in a group every advantage is 0, and the model stays its start).
     prompts = [{"prompt": f"up {i}?", "answer": "yes"} for i in range(12)]
-    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prompts))
-    (root / "length.py").write_text("def reward(prompt, completion, answer):\n    return len(completion)\n")
-    params["grpo"].update(data=str(tmp_path / "prompts.jsonl"), reward="length.py:reward", group_size=4,
+    (root / "tasks/grpo/prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in prompts))
+    (root / "tasks/grpo/length.py").write_text("def reward(prompt, completion, answer):\n    return len(completion)\n")
+    params["grpo"].update(data="tasks/grpo/prompts.jsonl", reward="tasks/grpo/length.py:reward", group_size=4,
                           max_new_tokens=4, **{**loop, "batch_examples": 8})
     # The built-in cloze task needs scenes of several lines; these documents are one line each.
     task = [{"query": f"doc {i}: the", "choices": [" king", " queen", " night"], "gold": i % 3} for i in range(6)]
-    (tmp_path / "task.jsonl").write_text("".join(json.dumps(row) + "\n" for row in task))
+    (root / "tasks/eval/task.jsonl").write_text("".join(json.dumps(row) + "\n" for row in task))
     params["eval"].update(tokens=256, batch_size=4, samples=["doc 1:"], max_new_tokens=4,
-                          tasks=[{"name": "mine", "data": str(tmp_path / "task.jsonl")}])
+                          tasks=[{"name": "mine", "data": "tasks/eval/task.jsonl"}])
     (root / "params.yaml").write_text(yaml.safe_dump(params))
     run(root, "git", "init", "-q")
     run(root, "git", "add", "-A")
@@ -153,6 +154,19 @@ def test_repro_noop_clean_tree_and_hand_runs(project):
     assert {name: tree_bytes(project / name) for name in ("data", "metrics")} == dag
     assert "up to date" in run(project, "dvc", "status")
     assert run(project, "git", "status", "--porcelain") == ""  # runs/ is git-ignored
+
+    # A file a param names is a dep: editing the reward makes grpo and evaluate stale, and nothing before them.
+    with (project / "tasks/grpo/length.py").open("a") as f:
+        f.write("# edited\n")
+    assert set(json.loads(run(project, "dvc", "status", "--json"))) == {"grpo", "evaluate"}
+    # One outside every dep of its stage is refused before any work, naming the param and where it belongs.
+    (project / "tasks/grpo/length.py").rename(project / "length.py")
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    params["grpo"]["reward"] = "length.py:reward"
+    (project / "params.yaml").write_text(yaml.safe_dump(params))
+    refused = run(project, "dvc", "repro", "-s", "grpo", fails=True)
+    assert ("params: grpo.reward: length.py is not among the grpo stage's deps in dvc.yaml, so DVC would not rerun "
+            "grpo when it changes; expected it under tasks/grpo/") in refused
 
 
 @pytest.mark.slow  # ~3 min of DVC experiments on 2 cores: `make test-slow`, not `make test`

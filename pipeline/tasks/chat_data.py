@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.progress import console
+from kiln.pipeline.stage_inputs import check_declared
 from kiln.pipeline.tasks.chat_format import ROLES
 from kiln.pipeline.tasks.task_files import is_row_file, read_row_file
 from kiln.pipeline.text.corpus import SURROGATE
@@ -75,6 +76,7 @@ def read_rows(spec: str, split: str, key: str) -> Iterator[dict]:
                             "or hf:<dataset>[:<config>])")
         if not path.is_file():
             raise UserError(f"{where}: no such file")
+        check_declared(path, key)
         return (row.values for row in read_row_file(path))
     import datasets
 

@@ -34,6 +34,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from kiln.pipeline.errors import UserError, shown
+from kiln.pipeline.stage_inputs import check_declared, check_declared_module
 
 CHOICES = "exact, numeric, regex, contains, or module:function (a module on sys.path or a .py file)"
 
@@ -174,9 +175,10 @@ def load_function(spec: str, key: str = "grpo") -> Reward:
         raise UserError(f"{where}: expected module:function (a module on sys.path or a .py file, then a name)")
     try:
         if target.endswith(".py") or "/" in target or "\\" in target:
-            module = _load_file(Path(target), where)
+            module = _load_file(Path(target), where, key)
         else:
             module = importlib.import_module(target)
+            check_declared_module(module, f"{key}.reward")
     except UserError:
         raise
     except (Exception, SystemExit) as e:  # a module body may raise anything, sys.exit() included
@@ -198,9 +200,10 @@ def load_function(spec: str, key: str = "grpo") -> Reward:
     return fn
 
 
-def _load_file(path: Path, where: str) -> object:
+def _load_file(path: Path, where: str, key: str) -> object:
     if not path.is_file():
         raise UserError(f"{where}: no such file {str(path)!r}")
+    check_declared(path, f"{key}.reward")
     # A name of its own per file, registered in sys.modules because dataclasses and pickling look modules up there.
     name = "kiln_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(name, path)

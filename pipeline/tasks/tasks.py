@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.stage_inputs import check_declared
 from kiln.pipeline.tasks.chat_data import Skip, convert_rows, read_rows, reasons
 from kiln.pipeline.tasks.task_files import Row, is_row_file, read_csv_file, read_row_file
 from kiln.pipeline.text.corpus import SURROGATE
@@ -101,6 +102,8 @@ def load_task(spec: TaskSpec, key: str) -> Task:
     path = None if spec.data.startswith("hf:") else Path(spec.data)
     if path is not None and not path.exists():
         raise UserError(f"{where}: no such file or directory")
+    if path is not None:
+        check_declared(path, f"{key}.data")
     if path is not None and spec.format in ("auto", "mmlu") and _is_mmlu_csv(path):
         fmt, rows = "mmlu", _csv_rows(_mmlu_files(path, spec.split, where))
     else:
