@@ -17,7 +17,7 @@ from kiln.model.checkpoint import save_model
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
-from kiln.pipeline.evaluate.scoring import ChoiceTask, choice_accuracy, encode_request
+from kiln.pipeline.evaluate.scoring import ChoiceTask, choice_hits, encode_request
 from kiln.pipeline.tasks.tasks import MCItem
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.text.bpe import EOT, load_tokenizer
@@ -75,7 +75,7 @@ def test_items_with_an_answer_longer_than_the_window_are_left_out_and_counted(to
     task = ChoiceTask(tok, eot, [short, long, short], m.config.max_seq_len)
     assert (task.items, task.too_long, len(task.requests)) == ([short, short], 1, 4)
     alone = ChoiceTask(tok, eot, [short], m.config.max_seq_len)
-    assert task.score(m, 8, "fp32") == alone.score(m, 8, "fp32")
+    assert task.score(m, 8, "fp32")[0] == alone.score(m, 8, "fp32")[0]
 
 
 def test_acc_norm_divides_by_characters_of_the_choice_as_lm_evaluation_harness():
@@ -95,8 +95,8 @@ def test_acc_norm_divides_by_characters_of_the_choice_as_lm_evaluation_harness()
         harness.append(int(np.argmax(ll / np.array([float(len(c)) for c in item.choices]))))
         by_bytes.append(int(np.argmax(ll / np.array([len(k.encode()) for k in item.continuations]))))
     assert harness == [item.gold for item in items] and by_bytes == [0, 0, 0]
-    got = choice_accuracy(torch.tensor(lls, dtype=torch.float64), items)
-    assert got == {"acc": 1 / 3, "acc_norm": 1.0}
+    got = choice_hits(torch.tensor(lls, dtype=torch.float64), items)
+    assert {k: v.tolist() for k, v in got.items()} == {"acc": [0.0, 0.0, 1.0], "acc_norm": [1.0, 1.0, 1.0]}
 
 
 def test_multiple_choice_scores_match_a_hand_computation(tok):
@@ -112,16 +112,17 @@ def test_multiple_choice_scores_match_a_hand_computation(tok):
     ]
     # Rows of 3: the first item (4 choices) takes a batch alone, the others share theirs.
     task = ChoiceTask(tok, eot, items, m.config.max_seq_len)
-    got = task.score(m, batch_rows=3, precision="fp32")
-    hits = norm = 0
+    got, per_item = task.score(m, batch_rows=3, precision="fp32")
+    hits, norm = [], []
     for item in items:
         scores = [by_hand(m, tok, eot, c, k)[0] for c, k in zip(item.contexts, item.continuations)]
         per_char = [s / len(c) for s, c in zip(scores, item.choices or item.continuations)]
-        hits += max(range(item.n_choices), key=lambda i: (scores[i], -i)) == item.gold
-        norm += max(range(item.n_choices), key=lambda i: (per_char[i], -i)) == item.gold
+        hits.append(float(max(range(item.n_choices), key=lambda i: (scores[i], -i)) == item.gold))
+        norm.append(float(max(range(item.n_choices), key=lambda i: (per_char[i], -i)) == item.gold))
     assert len(task.requests) == 11
-    assert got == {"acc": hits / 4, "acc_norm": norm / 4}
-    assert 0 < hits + norm < 8  # the items are not all right or all wrong, so the comparison can fail
+    assert got == {"acc": sum(hits) / 4, "acc_norm": sum(norm) / 4}
+    assert {k: v.tolist() for k, v in per_item.items()} == {"acc": hits, "acc_norm": norm}  # item by item
+    assert 0 < sum(hits) + sum(norm) < 8  # the items are not all right or all wrong, so the comparison can fail
 
 
 def test_lambada_accuracy_and_perplexity_match_a_hand_computation(tok):
@@ -135,8 +136,10 @@ def test_lambada_accuracy_and_perplexity_match_a_hand_computation(tok):
         word = tok.decode([top])
         items.append(MCItem((context,), (word,), 0))  # the model's own greedy token: a hit if it round-trips
         items.append(MCItem((context,), (" Denmark",), 0))
-    got = ChoiceTask(tok, eot, items, m.config.max_seq_len, lambada=True).score(m, batch_rows=4, precision="fp32")
+    got, per_item = ChoiceTask(tok, eot, items, m.config.max_seq_len, lambada=True).score(m, batch_rows=4,
+                                                                                          precision="fp32")
     hand = [by_hand(m, tok, eot, item.contexts[0], item.continuations[0]) for item in items]
+    assert per_item["acc"].tolist() == [float(g) for _, g in hand] and list(per_item) == ["acc"]  # ppl: no items
     assert got["acc"] == pytest.approx(sum(g for _, g in hand) / len(items), abs=1e-12)
     assert got["ppl"] == pytest.approx(math.exp(-sum(s for s, _ in hand) / len(items)), rel=1e-9)
     assert 0 < got["acc"] < 1

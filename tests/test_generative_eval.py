@@ -219,6 +219,9 @@ def test_evaluate_writes_generative_metrics_and_the_same_report_twice(tiny, mode
         assert result.exit_code == 0, result.output
         runs.append(tree_bytes(out / "metrics"))  # a hand run's metrics: its --out's metrics/
     assert runs[0] == runs[1]  # eval.json, report.md and the samples, byte for byte
+    printed = result.output.splitlines()  # the closing table: whole lines, a mean over items with its interval
+    assert any(line.startswith("qa/sampled/pass@4 ") and line.count(" [") == 3 for line in printed), result.output
+    assert any(line.startswith("val_loss ") and "[" not in line for line in printed)
     assert set(runs[0]) == {"eval.json", "report.md", "samples/base.md", "samples/sft.md", "samples/dpo.md"}
     metrics = json.loads(runs[0]["eval.json"])["eval"]
     keys = ["qa/pass@1", "qa/mean_reward", "qa/sampled/pass@1", "qa/sampled/pass@2", "qa/sampled/pass@4"]
@@ -229,9 +232,10 @@ def test_evaluate_writes_generative_metrics_and_the_same_report_twice(tiny, mode
     report = runs[0]["report.md"].decode()
     assert "| metric | better | chance | base | sft (vs base) | dpo (vs sft) |" in report
     sft, dpo = metrics["qa/pass@1"]["sft"], metrics["qa/pass@1"]["dpo"]
-    assert f"| qa/pass@1 | higher | - | {metrics['qa/pass@1']['base']:.4f} | {sft:.4f} (" in report
-    assert "Paired bootstrap over the same 5 prompts" in report
-    assert f"| dpo | sft | {dpo:.4f} | {sft:.4f} | {dpo - sft:+.4f} | [" in report
+    assert f"| qa/pass@1 | higher | - | {metrics['qa/pass@1']['base']:.4f} [" in report  # with its interval
+    assert "Paired bootstrap over the items both models answered" in report
+    assert f"| qa/pass@1 | dpo | sft | {dpo:.4f} | {sft:.4f} | {dpo - sft:+.4f} | [" in report
+    assert "| qa/sampled/pass@4 | dpo | sft | " in report  # every item-mean metric, not greedy pass@1 alone
     assert "### qa 3" in report and "### qa 4" not in report
     assert "[samples/dpo.md](samples/dpo.md)" in report  # a link from metrics/report.md that resolves
 

@@ -25,12 +25,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kiln.model.checkpoint import load_config
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evaluate.generative import GenResult, GenTask, load_gen_task, run_gen_task
+from kiln.pipeline.evaluate.intervals import Intervals
 from kiln.pipeline.evaluate.params import EvalParams, GenTaskSpec
 from kiln.pipeline.evaluate.report import report_markdown
 from kiln.pipeline.evaluate.scoring import ChoiceTask
@@ -216,6 +218,7 @@ class Scores:
 
     def __init__(self, plan: Plan):
         self.results: dict[str, dict[str, float]] = {}
+        self.per_item: dict[str, dict[str, np.ndarray]] = {}  # by model: each item-mean metric's per-item values
         self.answers: list[dict[str, GenResult]] = [{} for _ in plan.gen_tasks]  # per generative task, by model
         self.samples: dict[str, str] = {}
         self.pair_logps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -231,6 +234,7 @@ def score_model(plan: Plan, params: EvalParams, train: TrainParams, name: str, m
                         f"has {plan.seq_len}; eval.models must share one context length")
     torch.manual_seed(params.seed)
     out = scores.results[name] = {}
+    per_item = scores.per_item[name] = {}
     progress.advance(0, model=name, part="val loss")
     lm_metrics = evaluate_lm(model, plan.val, plan.bytes_per_token, params.batch_size, plan.seq_len, params.tokens,
                              train.precision)
@@ -238,17 +242,21 @@ def score_model(plan: Plan, params: EvalParams, train: TrainParams, name: str, m
     progress.advance(1)
     for task, scorer in zip(plan.tasks.values(), plan.scorers):
         progress.advance(0, part=task.name)
-        out |= {f"{task.name}/{k}": v for k, v in scorer.score(model, params.batch_size, train.precision).items()}
+        values, hits = scorer.score(model, params.batch_size, train.precision)
+        out |= {f"{task.name}/{k}": v for k, v in values.items()}
+        per_item |= {f"{task.name}/{k}": v for k, v in hits.items()}
         progress.advance(1)
     for task, by_model in zip(plan.gen_tasks, scores.answers):
         progress.advance(0, part=task.name)
         by_model[name] = run_gen_task(task, model, plan.chat, bool(meta.get("chat_format")), params.gen_batch_size,
                                       train.precision, params.seed)
         out |= {f"{task.name}/{k}": v for k, v in by_model[name].metrics.items()}
+        per_item |= {f"{task.name}/{k}": v for k, v in by_model[name].per_item.items()}
         progress.advance(1)
     if plan.post is not None:
         progress.advance(0, part="posttrain")
-        out |= score_posttrain(plan, params, train, name, model, scores)
+        per_item |= score_posttrain(plan, params, train, name, model, scores)
+        out |= {k: float(v.mean()) for k, v in per_item.items() if k.startswith("posttrain/")}
         progress.advance(1)
     progress.advance(0, part="samples")
     scores.samples[name] = samples_markdown(name, model_dir, lm, params.samples, plan.sampling,
@@ -256,17 +264,18 @@ def score_model(plan: Plan, params: EvalParams, train: TrainParams, name: str, m
     progress.advance(1)
 
 
-def score_posttrain(plan: Plan, params: EvalParams, train: TrainParams, name: str, model, scores: Scores) -> dict:
-    """The built-in task's held-out accuracy, the preference accuracy on DPO's held-out pairs and, against the
-    model this one was trained from when that one is evaluated too, DPO's implicit-reward accuracy."""
+def score_posttrain(plan: Plan, params: EvalParams, train: TrainParams, name: str, model,
+                    scores: Scores) -> dict[str, np.ndarray]:
+    """Per item: the built-in task's held-out accuracy, the preference accuracy on DPO's held-out pairs and,
+    against the model this one was trained from when that one is evaluated too, DPO's implicit-reward accuracy."""
     out = {f"posttrain/{k.removeprefix('val_')}": v
-           for k, v in plan.post.scorer.accuracy(model, params.batch_size, train.precision).items()}
+           for k, v in plan.post.scorer.hits(model, params.batch_size, train.precision).items()}
     pc, pr = logps(model, plan.post.pairs, params.batch_size, train.precision)
     scores.pair_logps[name] = (pc, pr)
-    out["posttrain/preference_accuracy"] = (pc > pr).double().mean().item()
+    out["posttrain/preference_accuracy"] = (pc > pr).double().numpy()
     if plan.starts[name] in scores.pair_logps:
         ic, ir = scores.pair_logps[plan.starts[name]]
-        out["posttrain/reward_accuracy"] = ((pc - ic) > (pr - ir)).double().mean().item()
+        out["posttrain/reward_accuracy"] = ((pc - ic) > (pr - ir)).double().numpy()
     return out
 
 
@@ -339,13 +348,14 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
         console.print(f"{task.name}: {len(scorer.items):,} items scored"
                       + (f", {sum(task.skipped.values()):,} rows skipped" if task.skipped else ""), highlight=False)
     metrics = report(scores.results) | {"items": item_counts(p)}
-    page = report_markdown(metrics, list(p.dirs), p.starts, list(zip(p.gen_tasks, scores.answers)), params.seed,
+    intervals = Intervals(scores.per_item, p.starts, params.seed)
+    page = report_markdown(metrics, list(p.dirs), p.starts, list(zip(p.gen_tasks, scores.answers)), intervals,
                            SAMPLES, chance_levels(p, metrics), provenance(params, train, sft, dpo, p.dirs))
     # the samples, the report and the metrics land together or not at all (a full disk once left new samples
     # beside an old report)
     atomic_write_files({**{samples_dir / f"{name}.md": text.encode("utf-8") for name, text in scores.samples.items()},
                         metrics_dir / REPORT: page.encode("utf-8"), **metrics_files("eval", metrics, metrics_dir)})
-    print_table(scores.results, list(p.dirs))
+    print_table(scores.results, list(p.dirs), intervals)
     return metrics
 
 
@@ -358,12 +368,13 @@ def report(results: dict[str, dict[str, float]]) -> dict:
     return metrics
 
 
-def print_table(results: dict[str, dict[str, float]], names: list[str]) -> None:
-    from rich.table import Table
-
-    table = Table(title="eval")
-    for col in ("metric", *names):
-        table.add_column(col)
-    for key, row in report(results).items():
-        table.add_row(key, *(f"{row[n]:.4f}" if n in row else "-" for n in names))
-    console.print(table)
+def print_table(results: dict[str, dict[str, float]], names: list[str], intervals: Intervals) -> None:
+    """Every metric of every model in aligned columns, never cut or wrapped (a log keeps whole lines), with the
+    95% interval of those that are a mean over items."""
+    rows = [["metric", *names]] + [[key, *(f"{row[n]:.4f}{intervals.shown(n, key)}" if n in row else "-"
+                                           for n in names)] for key, row in report(results).items()]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    console.print("eval: every metric, [low, high] its 95% bootstrap interval over items", highlight=False)
+    for r in rows:
+        console.print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip(), highlight=False,
+                      soft_wrap=True)

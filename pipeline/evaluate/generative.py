@@ -29,7 +29,7 @@ import numpy as np
 
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evaluate.params import GenTaskSpec
-from kiln.pipeline.evaluate.pass_at_k import mean_pass_at_k
+from kiln.pipeline.evaluate.pass_at_k import pass_at_k
 from kiln.pipeline.runtime import autocast
 from kiln.pipeline.serve.engine import complete
 from kiln.pipeline.serve.request import Request, SamplingParams
@@ -68,9 +68,7 @@ class GenResult:
     metrics: dict[str, float]
     rewards: list[float]      # each prompt's greedy reward, in task order
     completions: list[str]    # each prompt's greedy answer
-
-    def correct(self) -> np.ndarray:
-        return np.array(self.rewards) >= 1
+    per_item: dict[str, np.ndarray]  # each metric's per-prompt values, whose mean it is (for its interval)
 
 
 def plain_prompt(messages: list[dict]) -> str:
@@ -139,9 +137,9 @@ def run_gen_task(task: GenTask, model, chat: ChatFormat, chat_model: bool, rows:
 
     completions = answers(ids, 0.0)
     greedy = rewards(completions, 1, "greedy answers")
-    metrics = {"pass@1": float(np.mean(np.array(greedy) >= 1)), "mean_reward": float(np.mean(greedy))}
+    per_item = {"pass@1": (np.array(greedy) >= 1).astype(np.float64), "mean_reward": np.array(greedy, np.float64)}
     if n := spec.samples:
         sampled = np.array(rewards(answers([p for p in ids for _ in range(n)], spec.temperature), n, "samples")) >= 1
         right = sampled.reshape(len(ids), n).sum(axis=1).tolist()
-        metrics |= {f"sampled/pass@{k}": mean_pass_at_k(right, n, k) for k in spec.ks()}
-    return GenResult(metrics, greedy, completions)
+        per_item |= {f"sampled/pass@{k}": np.array([pass_at_k(n, c, k) for c in right]) for k in spec.ks()}
+    return GenResult({k: float(v.mean()) for k, v in per_item.items()}, greedy, completions, per_item)

@@ -19,9 +19,3 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         return 1.0
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
-
-def mean_pass_at_k(correct: list[int], n: int, k: int) -> float:
-    """pass@k averaged over prompts, `correct[i]` the right answers among prompt i's n samples."""
-    if not correct:
-        raise ValueError("pass@k of no prompts")
-    return float(np.mean([pass_at_k(n, c, k) for c in correct]))

@@ -1,58 +1,32 @@
 """metrics/report.md: what a reader opens first after `dvc repro` or `dvc exp run`.
 
-One table of every model on every metric of eval.json (and which way it improves), each post-trained model's
-value with its change against the model it started from (its metadata's `init`, when that model was evaluated
-too); for each generative task, whether that change in greedy pass@1 is more than noise; then a few of the
-task's prompts with every model's answer. Everything in it is computed from the run's deterministic results (no timings, a seeded bootstrap), so
-two runs of the same pipeline write the same bytes.
-
-The noise check is a paired bootstrap over prompts: both models answered the same prompts, so the per-prompt
-differences are resampled (with replacement, `RESAMPLES` times, a fixed seed) and the 2.5th and 97.5th
-percentiles of their mean are the 95% interval. An interval that excludes 0 says the change is not what a
-different draw of prompts of this size would wash out.
+One table of every model on every metric of eval.json (and which way it improves), each value of a metric that
+is a mean over items (an accuracy, a pass@k, a mean reward) with its 95% bootstrap interval, each post-trained
+model's change against the model it started from (its metadata's `init`, when that model was evaluated too);
+then every such change with its paired 95% interval and whether it excludes 0 (evaluate/intervals.py); then a
+few of each generative task's prompts with every model's answer. Everything in it is computed from the run's
+deterministic results (no timings, a seeded bootstrap), so two runs of the same pipeline write the same bytes.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
-
-import numpy as np
 
 from kiln.pipeline.evaluate.generative import GenResult, GenTask
+from kiln.pipeline.evaluate.intervals import RESAMPLES, Intervals
 
-RESAMPLES = 10_000
 SHOWN = 3  # prompts of each generative task shown with every model's answer
 
 
-@dataclass(frozen=True)
-class Interval:
-    mean: float  # mean per-prompt difference, model minus start
-    low: float
-    high: float
-
-    @property
-    def excludes_zero(self) -> bool:
-        return self.low > 0 or self.high < 0
-
-
-def paired_bootstrap(model: np.ndarray, start: np.ndarray, seed: int, resamples: int = RESAMPLES) -> Interval:
-    """The mean of model - start over the same prompts, and its 95% percentile bootstrap interval."""
-    diff = np.asarray(model, dtype=np.float64) - np.asarray(start, dtype=np.float64)
-    picks = np.random.default_rng(seed).integers(0, len(diff), size=(resamples, len(diff)))
-    means = diff[picks].mean(axis=1)
-    low, high = np.quantile(means, [0.025, 0.975])
-    return Interval(float(diff.mean()), float(low), float(high))
-
-
 def report_markdown(metrics: dict, models: list[str], starts: dict[str, str | None],
-                    tasks: list[tuple[GenTask, dict[str, GenResult]]], seed: int, samples: str = "samples",
+                    tasks: list[tuple[GenTask, dict[str, GenResult]]], intervals: Intervals, samples: str = "samples",
                     chance: dict[str, float] | None = None, provenance: str = "") -> str:
     """`metrics` is eval.json's content ({metric: {model: value}}, and `items`); `starts` names each model's
     starting model among `models` (None for none); `tasks` pairs each generative task with each model's result;
-    `samples` is the folder of the `<model>.md` generations, relative to the report; `chance` what guessing
-    scores on a metric (absent: no such level); `provenance` a line saying which params and models made it."""
+    `intervals` those of the per-item metrics; `samples` is the folder of the `<model>.md` generations, relative
+    to the report; `chance` what guessing scores on a metric (absent: no such level); `provenance` a line saying
+    which params and models made it."""
     chains = ", ".join(f"{m} from {s}" for m, s in starts.items() if s)
     lines = ["# Evaluation report", "",
              "Every model of `eval.models` measured the same way by `kiln evaluate` (the numbers of "
@@ -61,9 +35,8 @@ def report_markdown(metrics: dict, models: list[str], starts: dict[str, str | No
                                           "No model started from another evaluated model: no changes to show."), ""]
     if provenance:
         lines += [provenance, ""]
-    lines += _metric_table(metrics, models, starts, chance or {})
-    for task, results in tasks:
-        lines += _noise_check(task, results, models, starts, seed)
+    lines += _metric_table(metrics, models, starts, chance or {}, intervals)
+    lines += _changes(metrics, models, starts, intervals)
     for task, results in tasks:
         lines += _samples(task, results, models)
     lines += ["## Generations", "", "Each model's generations of the `eval.samples` prompts: "
@@ -71,13 +44,14 @@ def report_markdown(metrics: dict, models: list[str], starts: dict[str, str | No
     return "\n".join(lines)
 
 
-def _metric_table(metrics: dict, models: list[str], starts: dict[str, str | None],
-                  chance: dict[str, float]) -> list[str]:
+def _metric_table(metrics: dict, models: list[str], starts: dict[str, str | None], chance: dict[str, float],
+                  intervals: Intervals) -> list[str]:
     heads = [m if starts.get(m) is None else f"{m} (vs {starts[m]})" for m in models]
     lines = ["## Every metric", "", "`chance` is what guessing scores: a uniform guess over the vocabulary for the "
              "losses, over an item's choices for an accuracy, a coin for a pair; `-` where no guess has a level "
-             "(a reward of your own).", "", "| metric | better | chance | " + " | ".join(heads) + " |",
-             "| --- | --- | ---: |" + " ---: |" * len(models)]
+             "(a reward of your own). In square brackets, a metric that is a mean over items has its 95% interval "
+             f"(percentile bootstrap over the items, {RESAMPLES:,} resamples, seed {intervals.seed}).", "",
+             "| metric | better | chance | " + " | ".join(heads) + " |", "| --- | --- | ---: |" + " ---: |" * len(models)]
     for key, row in metrics.items():
         if key == "items":
             continue
@@ -88,7 +62,7 @@ def _metric_table(metrics: dict, models: list[str], starts: dict[str, str | None
                 continue
             start = starts.get(m)
             delta = f" ({row[m] - row[start]:+.4f})" if start is not None and start in row else ""
-            cells.append(f"{row[m]:.4f}{delta}")
+            cells.append(f"{row[m]:.4f}{intervals.shown(m, key)}{delta}")
         level = f"{chance[key]:.4f}" if key in chance else "-"
         lines.append(f"| {key} | {better(key)} | {level} | " + " | ".join(cells) + " |")
     items = metrics.get("items") or {}
@@ -103,20 +77,20 @@ def better(metric: str) -> str:
     return "lower" if metric.rsplit("/", 1)[-1] in ("val_loss", "val_bpb", "val_ppl") else "higher"
 
 
-def _noise_check(task: GenTask, results: dict[str, GenResult], models: list[str], starts: dict[str, str | None],
-                 seed: int) -> list[str]:
-    lines = [f"## {task.name}: greedy pass@1, each model against its start", ""]
-    pairs = [(m, starts[m]) for m in models if starts.get(m) is not None]
-    if not pairs:
-        return [*lines, "No model started from another evaluated model: nothing to compare.", ""]
-    lines += [f"Paired bootstrap over the same {len(task.texts):,} prompts ({RESAMPLES:,} resamples, seed {seed}): "
-              "the mean per-prompt change in greedy pass@1 and its 95% interval.", "",
-              "| model | start | pass@1 | start's pass@1 | change | 95% interval | excludes 0 |",
-              "| --- | --- | ---: | ---: | ---: | --- | --- |"]
-    for m, start in pairs:
-        a, b = results[m].correct(), results[start].correct()
-        ci = paired_bootstrap(a, b, seed)
-        lines.append(f"| {m} | {start} | {a.mean():.4f} | {b.mean():.4f} | {ci.mean:+.4f} | "
+def _changes(metrics: dict, models: list[str], starts: dict[str, str | None], intervals: Intervals) -> list[str]:
+    lines = ["## Each model against its start", ""]
+    rows = [(key, m) for key in metrics if key != "items" for m in models if intervals.change(m, key) is not None]
+    if not rows:
+        return [*lines, "No model has a start scored on the same items: nothing to compare.", ""]
+    lines += ["Paired bootstrap over the items both models answered (the per-item changes resampled, "
+              f"{RESAMPLES:,} times, seed {intervals.seed}): the mean change and its 95% interval. A change whose "
+              "interval holds 0 is within what another draw of items of this size could give.", "",
+              "| metric | model | start | value | start's value | change | 95% interval | excludes 0 |",
+              "| --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
+    for key, m in rows:
+        ci, start = intervals.change(m, key), starts[m]
+        mine, theirs = intervals.of(m, key).mean, intervals.of(start, key).mean
+        lines.append(f"| {key} | {m} | {start} | {mine:.4f} | {theirs:.4f} | {ci.mean:+.4f} | "
                      f"[{ci.low:+.4f}, {ci.high:+.4f}] | {'yes' if ci.excludes_zero else 'no: within noise'} |")
     return [*lines, ""]
 

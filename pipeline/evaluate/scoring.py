@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kiln.pipeline.post.common import IGNORE
@@ -106,27 +107,32 @@ class ChoiceTask:
         self.requests = [r for requests, ok in zip(encoded, fits) if ok for r in requests]
         self.too_long = len(items) - len(self.items)
 
-    def score(self, model, batch_rows: int, precision: str) -> dict[str, float]:
-        """acc and acc_norm; for LAMBADA-style items (one continuation each), acc = the continuation is the
-        greedy one and ppl = exp(-mean summed log-probability), the harness's definitions."""
+    def score(self, model, batch_rows: int, precision: str) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+        """Each metric's value, and each item's outcome for the metrics that are a mean over items (their
+        intervals resample them): acc and acc_norm; for LAMBADA-style items (one continuation each), acc = the
+        continuation is the greedy one, and ppl = exp(-mean summed log-probability), the harness's definitions."""
         if model.config.max_seq_len != self.max_len:
             raise ValueError(f"requests were cut for max_seq_len={self.max_len}, the model has "
                              f"{model.config.max_seq_len}")
         items = self.items
         logp, greedy = score_requests(model, self.requests, [item.n_choices for item in items], batch_rows,
                                       precision)
+        hits = {"acc": greedy.double().numpy()} if self.lambada else choice_hits(logp, items)
+        values = {k: float(v.mean()) for k, v in hits.items()}
         if self.lambada:
-            return {"acc": greedy.double().mean().item(), "ppl": math.exp(-logp.mean().item())}
-        return choice_accuracy(logp, items)
+            values["ppl"] = math.exp(-logp.mean().item())
+        return values, hits
 
 
-def choice_accuracy(logp: torch.Tensor, items: list[MCItem]) -> dict[str, float]:
-    """acc and acc_norm from the summed log-probability of every choice of every item, in order."""
-    hits = norm_hits = at = 0
-    for item in items:
+def choice_hits(logp: torch.Tensor, items: list[MCItem]) -> dict[str, np.ndarray]:
+    """Each item's acc and acc_norm (1.0 right, 0.0 wrong) from the summed log-probability of every choice of
+    every item, in order."""
+    hits, norm_hits = np.zeros(len(items)), np.zeros(len(items))
+    at = 0
+    for i, item in enumerate(items):
         scores = logp[at:at + item.n_choices]
         at += item.n_choices
         chars = torch.tensor([len(c) for c in item.choices or item.continuations], dtype=torch.float64)
-        hits += int(scores.argmax()) == item.gold
-        norm_hits += int((scores / chars).argmax()) == item.gold
-    return {"acc": hits / len(items), "acc_norm": norm_hits / len(items)}
+        hits[i] = int(scores.argmax()) == item.gold
+        norm_hits[i] = int((scores / chars).argmax()) == item.gold
+    return {"acc": hits, "acc_norm": norm_hits}

@@ -262,15 +262,17 @@ class ChoiceScorer:
         self.x, self.y = to_rows(rendered, seq_len, chat.pad, "held-out choices")
 
     def accuracy(self, model, batch_size: int, precision: str) -> dict[str, float]:
+        return {k: float(v.mean()) for k, v in self.hits(model, batch_size, precision).items()}
+
+    def hits(self, model, batch_size: int, precision: str) -> dict[str, np.ndarray]:
+        """Each item's outcome (1.0 picked, 0.0 not) behind `val_accuracy` and each kind's `val_accuracy_<kind>`."""
         if not self.kinds:
             return {}
         scores = score_rows(model, self.x, self.y, batch_size, precision).view(-1, self.n_choices)
-        hits = scores[:, 0] > scores[:, 1:].max(dim=1).values
-        out = {"val_accuracy": hits.double().mean().item()}
-        for kind in sorted(set(self.kinds)):
-            at = torch.tensor([k == kind for k in self.kinds])
-            out[f"val_accuracy_{kind}"] = hits[at].double().mean().item()
-        return out
+        hits = (scores[:, 0] > scores[:, 1:].max(dim=1).values).double().numpy()
+        kinds = np.array(self.kinds)
+        return {"val_accuracy": hits} | {f"val_accuracy_{kind}": hits[kinds == kind]
+                                         for kind in sorted(set(self.kinds))}
 
 
 def rows_sha256(*tensors: torch.Tensor) -> str:
