@@ -88,7 +88,7 @@ def hand_runs(stage: str, output: str, out: str = "out", one_file: bool = False)
             if not why:
                 return fn(**kwargs)
             named = not _same(kwargs[out], defaults[out])
-            root = (kwargs[out].parent if one_file else kwargs[out]) if named else _new_run(stage)
+            root = (kwargs[out].parent if one_file else kwargs[out]) if named else new_run(stage)
             if not (named and one_file):
                 kwargs[out] = root / output
             with layout.hand_run(root):
@@ -117,7 +117,7 @@ def _same(value, default) -> bool:
     return value == default
 
 
-def _new_run(stage: str) -> Path:
+def new_run(stage: str) -> Path:
     """runs/<stage>-<local time>, with -2, -3... for a second run in the same second."""
     base = layout.RUNS / f"{stage}-{time.strftime('%Y%m%d-%H%M%S')}"
     path, n = base, 1
