@@ -164,6 +164,47 @@ def test_rollout_micro_batches_are_the_sampled_completions(tiny, project):
     assert rollouts.batch_index == 1
 
 
+PARITY = """
+def parity(prompt, completion, answer):
+    # the prompts that say "even" always score 1 (their groups have no spread); the others vary by completion
+    return 1.0 if "even" in prompt else float(sum(map(ord, completion)) % 2)
+"""
+
+
+def test_dynamic_sampling_trains_on_groups_with_a_spread(tiny, project):
+    """grpo.sampling_rounds > 1 (DAPO): a group with one reward is replaced by a further prompt's group, drawn
+    deterministically; with 1, the scheduled prompts are trained on as they come."""
+    (project / "parity.py").write_text(PARITY)
+    chat = ChatFormat(load_tokenizer(tiny.tokenizer, ordinary=True))
+    model, _ = load_model(project / "start")
+    rows = [PromptAnswer([{"role": "user", "content": f"Say x, {i} {'even' if i % 2 == 0 else 'odd'}."}], "x")
+            for i in range(24)]
+    prompts = encode_prompts(rows, chat, model.config.max_seq_len, 4, "test")
+
+    def batch(rounds: int):
+        params = build_section(GRPOParams, {**GRPO, "batch_examples": 16, "batch_size": 16, "group_size": 4,
+                                            "sampling_rounds": rounds})
+        rollouts = Rollouts(model, prompts, params, chat, make_reward("parity.py:parity"), "fp32", accum=1)
+        next(rollouts)
+        x, y, advantages = rollouts.batch[:3]
+        starts = [(y[i] != IGNORE).nonzero().min().item() for i in range(0, 16, 4)]
+        kinds = [chat.tokenizer.decode(x[i, :s + 1].tolist()) for i, s in zip(range(0, 16, 4), starts)]
+        return rollouts.current, ["even" in k for k in kinds], advantages
+
+    plain, plain_even, plain_adv = batch(1)
+    assert any(plain_even)  # the scheduled prompts include groups that teach nothing...
+    assert (plain_adv.view(4, 4)[torch.tensor(plain_even)] == 0).all()  # ...with zero advantage
+    assert "groups_informative" not in plain
+    dynamic, dynamic_even, dynamic_adv = batch(4)
+    assert not any(dynamic_even) and dynamic["groups_informative"] == 1.0 and dynamic["sampling_rounds"] >= 2
+    assert (dynamic_adv.view(4, 4).abs().sum(dim=1) > 0).all()
+    # The scheduled prompts' statistics are the same either way: the policy's view of the data, not the filter's.
+    for key in ("reward", "reward_std", "frac_reward_zero_std"):
+        assert dynamic[key] == plain[key]
+    again = batch(4)
+    assert again[0] == dynamic and torch.equal(again[2], dynamic_adv)  # the same rounds, the same draws
+
+
 def test_completion_rows_target_the_completion_only():
     x, y = completion_rows([[1, 2, 3], [4]], [[7, 8], [9, 10, 11]], pad=0)
     assert x.tolist() == [[1, 2, 3, 7], [4, 9, 10, 0]]
@@ -185,7 +226,8 @@ def test_prompts_too_long_for_the_completion_are_counted_and_skipped(tiny, capsy
     ("group_size", 1, "2 or more"),
     ("checkpoint_every", 3, "a multiple of grpo.epochs=2"), ("temperature", 0, "a positive number"),
     ("loss_type", "ppo", "one of grpo, bnpo, dr_grpo, dapo"), ("init", "base", "sft or dpo"),
-    ("format", "messages", "prompt_answer"), ("reward", "fuzzy", "exact, numeric")])
+    ("format", "messages", "prompt_answer"), ("reward", "fuzzy", "exact, numeric"),
+    ("sampling_rounds", 0, "grpo.sampling_rounds=0: expected a positive integer")])
 def test_bad_settings_are_refused_in_one_line(tiny, project, key, value, said):
     args = grpo_args(tiny, project, **{"epochs": 2, "max_steps": 4, "checkpoint_every": 2, key: value})
     fails_in_one_line(args, 2, f"grpo.{key}", said)

@@ -18,7 +18,9 @@ own seed, so a resumed run samples what an uninterrupted one did (hence checkpoi
 begins: grpo.checkpoint_every is a multiple of grpo.epochs).
 
 Per logged step, the metrics carry TRL's names and meanings: reward (mean over the step's completions),
-reward_std (the mean of the groups' standard deviations), frac_reward_zero_std (groups that teach nothing),
+reward_std (the mean of the groups' standard deviations), frac_reward_zero_std (groups that teach nothing; these
+three of the scheduled prompts, before dynamic sampling replaces any), groups_informative and sampling_rounds
+(with grpo.sampling_rounds > 1: the trained batch's share of groups with a spread, the rounds it took),
 completions/mean_length, completions/clipped_ratio (completions cut by max_new_tokens), entropy (of the policy at
 the sampled positions), clip_ratio/* and kl. Held out: greedy pass@1 and mean reward on `val_examples` prompts.
 """
@@ -60,6 +62,7 @@ PANELS = [Panel("reward", "mean over the step's completions", {"reward": "train 
                                                                "val/reward": "held-out (greedy)"}),
           Panel("held-out greedy pass@1", "share of prompts", {"val/pass@1": "pass@1"}),
           Panel("groups", "share / std", {"frac_reward_zero_std": "groups with one reward",
+                                          "groups_informative": "trained groups with a spread (dynamic sampling)",
                                           "reward_std": "reward std"}),
           Panel("completions", "tokens", {"completions/mean_length": "mean length"}),
           Panel("policy", "nats / share", {"entropy": "entropy", "kl": "KL to start (k3)",
@@ -146,26 +149,37 @@ class Rollouts:
         return [x[rows, :width], y[rows, :width], advantages[rows], old, ref, per_micro]
 
     def _rollout(self, index: int, step: int) -> list[torch.Tensor]:
+        """Rollout batch `index`: its prompts' groups sampled and scored. With grpo.sampling_rounds > 1 (DAPO's
+        dynamic sampling) a group whose completions all got one reward (no advantage: it teaches nothing) is set
+        aside and groups of further prompts, drawn by (seed, index, round) from those not yet used, take its
+        place, for up to that many rounds; what is still missing then is filled with set-aside groups."""
         started = time.perf_counter()
         p, G = self.params, self.params.group_size
         self.order.step = index
         chosen = next(self.order)[0].tolist()
-        prompt_ids = [self.prompts.ids[i] for i in chosen for _ in range(G)]
-        device = next(self.model.parameters()).device
-        seed = int(np.random.SeedSequence([p.seed, index]).generate_state(1)[0])
-        stops = (self.chat.im_end, self.chat.eot)
-        # On the serving engine: a group's completions share its prompt's cached blocks, and a finished
-        # completion's place goes to the next at once. Completion j draws with seed + j, whatever else runs.
-        requests = [Request(ids, SamplingParams(p.max_new_tokens, p.temperature, None, p.top_p, seed + j, stops))
-                    for j, ids in enumerate(prompt_ids)]
-        with autocast(device, self.precision):
-            completions = [r.output for r in complete(self.model, requests)]
-        rewards = []
-        for j, i in enumerate(chosen):
-            rows = [(self.prompts.texts[i], self.chat.parse_reply(c), self.prompts.answers[i])
-                    for c in completions[j * G:(j + 1) * G]]
-            rewards += score(self.reward, rows, f"grpo step {step}: grpo.data prompt {i}, completions")
-        rewards = torch.tensor(rewards, dtype=torch.float64)
+        used, kept, spare, sampled_tokens, first = set(chosen), [], [], 0, None
+        for round_ in range(p.sampling_rounds):
+            if round_:
+                rng = np.random.default_rng([p.seed, index, round_])
+                left = np.setdiff1d(np.arange(len(self.prompts)), sorted(used))
+                if not len(left):
+                    break
+                chosen = rng.choice(left, size=min(self.per_rollout, len(left)), replace=False).tolist()
+                used.update(chosen)
+            seeds = [p.seed, index] if round_ == 0 else [p.seed, index, round_]  # round 0: as without rounds
+            groups = self._sample(chosen, int(np.random.SeedSequence(seeds).generate_state(1)[0]), step)
+            sampled_tokens += sum(len(c) for _, completions, _ in groups for c in completions)
+            if first is None:
+                first = torch.stack([r for _, _, r in groups])
+            for group in groups:
+                informative = p.sampling_rounds == 1 or bool(group[2].max() > group[2].min())
+                (kept if informative else spare).append(group)
+            if len(kept) >= self.per_rollout:
+                break
+        batch = (kept + spare)[:self.per_rollout]
+        prompt_ids = [self.prompts.ids[i] for i, _, _ in batch for _ in range(G)]
+        completions = [c for _, group, _ in batch for c in group]
+        rewards = torch.cat([r for _, _, r in batch])
         advantages = group_advantages(rewards, G, p.scale_rewards).float()
         x, y = completion_rows(prompt_ids, completions, self.chat.pad)
         n_tokens = int((y != IGNORE).sum())
@@ -176,15 +190,42 @@ class Rollouts:
         elif self.params.beta:
             with adapters_off(self.model):
                 ref = self._score(self.model, x, y)
-        groups = rewards.view(-1, G)
-        self.current = {"reward": rewards.mean().item(), "reward_std": groups.std(dim=1).mean().item(),
-                        "frac_reward_zero_std": (groups.std(dim=1) == 0).double().mean().item(),
+        stops = (self.chat.im_end, self.chat.eot)
+        # reward, reward_std and frac_reward_zero_std are the scheduled prompts' (the first round): what the
+        # policy does on the data, comparable with or without dynamic sampling; the trained batch's share of
+        # groups that teach something is `groups_informative`.
+        trained = rewards.view(-1, G)
+        self.current = {"reward": first.mean().item(), "reward_std": first.std(dim=1).mean().item(),
+                        "frac_reward_zero_std": (first.std(dim=1) == 0).double().mean().item(),
                         "completions/mean_length": n_tokens / len(completions),
                         "completions/clipped_ratio": float(np.mean([c[-1] not in stops for c in completions]))}
+        if p.sampling_rounds > 1:
+            self.current |= {"groups_informative": (trained.std(dim=1) > 0).double().mean().item(),
+                             "sampling_rounds": float(round_ + 1)}
         self.rollout_stats.append(self.current)
         self.seconds += time.perf_counter() - started
-        self.tokens += n_tokens
+        self.tokens += sampled_tokens
         return [x, y, advantages, old, ref, torch.tensor(n_tokens / (self.accum * self.world.size))]
+
+    def _sample(self, chosen: list[int], seed: int, step: int) -> list[tuple[int, list[list[int]], torch.Tensor]]:
+        """(prompt index, its group_size completions, their rewards) for each prompt of `chosen`."""
+        p, G = self.params, self.params.group_size
+        device = next(self.model.parameters()).device
+        stops = (self.chat.im_end, self.chat.eot)
+        # On the serving engine: a group's completions share its prompt's cached blocks, and a finished
+        # completion's place goes to the next at once. Completion j draws with seed + j, whatever else runs.
+        requests = [Request(self.prompts.ids[i], SamplingParams(p.max_new_tokens, p.temperature, None, p.top_p,
+                                                                seed + j, stops))
+                    for j, i in enumerate(i for i in chosen for _ in range(G))]
+        with autocast(device, self.precision):
+            completions = [r.output for r in complete(self.model, requests)]
+        groups = []
+        for j, i in enumerate(chosen):
+            group = completions[j * G:(j + 1) * G]
+            rows = [(self.prompts.texts[i], self.chat.parse_reply(c), self.prompts.answers[i]) for c in group]
+            rewards = score(self.reward, rows, f"grpo step {step}: grpo.data prompt {i}, completions")
+            groups.append((i, group, torch.tensor(rewards, dtype=torch.float64)))
+        return groups
 
     @torch.no_grad()
     def _score(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

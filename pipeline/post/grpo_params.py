@@ -40,6 +40,9 @@ class GRPOParams(PostTrainParams):
     log_every: int = 1
     group_size: int = 8  # completions per prompt
     epochs: int = 1  # optimizer steps per rollout batch; > 1 reuses samples through the importance ratio
+    # DAPO's dynamic sampling: groups with one reward (no advantage) are replaced by further prompts' groups, for
+    # up to this many rounds of sampling per rollout batch; 1: off, every scheduled group is trained on
+    sampling_rounds: int = 1
     temperature: float = 0.7
     top_p: float = 1.0
     max_new_tokens: int = 16
@@ -56,7 +59,7 @@ class GRPOParams(PostTrainParams):
         super().check()
         if self.init not in ("sft", "dpo"):
             raise self.bad("init", "sft or dpo")
-        for name in ("epochs", "max_new_tokens"):
+        for name in ("epochs", "max_new_tokens", "sampling_rounds"):
             if getattr(self, name) < 1:
                 raise self.bad(name, "a positive integer")
         if self.group_size < 2:
