@@ -69,24 +69,24 @@ class TrainParams(Section):
     kernels: str = "torch"  # auto | triton | torch: kiln's Triton kernels in the model (GPT.set_kernels)
     compile: bool = False
     compile_mode: str | None = None  # torch.compile's mode (COMPILE_MODES); null: its default
-    batch_size: int = 16  # sequences per micro-step on one device
-    batch_tokens: int = 4096  # tokens per optimizer step, reached by gradient accumulation
-    max_steps: int | None = 400
+    batch_size: int = 8  # sequences per micro-step on one device
+    batch_tokens: int = 1024  # tokens per optimizer step, reached by gradient accumulation
+    max_steps: int | None = 1600
     tokens: int | None = None  # run length in tokens; used when max_steps is null
     lr: float = 3e-3
     min_lr: float = 3e-4
-    warmup_steps: int = 20
+    warmup_steps: int = 80
     schedule: str = "cosine"  # cosine | wsd (warmup, stable, then linear decay)
     decay_fraction: float = 0.2  # wsd: share of the run spent decaying
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = off
-    eval_every: int = 100
+    eval_every: int = 200
     eval_tokens: int = 32768
-    checkpoint_every: int = 100
+    checkpoint_every: int = 200
     keep_checkpoints: int = 2
-    log_every: int = 10
+    log_every: int = 20
     # Processes on this node: > 1 makes `kiln pretrain` (sft, dpo, grpo) start itself under torchrun (one per GPU,
     # or CPU processes).
     nproc_per_node: int = 1
