@@ -222,6 +222,7 @@ def test_evaluate_writes_generative_metrics_and_the_same_report_twice(tiny, mode
     printed = result.output.splitlines()  # the closing table: whole lines, a mean over items with its interval
     assert any(line.startswith("qa/sampled/pass@4 ") and line.count(" [") == 3 for line in printed), result.output
     assert any(line.startswith("val_loss ") and "[" not in line for line in printed)
+    assert "eval: every metric, [low, high] its 95% bootstrap interval over items" in printed
     assert set(runs[0]) == {"eval.json", "report.md", "samples/base.md", "samples/sft.md", "samples/dpo.md"}
     metrics = json.loads(runs[0]["eval.json"])["eval"]
     keys = ["qa/pass@1", "qa/mean_reward", "qa/sampled/pass@1", "qa/sampled/pass@2", "qa/sampled/pass@4"]

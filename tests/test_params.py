@@ -436,3 +436,13 @@ def test_a_stage_help_lists_its_params_with_their_defaults(command, section):
         assert found, key
         if not isinstance(value, (list, dict)):
             assert yaml.safe_load(found.group(1)) == value, (key, found.group(1))
+
+
+def test_dyt_is_refused_at_the_widths_it_was_measured_not_to_train(tmp_path):
+    """docs/stages.md: DyT stayed at the unigram loss at every width from 8 to 128; wider is untested, allowed."""
+    from kiln.pipeline.train.params import ModelParams
+
+    with pytest.raises(UserError, match=r"^params: model.norm='dyt': expected rmsnorm, layernorm or auto at "
+                                        r"model.d_model=128: DyT was measured not to leave the unigram loss"):
+        build_section(ModelParams, {"norm": "dyt"})
+    assert build_section(ModelParams, {"norm": "dyt", "d_model": 256, "n_head": 4}).norm == "dyt"

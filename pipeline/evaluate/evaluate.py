@@ -374,7 +374,8 @@ def print_table(results: dict[str, dict[str, float]], names: list[str], interval
     rows = [["metric", *names]] + [[key, *(f"{row[n]:.4f}{intervals.shown(n, key)}" if n in row else "-"
                                            for n in names)] for key, row in report(results).items()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    console.print("eval: every metric, [low, high] its 95% bootstrap interval over items", highlight=False)
+    console.print("eval: every metric, [low, high] its 95% bootstrap interval over items", highlight=False,
+                  markup=False)
     for r in rows:
         console.print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip(), highlight=False,
                       soft_wrap=True)

@@ -51,7 +51,8 @@ def _metric_table(metrics: dict, models: list[str], starts: dict[str, str | None
              "losses, over an item's choices for an accuracy, a coin for a pair; `-` where no guess has a level "
              "(a reward of your own). In square brackets, a metric that is a mean over items has its 95% interval "
              f"(percentile bootstrap over the items, {RESAMPLES:,} resamples, seed {intervals.seed}).", "",
-             "| metric | better | chance | " + " | ".join(heads) + " |", "| --- | --- | ---: |" + " ---: |" * len(models)]
+             "| metric | better | chance | " + " | ".join(heads) + " |",
+             "| --- | --- | ---: |" + " ---: |" * len(models)]
     for key, row in metrics.items():
         if key == "items":
             continue

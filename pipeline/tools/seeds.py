@@ -60,7 +60,8 @@ def parse_seeds(text: str) -> list[int]:
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise UserError(f"kiln seeds: --seeds {text!r}: expected whole numbers separated by commas, e.g. 1,2,3") from None
+        raise UserError(f"kiln seeds: --seeds {text!r}: expected whole numbers separated by commas, "
+                        "e.g. 1,2,3") from None
     if len(seeds) < 2 or len(set(seeds)) != len(seeds):
         raise UserError(f"kiln seeds: --seeds {text!r}: expected at least two different seeds")
     return seeds

@@ -21,6 +21,11 @@ COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotu
 SHAPE_FIELDS = ("n_layer", "d_model", "d_ff", "max_seq_len")  # the model section's keys that set its size
 
 
+# DyT never left the unigram plateau at any width measured, 8 to 128 (lr 3e-4 to 3e-3, alpha 0.1 and 0.5, tied
+# or untied embeddings, 400 to 1,600 steps): docs/stages.md, model.norm. Wider models are not refused, untested.
+DYT_UNTRAINABLE_WIDTH = 128
+
+
 @dataclass
 class ModelParams(Section):
     """The model's shape; `vocab_size` comes from the tokenizer, not from here."""
@@ -54,6 +59,9 @@ class ModelParams(Section):
         when building it hangs or asks for petabytes."""
         if self.size not in ("fixed", "auto"):
             raise self.bad("size", "'fixed' or 'auto'")
+        if self.norm == "dyt" and self.d_model <= DYT_UNTRAINABLE_WIDTH:
+            raise self.bad("norm", f"rmsnorm, layernorm or auto at model.d_model={self.d_model}: DyT was measured not "
+                           f"to leave the unigram loss at widths up to {DYT_UNTRAINABLE_WIDTH} (docs/stages.md)")
         try:
             self.config(256).check().check_fits("cpu", "to train", names=SHAPE_FIELDS)
         except ValueError as e:
