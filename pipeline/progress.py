@@ -29,6 +29,14 @@ console = Console(stderr=True, soft_wrap=True)
 FIRST_LINE_S = 3.0
 
 
+def print_columns(title: str, rows: list[list[str]], indent: str = "") -> None:
+    """A title line, then `rows` of cells in aligned columns: plain whole lines that a log keeps as they are
+    (never cut to the terminal's width, wrapped, or read as rich markup: an interval's "[low, high]" stays)."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))] if rows else []
+    lines = [title] + [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    console.print("\n".join(lines), highlight=False, soft_wrap=True, markup=False)
+
+
 def clock(seconds: float) -> str:
     """H:MM:SS, the one way elapsed and remaining time are written."""
     seconds = int(max(seconds, 0) + 0.5)

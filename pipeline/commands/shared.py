@@ -16,7 +16,7 @@ from rich.markup import escape
 from kiln.pipeline import layout
 from kiln.pipeline.errors import KilnError, UserError
 from kiln.pipeline.outputs import replacing
-from kiln.pipeline.progress import console
+from kiln.pipeline.progress import console, print_columns
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to read.")]
 SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
@@ -156,11 +156,8 @@ _AVERAGES = frozenset({"tokens_per_s", "rollout_tokens_per_s", "mb_per_s", "mfu"
 
 def print_metrics(stage: str, metrics: dict) -> None:
     """The stage's summary as an aligned table of plain lines (nested values under dotted keys), never wrapped."""
-    rows = list(_flat(metrics))
-    width = max((len(k) for k, _ in rows), default=0)
-    lines = [f"{stage}:"] + [f"  {k:<{width}}  {_value(v)}{'  (stage average)' if k in _AVERAGES else ''}"
-                             for k, v in rows]
-    console.print("\n".join(lines), highlight=False, soft_wrap=True, markup=False)
+    print_columns(f"{stage}:", [[k, f"{_value(v)}{'  (stage average)' if k in _AVERAGES else ''}"]
+                                for k, v in _flat(metrics)], indent="  ")
 
 
 def _flat(values: dict, prefix: str = ""):

@@ -40,7 +40,7 @@ from kiln.pipeline.outputs import atomic_write_files, metrics_files, sha256_file
 from kiln.pipeline.post.common import ChoiceScorer, load_chat_data
 from kiln.pipeline.post.params import DPOParams, SFTParams
 from kiln.pipeline.post.preference import PairRows, logps, pair_rows
-from kiln.pipeline.progress import Progress, console
+from kiln.pipeline.progress import Progress, console, print_columns
 from kiln.pipeline.runtime import prepare_device
 from kiln.pipeline.serve.engine import complete
 from kiln.pipeline.serve.text_model import Sampling, TextModel
@@ -373,9 +373,4 @@ def print_table(results: dict[str, dict[str, float]], names: list[str], interval
     95% interval of those that are a mean over items."""
     rows = [["metric", *names]] + [[key, *(f"{row[n]:.4f}{intervals.shown(n, key)}" if n in row else "-"
                                            for n in names)] for key, row in report(results).items()]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    console.print("eval: every metric, [low, high] its 95% bootstrap interval over items", highlight=False,
-                  markup=False)
-    for r in rows:
-        console.print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip(), highlight=False,
-                      soft_wrap=True)
+    print_columns("eval: every metric, [low, high] its 95% bootstrap interval over items", rows)

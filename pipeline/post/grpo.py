@@ -117,6 +117,7 @@ class Rollouts:
     def __init__(self, model: torch.nn.Module, prompts: Prompts, params: GRPOParams, chat: ChatFormat,
                  reward: NamedReward, precision: str, accum: int, world: World = SINGLE):
         self.model, self.prompts, self.params, self.chat, self.reward = model, prompts, params, chat, reward
+        self.stops = (chat.im_end, chat.eot)  # where a completion ends
         self.precision, self.accum, self.world, self.step = precision, accum, world, 0
         self.per_rollout = params.batch_examples // params.group_size
         self.order = ExampleBatches((torch.arange(len(prompts)),), self.per_rollout, 1, params.seed)
@@ -190,7 +191,6 @@ class Rollouts:
         elif self.params.beta:
             with adapters_off(self.model):
                 ref = self._score(self.model, x, y)
-        stops = (self.chat.im_end, self.chat.eot)
         # reward, reward_std and frac_reward_zero_std are the scheduled prompts' (the first round): what the
         # policy does on the data, comparable with or without dynamic sampling; the trained batch's share of
         # groups that teach something is `groups_informative`.
@@ -198,7 +198,7 @@ class Rollouts:
         self.current = {"reward": first.mean().item(), "reward_std": first.std(dim=1).mean().item(),
                         "frac_reward_zero_std": (first.std(dim=1) == 0).double().mean().item(),
                         "completions/mean_length": n_tokens / len(completions),
-                        "completions/clipped_ratio": float(np.mean([c[-1] not in stops for c in completions]))}
+                        "completions/clipped_ratio": float(np.mean([c[-1] not in self.stops for c in completions]))}
         if p.sampling_rounds > 1:
             self.current |= {"groups_informative": (trained.std(dim=1) > 0).double().mean().item(),
                              "sampling_rounds": float(round_ + 1)}
@@ -211,11 +211,10 @@ class Rollouts:
         """(prompt index, its group_size completions, their rewards) for each prompt of `chosen`."""
         p, G = self.params, self.params.group_size
         device = next(self.model.parameters()).device
-        stops = (self.chat.im_end, self.chat.eot)
         # On the serving engine: a group's completions share its prompt's cached blocks, and a finished
         # completion's place goes to the next at once. Completion j draws with seed + j, whatever else runs.
         requests = [Request(self.prompts.ids[i], SamplingParams(p.max_new_tokens, p.temperature, None, p.top_p,
-                                                                seed + j, stops))
+                                                                seed + j, self.stops))
                     for j, i in enumerate(i for i in chosen for _ in range(G))]
         with autocast(device, self.precision):
             completions = [r.output for r in complete(self.model, requests)]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
-from kiln.pipeline.progress import console
+from kiln.pipeline.progress import console, print_columns
 
 SEED_KEYS = {"pretrain": "train.seed", "sft": "sft.seed", "dpo": "dpo.seed", "grpo": "grpo.seed"}
 # Two-sided 95% Student-t quantiles by degrees of freedom (scipy.stats.t.ppf(0.975, df)); beyond 30, the normal's.
@@ -103,10 +103,4 @@ def print_summary(summary: dict) -> None:
     for key, m in metrics.items():
         rows.append([key, *(f"{r[key]:.5g}" for r in runs), f"{m['mean']:.5g}", f"{m['std']:.3g}",
                      f"{m['spread']:.3g}", f"[{m['ci95_low']:.5g}, {m['ci95_high']:.5g}]"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    console.print(f"seeds: {summary['stage']} over {summary['seed_key']} = {', '.join(map(str, seeds))}",
-                  highlight=False, soft_wrap=True)
-    for r in rows:
-        console.print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip(), highlight=False, soft_wrap=True,
-                      markup=False)
-
+    print_columns(f"seeds: {summary['stage']} over {summary['seed_key']} = {', '.join(map(str, seeds))}", rows)
