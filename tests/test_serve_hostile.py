@@ -57,7 +57,9 @@ def test_the_api_key_is_asked_on_every_v1_route_and_only_there(guarded):
             response = httpx.request(method, base + path, headers=wrong, json={"model": "tiny", "prompt": "a"})
             assert response.status_code == 401 and openai_error(response)["code"] == "invalid_api_key"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
-    assert client.completions.create(model="tiny", prompt="the", max_tokens=2).choices[0].finish_reason == "length"
+    # seeded: unseeded, a fresh-clone run once drew <|endoftext|> within 2 tokens and ended with "stop"
+    done = client.completions.create(model="tiny", prompt="the", max_tokens=2, seed=0)
+    assert done.choices[0].finish_reason == "length"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
     assert KEY not in log_path.read_text()  # the key is never printed
