@@ -131,3 +131,25 @@ def test_headline_gives_every_train_row_and_the_fastest(tmp_path):
     assert found["best_train_variant"] == "bf16-compile-torch" and found["best_train_tokens_per_s"] == 3.0
     assert found["train"]["bf16-compile-triton"] == {"error": rows[1]["error"]}
     assert found["train"]["bf16-compile-torch"]["peak_memory_gb"] == 9.0
+
+
+def test_a_running_step_is_packed_as_it_goes(tmp_path, monkeypatch):
+    """A step's JSON rows reach the --pack archive while the step still runs (every PACK_EVERY seconds): a GPU
+    call cut off inside a long step returns what the step had measured."""
+    import sys
+    import tarfile
+
+    from kiln.pipeline.tools import bench_gpu
+
+    out, pack = tmp_path / "out", tmp_path / "gpu-check.tgz"
+    root = out.as_posix().lstrip("/")
+    step = ("import sys, tarfile, time; open(sys.argv[1], 'w').write('{\"results\": []}'); time.sleep(3.5); "
+            "print('packed while running:', sys.argv[2] in tarfile.open(sys.argv[3]).getnames())")
+    steps = [bench_gpu.Step("train", [[sys.executable, "-c", step, str(out / "train.json"), f"{root}/train.json",
+                                       str(pack)]])]
+    monkeypatch.setattr(bench_gpu, "plan", lambda size, out, work: steps)
+    monkeypatch.setattr(bench_gpu, "PACK_EVERY", 1)
+    result = CliRunner().invoke(app, ["bench", "gpu", "--size", "smoke", "--steps", "train", "--out", str(out),
+                                      "--work", str(tmp_path / "work"), "--pack", str(pack)])
+    assert result.exit_code == 0, result.output
+    assert "packed while running: True" in (out / "train.log").read_text()
