@@ -47,6 +47,31 @@ def test_decode_steps_padded_to_graph_buckets_give_the_eager_tokens(backend):
     assert engine.cache.k[:, engine.cache.scratch].abs().sum() > 0  # where the padding rows wrote
 
 
+def test_every_bucket_captured_up_front_writes_only_the_scratch_block():
+    """capture_all (the engine's start on CUDA) makes every bucket's graph before any request, from padding rows
+    that write into the scratch block alone; the engine's steps then capture nothing and give the eager tokens."""
+    model = tiny().to(DEVICE)
+    texts = prompts(6, seed=3)
+
+    def requests() -> list[Request]:
+        return [Request(p, SamplingParams(max_tokens=3 + i)) for i, p in enumerate(texts)]
+    expected = [r.output for r in Engine(model, 64, 4, max_batch_tokens=16).run(requests())]
+    engine = Engine(model, 64, 4, max_batch_tokens=16)
+    captured = []
+
+    def capture(forward, pool):  # runs the forward once, as a real capture's warm-up runs do
+        captured.append(forward())
+        return forward
+    engine.runner.graphs = graphs = DecodeGraphs(model, engine.cache, 8, capture=capture)
+    graphs.capture_all()
+    assert len(captured) == 4 and set(graphs.replays) == {1, 2, 4, 8}
+    k = engine.cache.k
+    assert k[:, engine.cache.scratch].abs().sum() > 0
+    assert k[:, :engine.cache.scratch].abs().sum() == 0 and engine.cache.v[:, :engine.cache.scratch].abs().sum() == 0
+    assert [r.output for r in engine.run(requests())] == expected
+    assert len(captured) == 4 and graphs.steps > 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (make gpu-check runs this)")
 def test_cuda_graphs_replay_the_eager_engine():
     """Real graphs on CUDA: decode-only steps replay them, and every request gets the tokens the eager engine

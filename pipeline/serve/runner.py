@@ -38,6 +38,8 @@ class ModelRunner:
         # paged kernel, and without a draft, whose steps have other shapes
         capturable = cache.device.type == "cuda" and cache.triton and draft is None
         self.graphs = DecodeGraphs(model, cache, graph_batch) if graph_batch and capturable else None
+        if self.graphs:
+            self.graphs.capture_all()
         self.vocab_size = model.config.vocab_size
         # `kiln bench serve` turns this on to split a step's time into the model's and the host's: the model's
         # time is read around its forward and sampling (with a device sync on CUDA, which timing costs)
