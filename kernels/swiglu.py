@@ -21,9 +21,12 @@ from kiln.kernels.backend import use_triton
 from kiln.kernels.launch import ELEMENTWISE_CONFIGS, autotune
 
 
-@autotune(ELEMENTWISE_CONFIGS, key=["n"])
+# Keyed on n's next power of two, not n: a server's steps and SFT's batches bring new token counts all the time,
+# and keying on n re-ran the tuner (five configs timed) at each one: on the H200 (2026-11-26) the engine's first
+# decode steps at each batch size took seconds.
+@autotune(ELEMENTWISE_CONFIGS, key=["N_BUCKET"])
 @triton.jit
-def _swiglu_fwd(gate_ptr, up_ptr, h_ptr, n, BLOCK: tl.constexpr):
+def _swiglu_fwd(gate_ptr, up_ptr, h_ptr, n, N_BUCKET, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     gate = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -32,9 +35,9 @@ def _swiglu_fwd(gate_ptr, up_ptr, h_ptr, n, BLOCK: tl.constexpr):
     tl.store(h_ptr + offs, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-@autotune(ELEMENTWISE_CONFIGS, key=["n"])
+@autotune(ELEMENTWISE_CONFIGS, key=["N_BUCKET"])
 @triton.jit
-def _swiglu_bwd(dh_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, BLOCK: tl.constexpr):
+def _swiglu_bwd(dh_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, N_BUCKET, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dh = tl.load(dh_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -58,7 +61,7 @@ def swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     h = torch.empty_like(gate)
     if n := gate.numel():
-        _swiglu_fwd[_grid(n)](gate, up, h, n)
+        _swiglu_fwd[_grid(n)](gate, up, h, n, triton.next_power_of_2(n))
     return h
 
 
@@ -74,7 +77,7 @@ def swiglu_backward_op(dh: torch.Tensor, gate: torch.Tensor,
     dh, gate, up = dh.contiguous(), gate.contiguous(), up.contiguous()
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     if n := gate.numel():
-        _swiglu_bwd[_grid(n)](dh, gate, up, dgate, dup, n)
+        _swiglu_bwd[_grid(n)](dh, gate, up, dgate, dup, n, triton.next_power_of_2(n))
     return dgate, dup
 
 

@@ -129,3 +129,21 @@ def test_picked_reports_the_config_each_kernel_ran():
     rms_norm(randn(3, 37), randn(37, seed=1), backend="triton")
     ran = picked()["_rms_norm_fwd"]
     assert ran and all(entry["config"]["num_warps"] in (2, 4, 8) for entry in ran)
+
+
+def test_no_kernel_retunes_per_token_count():
+    """Autotuned kernels key on what a model fixes (widths, heads, vocabulary, dtypes) or on a power-of-two
+    bucket of a length, never on a raw token count: each new key times every config, and a server's or SFT's
+    token counts change every step."""
+    import kiln.kernels.cross_entropy
+    import kiln.kernels.flash_attention
+    import kiln.kernels.paged_attention
+    import kiln.kernels.rope
+    import kiln.kernels.swiglu  # noqa: F401  (each module registers its tuned kernels)
+    from kiln.kernels.launch import _TUNED
+
+    keys = {tuned.base_fn.__name__: set(tuned.keys) for tuned in _TUNED}
+    assert {"_swiglu_fwd", "_swiglu_bwd", "_rms_norm_fwd", "_decode_kernel", "_forward_kernel"} <= set(keys)
+    fixed_or_bucketed = {"n_cols", "COMPUTE_GRAD", "D", "CAUSAL", "T_BUCKET", "N_BUCKET", "BLOCK_T", "REP",
+                         "BLOCK_D", "n_q_heads", "n_k_heads", "HALF"}
+    assert {name: k - fixed_or_bucketed for name, k in keys.items() if k - fixed_or_bucketed} == {}
