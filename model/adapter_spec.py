@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["ADAPTERS", "TARGETS", "spec_problem"]
+__all__ = ["ADAPTERS", "TARGETS", "TOKEN_ROWS", "spec_problem"]
 
 ADAPTERS = ("full", "lora", "qlora")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# an adapter file's trained token rows (under tok_emb.) and the start's values of those rows
+TOKEN_ROWS = ("trainable_tokens_delta", "trainable_tokens_original")
 
 
 def spec_problem(spec: object) -> str | None:
     """None, or what is wrong with an adapter spec as config.json records it ({adapter, rank, alpha, dropout,
-    targets}): the checks params get, for a file that may have been edited since."""
+    targets, and trainable_tokens where rows were trained}): the checks params get, for a file that may have been
+    edited since."""
     if not isinstance(spec, dict):
         return f"expected an object, got {type(spec).__name__}"
 
@@ -33,4 +36,8 @@ def spec_problem(spec: object) -> str | None:
     targets = spec.get("targets")
     if not (isinstance(targets, list) and targets and all(t in TARGETS for t in targets)):
         return f"targets={targets!r:.80}: expected a list of names among {', '.join(TARGETS)}"
+    tokens = spec.get("trainable_tokens", [0])
+    if not (isinstance(tokens, list) and tokens and len(set(tokens)) == len(tokens)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)):
+        return f"trainable_tokens={tokens!r:.80}: expected a list of distinct token ids"
     return None

@@ -286,6 +286,18 @@ def hf_config(config: ModelConfig, special: dict[str, int | None]) -> dict:
 PEFT_PREFIX = "base_model.model."  # PeftModel wraps the HF model, so its names gain this
 
 
+def token_rows_base(state: dict[str, torch.Tensor], adapter: dict[str, torch.Tensor], spec: dict,
+                    config: ModelConfig) -> dict[str, torch.Tensor]:
+    """`state` (a merged model's) with its trained token rows back at the start's values: the base that PEFT's
+    trainable tokens write their rows over (a tied head shares the embedding's rows)."""
+    if "trainable_tokens" not in spec:
+        return state
+    ids = torch.tensor(spec["trainable_tokens"])
+    table = state["tok_emb.weight"].index_copy(0, ids, adapter["tok_emb.trainable_tokens_original"].to(
+        state["tok_emb.weight"].dtype))
+    return {**state, "tok_emb.weight": table, **({"lm_head.weight": table} if config.tie_embeddings else {})}
+
+
 def lora_deltas(adapter: dict[str, torch.Tensor], spec: dict) -> dict[str, torch.Tensor]:
     """kiln weight name -> the (out, in) update its adapter adds: (alpha / rank) B A, in float32."""
     scaling = spec["alpha"] / spec["rank"]
@@ -321,11 +333,16 @@ def peft_adapter(adapter: dict[str, torch.Tensor], spec: dict, config: ModelConf
         targets.add(suffix)
         if len(parts) > 1:
             ranks[suffix] = len(parts)
+    if "trainable_tokens" in spec:  # PEFT's name; it holds the rows' values (model/lora.py, TrainableTokens)
+        embedding = EMBEDDING[config.arch].removesuffix(".weight")
+        tensors[f"{PEFT_PREFIX}{embedding}.token_adapter.trainable_tokens_delta"] = (
+            adapter["tok_emb.trainable_tokens_delta"].contiguous())
     peft_config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": rank,
         "lora_alpha": alpha, "lora_dropout": spec["dropout"], "target_modules": sorted(targets), "bias": "none",
         "fan_in_fan_out": config.arch == "gpt2", "init_lora_weights": True, "use_rslora": False,
         "rank_pattern": {k: rank * n for k, n in ranks.items()},
         "alpha_pattern": {k: alpha * n for k, n in ranks.items()},
-        "modules_to_save": None, "inference_mode": True}
+        "modules_to_save": None, "inference_mode": True,
+        **({"trainable_token_indices": list(spec["trainable_tokens"])} if "trainable_tokens" in spec else {})}
     return tensors, peft_config

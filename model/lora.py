@@ -14,6 +14,14 @@ backward (`_NF4Linear`) instead of keeping the full-precision copy between them:
 thing that grows with the batch. The gradient reaches the input (and through it the adapters), never the
 codes. Norm gains and biases stay as they are (a few thousand numbers).
 
+Trainable token rows (PEFT's `trainable_token_indices`): a chat's special tokens (<|im_start|>, <|im_end|>) never
+occur in pretraining text, so their embedding rows are untrained, and LoRA on the projections cannot move a row
+the attention reads as input. `TrainableTokens` trains just those rows of the frozen embedding (NF4 or not): the
+rows' new values are a parameter (PEFT's `trainable_tokens_delta`, which despite its name holds values, not
+differences, and starts as the original rows), put in place of the table's rows at lookup. A tied LM head reads
+the same table with the rows in place (`TokensHead`), as PEFT ties the head's adapter to the embedding's; an
+untied head is left alone, as PEFT leaves it.
+
 What a stage saves is `merged_state_dict`: W + (alpha/rank) B A in float32, with W dequantised for QLoRA, so the
 output is a plain kiln model computing what the adapted model computed, and evaluate, generate, chat and
 convert need nothing new. The adapter alone (`adapter_state_dict`) is saved beside it.
@@ -28,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kiln.model.adapter_spec import TARGETS
+from kiln.model.adapter_spec import TARGETS, TOKEN_ROWS
 from kiln.model.gpt import GPT
 
 NF4_BLOCK = 64  # weights per absmax: a quantised matrix's rows must hold whole blocks
@@ -133,6 +141,55 @@ class NF4Embedding(nn.Module):
         return F.embedding(idx, self.quantized())
 
 
+class TrainableTokens(nn.Module):
+    """A frozen embedding (nn.Embedding or NF4Embedding) whose rows `ids` train."""
+
+    def __init__(self, base: nn.Module, ids: list[int]):
+        super().__init__()
+        table = base.weight.detach()
+        self.base = base
+        self.register_buffer("token_indices", torch.tensor(ids, dtype=torch.long, device=table.device))
+        # the start's rows, kept to export the base PEFT puts these rows back onto (QLoRA: dequantised)
+        self.register_buffer("trainable_tokens_original", table[self.token_indices].clone())
+        self.trainable_tokens_delta = nn.Parameter(table[self.token_indices].clone())
+        slot = torch.full((table.shape[0],), -1, dtype=torch.long, device=table.device)
+        slot[self.token_indices] = torch.arange(len(ids), device=table.device)
+        self.register_buffer("slot", slot, persistent=False)  # token id -> its trained row, -1 for the others
+        self.enabled = True
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The table with the trained rows in place (what a tied LM head multiplies by)."""
+        table = self.base.weight
+        if not self.enabled:
+            return table
+        return table.index_copy(0, self.token_indices, self.trainable_tokens_delta.to(table.dtype))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        out = self.base(idx)
+        if not self.enabled:
+            return out
+        slot = self.slot[idx]
+        trained = self.trainable_tokens_delta[slot.clamp(min=0)].to(out.dtype)
+        return torch.where((slot >= 0).unsqueeze(-1), trained, out)
+
+
+class TokensHead(nn.Module):
+    """A tied LM head over a TrainableTokens embedding: logits = x @ (table with the trained rows)^T. The
+    embedding is not registered as a submodule here, so its parameters and state are listed once, under tok_emb."""
+
+    def __init__(self, tokens: TrainableTokens):
+        super().__init__()
+        self._tokens = [tokens]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._tokens[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.to(compute_dtype(x)))
+
+
 class LoRALinear(nn.Module):
     """base(x) + scaling * lora_B(lora_A(dropout(x))), base frozen (an nn.Linear or an NF4Linear)."""
 
@@ -164,7 +221,8 @@ class LoRALinear(nn.Module):
         return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
 
-def check_adapter(model: GPT, adapter: str, targets: list[str], rank: int) -> str | None:
+def check_adapter(model: GPT, adapter: str, targets: list[str], rank: int,
+                  trainable_tokens: list[int] = ()) -> str | None:
     """None, or what is wrong with adapting this model so: ("lora_targets: 'gate_proj' ..."), checked before a
     byte is allocated: a rank is at most the smaller side of every matrix it adapts (a higher one adds nothing a
     full update does not, and lora_rank=1000000 grew to 12.7 GB before it was killed)."""
@@ -179,6 +237,10 @@ def check_adapter(model: GPT, adapter: str, targets: list[str], rank: int) -> st
     if rank > min(out_features, in_features):
         return (f"lora_rank={rank}: expected at most {min(out_features, in_features)}, the smaller side of "
                 f"{smallest} ({out_features} x {in_features}); a higher rank adds nothing a full update does not")
+    if trainable_tokens and not all(0 <= i < model.config.vocab_size for i in trainable_tokens):
+        wrong = next(i for i in trainable_tokens if not 0 <= i < model.config.vocab_size)
+        return (f"lora_trainable_tokens: token id {wrong} is not in the model's vocabulary "
+                f"(0..{model.config.vocab_size - 1})")
     if adapter == "qlora":
         c = model.config
         for name, size in (("d_model", c.d_model), ("d_ff", c.ffn_dim), ("n_head x head_dim", c.n_head * c.head_dim)):
@@ -189,12 +251,13 @@ def check_adapter(model: GPT, adapter: str, targets: list[str], rank: int) -> st
 
 
 def apply_adapter(model: GPT, adapter: str, rank: int, alpha: float, dropout: float,
-                  targets: list[str]) -> GPT:
-    """Freeze `model` and put LoRA on the `targets` of every block (QLoRA: with its frozen matrices in NF4).
-    In place; returns the model. "full" returns it untouched. Raises ValueError from check_adapter."""
+                  targets: list[str], trainable_tokens: list[int] = ()) -> GPT:
+    """Freeze `model` and put LoRA on the `targets` of every block (QLoRA: with its frozen matrices in NF4),
+    and train the embedding rows `trainable_tokens`. In place; returns the model. "full" returns it untouched.
+    Raises ValueError from check_adapter."""
     if adapter == "full":
         return model
-    if (problem := check_adapter(model, adapter, targets, rank)) is not None:
+    if (problem := check_adapter(model, adapter, targets, rank, trainable_tokens)) is not None:
         raise ValueError(problem)
     model.requires_grad_(False)
     if adapter == "qlora":
@@ -203,6 +266,10 @@ def apply_adapter(model: GPT, adapter: str, rank: int, alpha: float, dropout: fl
         if name.startswith("blocks.") and name.rpartition(".")[2] in targets:
             parent, leaf = _parent(model, name)
             setattr(parent, leaf, LoRALinear(module, rank, alpha, dropout))
+    if trainable_tokens:
+        model.tok_emb = TrainableTokens(model.tok_emb, sorted(trainable_tokens))
+        if model.config.tie_embeddings:
+            model.lm_head = TokensHead(model.tok_emb)
     return model
 
 
@@ -219,16 +286,18 @@ def _quantize(model: GPT) -> None:
     model.lm_head = NF4Linear(table if tied else NF4Weight(model.lm_head.weight, backend))
 
 
+ADAPTED = (LoRALinear, TrainableTokens, TokensHead, NF4Linear, NF4Embedding)
+
+
 def is_adapted(model: nn.Module) -> bool:
-    return any(isinstance(m, (LoRALinear, NF4Linear, NF4Embedding)) for m in model.modules())
+    return any(isinstance(m, ADAPTED) for m in model.modules())
 
 
 def _replaced(model: nn.Module) -> dict[str, nn.Module]:
     """The outermost adapter or NF4 modules by name (a LoRALinear, not also the NF4Linear inside it)."""
     out: dict[str, nn.Module] = {}
     for name, module in model.named_modules(remove_duplicate=False):
-        if isinstance(module, (LoRALinear, NF4Linear, NF4Embedding)) and not any(
-                name.startswith(p + ".") for p in out):
+        if isinstance(module, ADAPTED) and not any(name.startswith(p + ".") for p in out):
             out[name] = module
     return out
 
@@ -242,14 +311,23 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor] | None = 
     replaced = _replaced(model)
     out = {k: v for k, v in state.items() if not any(k.startswith(p + ".") for p in replaced)}
     for name, module in replaced.items():
-        base_name, base = (f"{name}.base", module.base) if isinstance(module, LoRALinear) else (name, module)
+        if isinstance(module, TokensHead):  # the tied embedding's merged table, set below
+            continue
+        wrapped = isinstance(module, (LoRALinear, TrainableTokens))
+        base_name, base = (f"{name}.base", module.base) if wrapped else (name, module)
         weight = _dense(state, base_name, base)
         if isinstance(module, LoRALinear):
             a, b = state[f"{name}.lora_A.weight"].float(), state[f"{name}.lora_B.weight"].float()
             weight = weight + (b @ a).to(weight.device) * module.scaling
+        if isinstance(module, TrainableTokens):
+            rows = state[f"{name}.trainable_tokens_delta"].float().to(weight.device)
+            weight = weight.index_copy(0, state[f"{name}.token_indices"].to(weight.device), rows)
         out[f"{name}.weight"] = weight
         if f"{base_name}.bias" in state:
             out[f"{name}.bias"] = state[f"{base_name}.bias"]
+    for name, module in replaced.items():
+        if isinstance(module, TokensHead):
+            out[f"{name}.weight"] = out["tok_emb.weight"]
     return out
 
 
@@ -264,14 +342,17 @@ def _dense(state: dict[str, torch.Tensor], name: str, base: nn.Module) -> torch.
 
 
 def adapter_state_dict(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """lora_A / lora_B of every adapted projection in an adapted model's state dict, on the CPU."""
-    return {k: v.detach().cpu().contiguous() for k, v in state.items() if ".lora_A." in k or ".lora_B." in k}
+    """lora_A / lora_B of every adapted projection, and the trained token rows with their originals, in an adapted
+    model's state dict, on the CPU."""
+    return {k: v.detach().cpu().contiguous() for k, v in state.items()
+            if ".lora_A." in k or ".lora_B." in k or k.rpartition(".")[2] in TOKEN_ROWS}
 
 
 def set_adapters(model: nn.Module, enabled: bool) -> None:
-    """Switch the adapters off (the frozen base alone: the model training started from) or back on."""
+    """Switch the adapters and trained token rows off (the frozen base alone: the model training started from) or
+    back on."""
     for module in model.modules():
-        if isinstance(module, LoRALinear):
+        if isinstance(module, (LoRALinear, TrainableTokens)):
             module.enabled = enabled
 
 

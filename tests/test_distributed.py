@@ -107,11 +107,12 @@ def sft_losses(run):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_qlora_sft_on_two_processes_matches_one_with_the_nf4_codes_sharded(tiny, tmp_path, monkeypatch, parallel):
     """The same optimizer steps (8 examples each: 2 micro-batches of 4, or on each of two ranks 2 of 2); FSDP
-    holds half of every frozen NF4 tensor on each rank, which the run reports."""
+    holds half of every frozen NF4 tensor on each rank, which the run reports. The chat tokens' embedding rows
+    train too (beside frozen NF4 codes in the root's FSDP group)."""
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "sft.jsonl", questions())
     save_base(tiny.tokenizer, tmp_path / "base")
-    setting = {"adapter": "qlora", "lora_rank": 4, "batch_examples": 8}
+    setting = {"adapter": "qlora", "lora_rank": 4, "batch_examples": 8, "lora_trainable_tokens": "chat"}
     one = kiln(tmp_path, *sft_args(tiny, tmp_path, "one", batch_size=4, **setting))
     assert one.returncode == 0, one.output
     curve = sft_losses(tmp_path / "one")

@@ -97,6 +97,70 @@ def test_adapter_gradients_match_a_dense_float64_model():
         assert a.grad.abs().sum() > 0 and b.grad.abs().sum() > 0
 
 
+TOKENS = [3, 5, 197]  # rows trained beside the adapters; every input below uses them
+
+
+def with_tokens(vocab: int = 200, shape=(3, 17), seed: int = 1) -> torch.Tensor:
+    x = ids(vocab, shape, seed)
+    x[:, 1], x[:, 4], x[0, 9] = TOKENS[0], TOKENS[1], TOKENS[2]
+    return x
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("adapter", ["lora", "qlora"])
+def test_trainable_token_rows_start_as_a_no_op_and_merge_into_the_table(adapter, tied):
+    """Rows trained beside the adapters (PEFT's trainable_token_indices): before training the model computes
+    what it did; only the adapters and the rows train; the merged state dict is the table with the trained rows in
+    place, in the embedding and (tied) the LM head, and computes what the adapted model computes."""
+    model = tiny_model(tie_embeddings=tied)
+    x = with_tokens()
+    start = apply_adapter(copy.deepcopy(model), adapter, 4, 8.0, 0.0, ["q_proj"])  # QLoRA's rounding, no rows
+    adapted = apply_adapter(copy.deepcopy(model), adapter, 4, 8.0, 0.0, ["q_proj"], TOKENS)
+    assert torch.equal(adapted(x), start(x))
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable == {"tok_emb.trainable_tokens_delta"} | {f"blocks.{i}.attn.q_proj.lora_{ab}.weight"
+                                                               for i in range(2) for ab in "AB"}
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        adapted.tok_emb.trainable_tokens_delta.copy_(torch.randn(3, 64, generator=gen))
+    merged = merged_state_dict(adapted)
+    table = merged_state_dict(start)["tok_emb.weight"]
+    changed = (merged["tok_emb.weight"] != table).any(dim=1).nonzero().flatten().tolist()
+    assert changed == TOKENS and torch.equal(merged["tok_emb.weight"][TOKENS],
+                                             adapted.tok_emb.trainable_tokens_delta.detach())
+    if tied:
+        assert torch.equal(merged["lm_head.weight"], merged["tok_emb.weight"])
+    else:
+        assert torch.equal(merged["lm_head.weight"], merged_state_dict(start)["lm_head.weight"])
+    plain = tiny_model(seed=9, tie_embeddings=tied)
+    plain.load_state_dict(merged)
+    torch.testing.assert_close(plain(x), adapted(x), rtol=0, atol=1e-5)
+    assert (adapted(x) - start(x)).abs().max() > 1e-2
+    saved = adapter_state_dict(adapted.state_dict())
+    assert torch.equal(saved["tok_emb.trainable_tokens_original"], table[TOKENS])
+    set_adapters(adapted, False)  # off (GRPO's reference): the start again, rows included
+    assert torch.equal(adapted(x), start(x))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_trainable_token_gradients_match_a_dense_float64_model(tied):
+    """The rows' gradients are the dense model's gradients of those rows of its table (float64), the tied LM
+    head's share included; the other rows get none (they are not parameters)."""
+    model = tiny_model(tie_embeddings=tied).double()
+    adapted = apply_adapter(copy.deepcopy(model), "lora", 3, 5.0, 0.0, ["v_proj"], TOKENS)
+    x, y = with_tokens(), with_tokens(seed=2)
+    adapted(x, y).backward()
+    dense = copy.deepcopy(model).requires_grad_(False)
+    dense.tok_emb.weight.requires_grad_(True)
+    for name, module in adapted.named_modules():  # the same adapters, fixed
+        if isinstance(module, LoRALinear):
+            dense.get_submodule(name).weight.add_(module.delta().double())
+    dense(x, y).backward()
+    grad = dense.tok_emb.weight.grad
+    torch.testing.assert_close(adapted.tok_emb.trainable_tokens_delta.grad, grad[TOKENS], rtol=1e-9, atol=1e-12)
+    assert adapted.tok_emb.trainable_tokens_delta.grad.abs().min() > 0
+
+
 class _Dense(torch.nn.Module):
     def __init__(self, fn):
         super().__init__()
@@ -108,7 +172,7 @@ class _Dense(torch.nn.Module):
 
 @pytest.mark.parametrize("adapter", ["lora", "qlora"])
 def test_adapted_model_compiles_in_one_graph(adapter):
-    model = apply_adapter(tiny_model(), adapter, 4, 8.0, 0.0, ALL).train()
+    model = apply_adapter(tiny_model(), adapter, 4, 8.0, 0.0, ALL, TOKENS).train()  # trained token rows too
     x, y = ids(), ids(seed=2)
     explained = torch._dynamo.explain(model)(x, y)
     assert explained.graph_break_count == 0, explained.break_reasons
@@ -155,10 +219,14 @@ def test_qlora_stores_the_base_in_nf4_and_merges_to_its_dequantised_weights():
     assert 0 < err.max() < 0.05  # NF4's rounding: close to the original, not equal
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_peft_loads_the_exported_adapter_to_the_same_logits(tiny, tmp_path, arch):
+@pytest.mark.parametrize(("arch", "tokens", "tied"), [("llama", [], True), ("gpt2", [], True),
+                                                      ("llama", TOKENS, True), ("llama", TOKENS, False),
+                                                      ("gpt2", TOKENS, True)])
+def test_peft_loads_the_exported_adapter_to_the_same_logits(tiny, tmp_path, arch, tokens, tied):
     """kiln convert to-hf --adapter: transformers loads the base, PeftModel adds the adapter, and the logits
-    are the merged kiln model's (GPT-2 with q and v adapted: its fused c_attn gets one block-diagonal adapter)."""
+    are the merged kiln model's (GPT-2 with q and v adapted: its fused c_attn gets one block-diagonal adapter).
+    Trained token rows go as PEFT's trainable_token_indices: the base gets the start's rows back, PEFT puts the
+    trained ones over them (in a tied head too)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -168,12 +236,17 @@ def test_peft_loads_the_exported_adapter_to_the_same_logits(tiny, tmp_path, arch
 
     vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=vocab, n_layer=2, n_head=2, n_kv_head=2, d_model=64, max_seq_len=32, arch=arch)
+    config = ModelConfig(vocab_size=vocab, n_layer=2, n_head=2, n_kv_head=2, d_model=64, max_seq_len=32, arch=arch,
+                         tie_embeddings=tied)
     base = GPT(config).eval()
     targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
-    adapted = apply_adapter(copy.deepcopy(base), "lora", 4, 8.0, 0.0, targets)
+    adapted = apply_adapter(copy.deepcopy(base), "lora", 4, 8.0, 0.0, targets, tokens)
     randomise_adapters(adapted, seed=6)
     spec = {"adapter": "lora", "rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": targets}
+    if tokens:
+        spec["trainable_tokens"] = tokens
+        with torch.no_grad():
+            adapted.tok_emb.trainable_tokens_delta.copy_(torch.randn(len(tokens), 64))
     save_model(merged_state_dict(adapted), config, tmp_path / "kiln",
                {"tokenizer_sha256": sha256_file(tiny.tokenizer), "adapter": spec},
                adapter=adapter_state_dict(adapted.state_dict()))
@@ -183,7 +256,7 @@ def test_peft_loads_the_exported_adapter_to_the_same_logits(tiny, tmp_path, arch
                                     "--tokenizer", str(tiny.tokenizer), "--adapter"])
     assert done.exit_code == 0, done.output
     hf_base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    x = ids(vocab, (2, 20))
+    x = with_tokens(vocab, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(hf_base(x).logits, base(x), rtol=0, atol=2e-5)  # the base is the start
         peft = PeftModel.from_pretrained(hf_base, tmp_path / "hf" / "adapter").eval()
@@ -192,6 +265,7 @@ def test_peft_loads_the_exported_adapter_to_the_same_logits(tiny, tmp_path, arch
         assert (merged(x) - base(x)).abs().max() > 1e-2  # the adapter does change the logits
     saved = json.loads((tmp_path / "hf/adapter/adapter_config.json").read_text())
     assert saved["peft_type"] == "LORA" and saved["r"] == 4 and saved["lora_alpha"] == 8.0
+    assert saved.get("trainable_token_indices") == (tokens or None)
 
 
 SFT = {"data": "sft.jsonl", "text_share": 0.0, "max_steps": 6, "batch_size": 4, "batch_examples": 4, "lr": 1e-2,
@@ -236,7 +310,34 @@ def test_adapter_sft_resumes_after_kill_9_to_the_same_model(tiny, project, adapt
     assert same if adapter == "lora" else not same
 
 
+def test_lora_sft_with_the_chat_token_rows_saves_them_and_converts(tiny, project):
+    """lora_trainable_tokens: chat trains <|im_start|> and <|im_end|> beside the adapters: the adapter file holds
+    those rows, config.json names their ids, the merged model differs from the start in exactly those rows of
+    the (tied) table, and `kiln convert to-hf --adapter` exports them for PEFT."""
+    from kiln.pipeline.tasks.chat_format import ChatFormat
+    from kiln.pipeline.text.bpe import load_tokenizer
+
+    chat = ChatFormat(load_tokenizer(tiny.tokenizer, ordinary=True))
+    done = kiln(project, *sft_args(tiny, project, "out", adapter="lora", lora_rank=4, lora_targets=["q_proj"],
+                                   lora_trainable_tokens="chat"))
+    assert done.returncode == 0, done.output
+    model, meta = load_model(project / "out/model")
+    assert meta["adapter"]["trainable_tokens"] == sorted([chat.im_start, chat.im_end])
+    saved = load_file(project / "out/model/adapter.safetensors")
+    assert saved["tok_emb.trainable_tokens_delta"].shape == (2, model.config.d_model)
+    start, _ = load_model(project / "base")
+    moved = (model.tok_emb.weight != start.tok_emb.weight).any(dim=1).nonzero().flatten().tolist()
+    assert moved == sorted([chat.im_start, chat.im_end])
+    converted = kiln(project, "convert", "to-hf", "out/model", "hf", "--tokenizer", str(tiny.tokenizer), "--adapter")
+    assert converted.returncode == 0, converted.output
+    config = json.loads((project / "hf/adapter/adapter_config.json").read_text())
+    assert config["trainable_token_indices"] == sorted([chat.im_start, chat.im_end])
+
+
 @pytest.mark.parametrize(("setting", "names"), [
+    ({"lora_trainable_tokens": "special"}, ("sft.lora_trainable_tokens='special'", "none | chat | all")),
+    ({"lora_trainable_tokens": [4, 4]}, ("sft.lora_trainable_tokens", "distinct")),
+    ({"adapter": "lora", "lora_trainable_tokens": [1_000_000]}, ("lora_trainable_tokens", "1000000", "vocabulary")),
     ({"lora_rank": 0}, ("sft.lora_rank",)),
     ({"lora_targets": ["q_proj", "wq"]}, ("sft.lora_targets", "'wq'")),
     ({"adapter": "dora"}, ("sft.adapter", "full | lora | qlora")),

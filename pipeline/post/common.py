@@ -98,11 +98,11 @@ def _start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokeniz
         raise UserError(f"{tokenizer_path}: not the tokenizer {model_dir} was trained with")
     seq_len = model.config.max_seq_len
     chat = ChatFormat(load_tokenizer(tokenizer_path, ordinary=True))
-    spec = params.adapter_spec()
+    spec = params.adapter_spec(chat)
     try:
         model.set_kernels(train.kernels).set_checkpointing(train.activation_checkpointing)
         apply_adapter(model, spec["adapter"], params.lora_rank, params.lora_alpha, params.lora_dropout,
-                      params.lora_targets)
+                      params.lora_targets, spec.get("trainable_tokens", []))
     except ValueError as e:
         raise UserError(f"params: {params.SECTION}.{e}") from None
     return Start(model, Path(model_dir), want, sha256_file(Path(model_dir) / "model.safetensors"),

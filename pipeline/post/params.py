@@ -19,6 +19,9 @@ if TYPE_CHECKING:
     from kiln.pipeline.tasks.corpus_task import TaskItem
 
 
+TRAINABLE_TOKENS = ("none", "chat", "all")  # lora_trainable_tokens' names; else a list of ids
+
+
 @dataclass
 class PostTrainParams(Section):
     """What SFT, DPO and GRPO share: their data and the optimisation that differs from pretraining.
@@ -54,6 +57,9 @@ class PostTrainParams(Section):
     lora_alpha: float = 16.0  # the adapter's update is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: list(TARGETS))
+    # embedding rows trained beside the adapters (PEFT's trainable_token_indices): none | chat (the chat format's
+    # <|im_start|> and <|im_end|>, which pretraining never saw) | all (every token of the tokenizer) | a list of ids
+    lora_trainable_tokens: str | list[int] = "none"
 
     SEQUENCES: ClassVar[int] = 1  # sequences per example: a DPO pair is two
 
@@ -104,6 +110,11 @@ class PostTrainParams(Section):
         if unknown or not self.lora_targets or len(set(self.lora_targets)) < len(self.lora_targets):
             raise self.bad("lora_targets", f"distinct names among {', '.join(TARGETS)}"
                            + (f" ({unknown[0]!r} is none)" if unknown else ""))
+        tokens = self.lora_trainable_tokens
+        if isinstance(tokens, str) and tokens not in TRAINABLE_TOKENS:
+            raise self.bad("lora_trainable_tokens", f"{' | '.join(TRAINABLE_TOKENS)} or a list of token ids")
+        if isinstance(tokens, list) and (not tokens or min(tokens) < 0 or len(set(tokens)) < len(tokens)):
+            raise self.bad("lora_trainable_tokens", "distinct non-negative token ids (none: no rows)")
         try:
             self.loop_params(TrainParams(), 1)
         except UserError as e:
@@ -119,12 +130,21 @@ class PostTrainParams(Section):
             "batch_size": self.batch_size * self.SEQUENCES,
             "batch_tokens": self.batch_examples * self.SEQUENCES * seq_len})
 
-    def adapter_spec(self) -> dict:
-        """What shapes the adapted model: the run's fingerprint and the saved adapter's config."""
+    def adapter_spec(self, chat: ChatFormat) -> dict:
+        """What shapes the adapted model: the run's fingerprint and the saved adapter's config (the trained token
+        rows as ids, `chat` naming its own)."""
         if self.adapter == "full":
             return {"adapter": "full"}
-        return {"adapter": self.adapter, "rank": self.lora_rank, "alpha": self.lora_alpha,
+        spec = {"adapter": self.adapter, "rank": self.lora_rank, "alpha": self.lora_alpha,
                 "dropout": self.lora_dropout, "targets": list(self.lora_targets)}
+        tokens = self.lora_trainable_tokens
+        if tokens == "chat":
+            tokens = [chat.im_start, chat.im_end]
+        elif tokens == "all":
+            tokens = list(range(chat.tokenizer.get_vocab_size()))
+        if tokens != "none":
+            spec["trainable_tokens"] = sorted(tokens)
+        return spec
 
 
 @dataclass

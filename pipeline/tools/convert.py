@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from kiln.model.adapter_spec import spec_problem
+from kiln.model.adapter_spec import TOKEN_ROWS, spec_problem
 from kiln.model.checkpoint import ADAPTER_WEIGHTS, MODEL_FOLDER, read_json_object, save_model
 from kiln.model.config import ModelConfig
 from kiln.model.hf import (
@@ -37,6 +37,7 @@ from kiln.model.hf import (
     peft_adapter,
     to_hf_tensors,
     to_kiln_tensors,
+    token_rows_base,
 )
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.layout import TOKENIZER_FILE
@@ -285,7 +286,8 @@ def to_hf(model_dir: Path, out: Path, tokenizer_path: Path, adapter: bool = Fals
                   "pad_token_id": pad}
     state = model.state_dict()
     if adapter:
-        lora, spec = _read_adapter(model_dir, meta)
+        lora, spec = _read_adapter(model_dir, meta, config)
+        state = token_rows_base(state, lora, spec, config)
         for name, delta in lora_deltas(lora, spec).items():
             state[name] = state[name] - delta
         peft_tensors, peft_config = peft_adapter(lora, spec, config, str(out))
@@ -311,7 +313,7 @@ def to_hf(model_dir: Path, out: Path, tokenizer_path: Path, adapter: bool = Fals
                       f"dropout only", highlight=False, soft_wrap=True)
 
 
-def _read_adapter(model_dir: Path, meta: dict) -> tuple[dict[str, torch.Tensor], dict]:
+def _read_adapter(model_dir: Path, meta: dict, config: ModelConfig) -> tuple[dict[str, torch.Tensor], dict]:
     """The adapter a post-training stage saved beside its merged model, checked against config.json's spec."""
     spec, path = meta.get("adapter"), model_dir / ADAPTER_WEIGHTS
     if spec is None:
@@ -325,12 +327,24 @@ def _read_adapter(model_dir: Path, meta: dict) -> tuple[dict[str, torch.Tensor],
         tensors = load_file(path)
     except Exception as e:  # safetensors' own error, OSError
         raise UserError(f"{path}: not a readable safetensors file ({_first_line(e)})") from None
+    token_rows = {name: tensors.pop(f"tok_emb.{name}", None) for name in TOKEN_ROWS}
+    if "trainable_tokens" in spec:
+        shape = (len(spec["trainable_tokens"]), config.d_model)
+        for name, t in token_rows.items():
+            if t is None or tuple(t.shape) != shape or not t.isfinite().all():
+                raise UserError(f"{path}: tok_emb.{name}: expected finite rows of shape {shape}, one per "
+                                f"trainable_tokens id in {model_dir / CONFIG}")
+        if max(spec["trainable_tokens"]) >= config.vocab_size:
+            raise UserError(f"{model_dir / CONFIG}: adapter: trainable_tokens: ids past the vocabulary "
+                            f"({config.vocab_size:,})")
+    elif any(t is not None for t in token_rows.values()):
+        raise UserError(f"{path}: trained token rows, though {model_dir / CONFIG} lists no trainable_tokens")
     for name, t in tensors.items():
         twin = name.replace(".lora_A.", ".lora_B.") if ".lora_A." in name else name.replace(".lora_B.", ".lora_A.")
         rows = t.shape[0] if ".lora_A." in name else t.shape[-1]
         if twin not in tensors or t.dim() != 2 or rows != spec["rank"] or not t.isfinite().all():
             raise UserError(f"{path}: {name}: expected finite 2-d lora_A/lora_B pairs of rank {spec['rank']}")
-    return tensors, spec
+    return tensors | {f"tok_emb.{name}": t for name, t in token_rows.items() if t is not None}, spec
 
 
 def _read_json(path: Path) -> dict:
