@@ -29,9 +29,9 @@ class GRPOParams(PostTrainParams):
     init: str = "sft"  # the model folder GRPO starts from (and whose copy is the KL reference): sft | dpo
     max_examples: int | None = 2000  # prompts
     val_examples: int = 100  # held-out prompts behind the stage's own greedy pass@1 curve
-    max_steps: int = 250
+    max_steps: int = 500
     batch_size: int = 32
-    batch_examples: int = 64
+    batch_examples: int = 32
     lr: float = 2e-4
     min_lr: float = 2e-5
     warmup_steps: int = 5
