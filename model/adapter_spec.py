@@ -36,8 +36,9 @@ def spec_problem(spec: object) -> str | None:
     targets = spec.get("targets")
     if not (isinstance(targets, list) and targets and all(t in TARGETS for t in targets)):
         return f"targets={targets!r:.80}: expected a list of names among {', '.join(TARGETS)}"
-    tokens = spec.get("trainable_tokens", [0])
-    if not (isinstance(tokens, list) and tokens and len(set(tokens)) == len(tokens)
+    tokens = spec.get("trainable_tokens")
+    if "trainable_tokens" in spec and not (
+            isinstance(tokens, list) and tokens and len(set(tokens)) == len(tokens)
             and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)):
         return f"trainable_tokens={tokens!r:.80}: expected a list of distinct token ids"
     return None

@@ -237,8 +237,8 @@ def check_adapter(model: GPT, adapter: str, targets: list[str], rank: int,
     if rank > min(out_features, in_features):
         return (f"lora_rank={rank}: expected at most {min(out_features, in_features)}, the smaller side of "
                 f"{smallest} ({out_features} x {in_features}); a higher rank adds nothing a full update does not")
-    if trainable_tokens and not all(0 <= i < model.config.vocab_size for i in trainable_tokens):
-        wrong = next(i for i in trainable_tokens if not 0 <= i < model.config.vocab_size)
+    wrong = next((i for i in trainable_tokens if not 0 <= i < model.config.vocab_size), None)
+    if wrong is not None:
         return (f"lora_trainable_tokens: token id {wrong} is not in the model's vocabulary "
                 f"(0..{model.config.vocab_size - 1})")
     if adapter == "qlora":

@@ -424,3 +424,36 @@ def test_convert_refuses_an_edited_adapter_naming_the_file(tiny, tmp_path, edit,
     fails_in_one_line(["convert", "to-hf", str(folder), str(tmp_path / "hf"), "--tokenizer", str(tiny.tokenizer),
                        "--adapter"], 2, said)
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(("edit", "said"), [
+    (lambda spec, tensors: tensors.pop("tok_emb.trainable_tokens_original"),
+     "tok_emb.trainable_tokens_original: expected finite rows of shape (3, 32)"),
+    (lambda spec, tensors: spec.update(trainable_tokens=[3, 5]), "tok_emb.trainable_tokens_delta: expected"),
+    (lambda spec, tensors: spec.update(trainable_tokens=[3, 3, 5]), "trainable_tokens=[3, 3, 5]: expected a list"),
+    (lambda spec, tensors: spec.pop("trainable_tokens"), "trained token rows, though"),
+])
+def test_convert_refuses_edited_token_rows_naming_the_file(tiny, tmp_path, edit, said):
+    """Trained token rows that do not match config.json's ids (a row file gone, ids edited or repeated, rows
+    without ids) are refused in one line naming the file; nothing is written."""
+    from conftest import fails_in_one_line
+    from safetensors.torch import save_file
+
+    from kiln.model.checkpoint import save_model
+    from kiln.pipeline.outputs import sha256_file
+    from kiln.pipeline.text.bpe import load_tokenizer
+
+    vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
+    config = ModelConfig(vocab_size=vocab, n_layer=1, n_head=2, n_kv_head=2, d_model=32, max_seq_len=16)
+    adapted = apply_adapter(GPT(config), "lora", 2, 4.0, 0.0, ["q_proj"], TOKENS)
+    spec = {"adapter": "lora", "rank": 2, "alpha": 4.0, "dropout": 0.0, "targets": ["q_proj"],
+            "trainable_tokens": TOKENS}
+    folder = tmp_path / "kiln"
+    tensors = adapter_state_dict(adapted.state_dict())
+    edit(spec, tensors)
+    save_model(merged_state_dict(adapted), config, folder, {"tokenizer_sha256": sha256_file(tiny.tokenizer),
+                                                          "adapter": spec})
+    save_file(tensors, folder / "adapter.safetensors")
+    fails_in_one_line(["convert", "to-hf", str(folder), str(tmp_path / "hf"), "--tokenizer", str(tiny.tokenizer),
+                       "--adapter"], 2, said)
+    assert not (tmp_path / "hf").exists()
