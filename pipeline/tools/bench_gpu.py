@@ -69,6 +69,8 @@ TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/
          "tests/test_serve_graphs.py",
          "tests/test_kernel_ops.py", "tests/test_compile.py", "tests/test_model.py"]
 
+PACK_EVERY = 30  # seconds: a call cut off at its limit still returns the rows its running step has written
+
 # Seconds each step may take, per size. Quick's sum to 9 minutes, inside one 10-minute device call. From the
 # last H100 run (an earlier order and grid): compiling the 124M step took 27 s, so ~80 s is expected for the two
 # compiled rows; kernels took 60-80 s before the graph timing, which adds a capture and replays per timing;
@@ -78,7 +80,6 @@ TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/
 # The H200 run of 2026-11-26 (quick): train 75 s, kernels crashed at 73 s after 13 rows, tests (then with
 # test_compile, run in full only now) cut at 100 s near 80 %, pretrain 55 s, generate cut at 40 s after 9 of
 # 24 runs, serve 19 s.
-PACK_EVERY = 30  # seconds: a call cut off at its limit still returns the rows its running step has written
 LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "generate": 120, "serve": 120},
           "quick": {"train": 100, "kernels": 140, "tests": 120, "pretrain": 70, "generate": 80, "serve": 40},
           "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 180, "serve": 300}}
