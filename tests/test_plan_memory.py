@@ -73,6 +73,23 @@ def test_the_plan_is_within_a_tenth_of_the_measured_peak(kw, batch, precision, c
     assert abs(estimate / measured - 1) < 0.10, (estimate, measured)
 
 
+@pytest.mark.parametrize("kw,precision,checkpointing", [
+    (dict(vocab_size=4096, n_layer=2, n_head=4, n_kv_head=2, d_model=64, max_seq_len=128), "fp32", False),
+    (dict(vocab_size=2048, n_layer=2, n_head=4, n_kv_head=4, d_model=128, max_seq_len=128, arch="gpt2"), "fp32",
+     True),
+])
+def test_a_compiled_step_is_planned_at_or_a_little_above_its_measured_peak(kw, precision, checkpointing):
+    """Under torch.compile inductor fuses the loss and holds one logits tensor, not eager's three: the plan must
+    neither refuse a run that fits by planning eager's logits (2x high on the H200) nor plan below the peak."""
+    shape = Shape(ModelConfig(**kw), precision, checkpointing=checkpointing, compiled=True)
+    estimate = plan(shape, 8, kw["max_seq_len"], None)["total_bytes"]
+    measured = measure_cpu_peak(shape, 8, kw["max_seq_len"])
+    assert 1.0 <= estimate / measured < 1.2, (estimate, measured)
+    if not checkpointing:
+        eager = Shape(ModelConfig(**kw), precision)
+        assert estimate < 0.6 * plan(eager, 8, kw["max_seq_len"], None)["total_bytes"]
+
+
 def test_checkpointing_plans_less_and_the_largest_batch_is_the_largest_that_fits(tmp_path):
     config = ModelConfig(vocab_size=50257, n_layer=12, n_head=12, n_kv_head=12, d_model=768, max_seq_len=1024)
     plain, recompute = Shape(config, "bf16", fused=True), Shape(config, "bf16", fused=True, checkpointing=True)
@@ -93,6 +110,13 @@ def test_the_command_prints_and_writes_the_plan(tmp_path):
     plan_json = json.loads(out.read_text())
     assert plan_json["model"]["n_layer"] == 2 and plan_json["precision"] == "bf16"
     assert plan_json["optimizer_bytes"] == 2 * plan_json["weights_bytes"] == 8 * plan_json["params"]
+    assert plan_json["kernels"] == "torch" and not plan_json["compile"]  # auto: what a run on this CPU uses
+
+    compiled = CliRunner().invoke(app, ["plan", "memory", "--device-gb", "1", "--out", str(out), "--set",
+                                        "model.n_layer=2", "--set", "precision=bf16", "--set", "compile=true"])
+    assert compiled.exit_code == 0 and "torch.compile" in compiled.output, compiled.output
+    compiled_json = json.loads(out.read_text())
+    assert compiled_json["compile"] and compiled_json["activation_bytes"] < plan_json["activation_bytes"]
 
 
 @pytest.mark.parametrize("args,message", [(["--batch-size", "0"], "--batch-size 0"),

@@ -56,8 +56,9 @@ def plan_memory(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                                                            "peak of tensor bytes beside the estimate.")] = False,
                 out: Annotated[Path | None, typer.Option(help="Also write the plan as JSON.")] = None):
     """Bytes of weights, gradients, AdamW state, activations (per token and layer, with train.precision,
-    train.kernels and train.activation_checkpointing) and KV cache for the `model` and `train` sections, and the
-    largest micro-batch that fits. `--set`: bare keys mean train; train.kernels auto counts as triton."""
+    train.kernels, train.activation_checkpointing and train.compile) and KV cache for the `model` and `train`
+    sections, and the largest micro-batch that fits. `--set`: bare keys mean train; train.kernels auto counts as
+    the kernels a run on this machine would use."""
     from kiln.pipeline.config import load_sections
     from kiln.pipeline.text.tokenizer import TokenizerParams
     from kiln.pipeline.tools.plan_memory import plan_memory as run
@@ -67,7 +68,7 @@ def plan_memory(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
     if vocab_size < 1:
         raise UserError(f"--vocab-size {vocab_size}: expected a positive integer")
-    run(model.config(vocab_size), train.precision, train.kernels, train.activation_checkpointing,
+    run(model.config(vocab_size), train.precision, train.kernels, train.activation_checkpointing, train.compile,
         train.batch_size if batch_size is None else batch_size, model.max_seq_len if seq_len is None else seq_len,
         device_gb, measure, out)
 

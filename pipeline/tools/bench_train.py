@@ -290,7 +290,7 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
                 row["error"] = one_line(e)
             release(device)
             estimate = plan(Shape(config, run.precision, resolve_kernels(run.kernels, device) != "torch",
-                                  run.checkpointing), run.batch_size, seq_len, None)["total_bytes"]
+                                  run.checkpointing, run.compiled), run.batch_size, seq_len, None)["total_bytes"]
             row["plan_memory_gb"] = round(estimate / 1e9, 3)
             if "error" not in row:
                 peak, _ = peak_flops(device, run.precision)

@@ -18,7 +18,7 @@ from kiln.model.config import ModelConfig, memory_available
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
-from kiln.pipeline.runtime import pick_device
+from kiln.pipeline.runtime import pick_device, resolve_kernels
 from kiln.pipeline.train.memory import Shape, plan
 
 
@@ -28,7 +28,7 @@ def show(result: dict, config: ModelConfig) -> None:
     table = Table(title=f"memory plan: {config.arch} {config.n_layer}x{config.d_model}, {n / 1e6:.2f}M params, "
                         f"{result['precision']}, kernels {result['kernels']}, batch {result['batch_size']}x"
                         f"{result['seq_len']}" + (", activation checkpointing" if result["activation_checkpointing"]
-                                                   else ""))
+                                                   else "") + (", torch.compile" if result["compile"] else ""))
     table.add_column("what")
     table.add_column("GB", justify="right")
     table.add_column("rule")
@@ -56,16 +56,17 @@ def measure_cpu_peak(shape: Shape, batch_size: int, seq_len: int, steps: int = 2
 
     from kiln.model.gpt import GPT
     from kiln.pipeline.train.lm import lm_loss
-    from kiln.pipeline.train.loop import Step, build_optimizer
+    from kiln.pipeline.train.loop import Step, build_optimizer, compile_forward
     from kiln.pipeline.train.params import TrainParams
 
-    params = TrainParams(precision=shape.precision, kernels="triton" if shape.fused else "torch")
+    params = TrainParams(precision=shape.precision, kernels="triton" if shape.fused else "torch",
+                         compile=shape.compiled)
     device = torch.device("cpu")
     torch.manual_seed(0)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = GPT(shape.config).set_kernels(params.kernels).set_checkpointing(shape.checkpointing)
-        step = Step(model, model, build_optimizer(model, params, device), torch.amp.GradScaler("cpu", enabled=False),
-                    lm_loss, 1, params, device)
+        step = Step(model, compile_forward(model, params), build_optimizer(model, params, device),
+                    torch.amp.GradScaler("cpu", enabled=False), lm_loss, 1, params, device)
         batch = [torch.randint(shape.config.vocab_size, (batch_size, seq_len)) for _ in range(2)]
         for _ in range(steps):
             step(iter([batch]), params.lr, lambda loss: None)
@@ -77,21 +78,23 @@ def measure_cpu_peak(shape: Shape, batch_size: int, seq_len: int, steps: int = 2
     return max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]")
 
 
-def plan_memory(model_config: ModelConfig, precision: str, kernels: str, checkpointing: bool, batch_size: int,
-                seq_len: int, device_gb: float | None, measure: bool, out: Path | None) -> dict:
-    """`device_gb` None: this machine's free memory (its GPU's, else its RAM). `measure`: also train two steps on
-    this CPU and report the measured peak beside the estimate."""
+def plan_memory(model_config: ModelConfig, precision: str, kernels: str, checkpointing: bool, compiled: bool,
+                batch_size: int, seq_len: int, device_gb: float | None, measure: bool, out: Path | None) -> dict:
+    """`device_gb` None: this machine's free memory (its GPU's, else its RAM). `kernels` auto counts as what a run
+    here would use (resolve_kernels). `measure`: also train two steps on this CPU and report the measured peak
+    beside the estimate."""
     if batch_size < 1 or not 1 <= seq_len <= model_config.max_seq_len:
         raise UserError(f"--batch-size {batch_size}, --seq-len {seq_len}: expected a positive batch and a length in "
                         f"1..{model_config.max_seq_len} (model.max_seq_len)")
     if device_gb is not None and not device_gb > 0:
         raise UserError(f"--device-gb {device_gb}: expected a positive number of GB")
+    device = pick_device("auto")
+    kernels = resolve_kernels(kernels, device)
     if measure and kernels != "torch":
         raise UserError(f"--measure with --kernels {kernels}: the Triton kernels run on a CPU only in the interpreter, "
                         "whose allocations are not the GPU's; measure with --kernels torch")
-    shape = Shape(model_config, precision, kernels != "torch", checkpointing)
-    result = plan(shape, batch_size, seq_len, memory_available(pick_device("auto")) if device_gb is None
-                  else int(device_gb * 1e9))
+    shape = Shape(model_config, precision, kernels != "torch", checkpointing, compiled)
+    result = plan(shape, batch_size, seq_len, memory_available(device) if device_gb is None else int(device_gb * 1e9))
     result["model"] = dataclasses.asdict(model_config)
     show(result, model_config)
     if measure:

@@ -181,7 +181,7 @@ class Training:
         if not distributed.is_sharded(model):  # FSDP's state is each rank's share, which the model does not count
             inner = distributed.unwrap(model)
             shape = Shape(inner.config, params.precision, resolve_kernels(params.kernels, self.device) != "torch",
-                          params.activation_checkpointing)
+                          params.activation_checkpointing, params.compile)
             check_run_memory(inner, shape, run.micro_batch_tokens, self.device, run.section)
         self.optimizer = build_optimizer(model, params, self.device, zero1=params.zero1 and world.size > 1)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=params.precision == "fp16")
