@@ -90,10 +90,10 @@ class Shape:
             grad_w = (2 if self.half else 4) * c.vocab_size * d
             chunk = min(tokens, 4 * d) * v * (2 if self.half else 4)  # at most 4 d rows (kernels/linear_cross_entropy)
             return grad_w + weight_copy + tokens * ((6 if self.half else 8) * d + 12), chunk + grad_w
+        norm_and_head_inputs = (10 if self.half else 12) * d + 12
         if self.compiled and not self.checkpointing:  # the logits in the matmul's dtype, the gradient in place
-            return weight_copy + tokens * ((10 if self.half else 12) * d + 12 + (2 if self.half else 4) * v), 0
-        saved = weight_copy + tokens * ((10 if self.half else 12) * d + 12 + 4 * v)
-        return saved, tokens * self.LOGIT_GRADIENTS * v
+            return weight_copy + tokens * (norm_and_head_inputs + (2 if self.half else 4) * v), 0
+        return weight_copy + tokens * (norm_and_head_inputs + 4 * v), tokens * self.LOGIT_GRADIENTS * v
 
     def checkpointed_bytes_per_token(self) -> int:
         """What a block keeps per token under activation checkpointing: its fp32 input."""
@@ -129,9 +129,9 @@ def plan(shape: Shape, batch_size: int, seq_len: int, device_bytes: int | None) 
     total = state["weights"] + state["optimizer"] + max(activations, state["gradients"])
     kv_bytes = 2 * c.n_layer * c.n_kv_head * c.head_dim * (2 if shape.half else 4)
     result = {"params": c.num_params(), "precision": shape.precision, "kernels": "triton" if shape.fused else "torch",
-              "activation_checkpointing": shape.checkpointing, "compile": shape.compiled, "batch_size": batch_size,
-              "seq_len": seq_len,
-              **{f"{k}_bytes": v for k, v in state.items()}, "activation_bytes": activations, "total_bytes": total,
+              "activation_checkpointing": shape.checkpointing, "compile": shape.compiled,
+              "batch_size": batch_size, "seq_len": seq_len, **{f"{k}_bytes": v for k, v in state.items()},
+              "activation_bytes": activations, "total_bytes": total,
               "activation_bytes_per_token_per_layer": shape.layer_bytes_per_token(),
               "activation_bytes_per_token_per_layer_checkpointed": shape.checkpointed_bytes_per_token(),
               "kv_cache_bytes_per_token": kv_bytes, "kv_cache_bytes_full_context": kv_bytes * c.max_seq_len,
