@@ -135,13 +135,13 @@ def test_rows_compose_beside_each_variant():
 
     variants = parse_variants("bf16-eager,bf16-compile,bf16-compile-triton")
     modes = parse_compile_modes("default,reduce-overhead")
-    runs = plan_runs(variants, modes, 16, {("bf16", "torch"): 77, ("bf16", "triton"): 203}, True, 0,
-                     torch.device("cpu"))
+    planned = {("bf16", "torch", False): 77, ("bf16", "torch", True): 150, ("bf16", "triton", True): 203}
+    runs = plan_runs(variants, modes, 16, planned, True, 0, torch.device("cpu"))
     assert [(r.name, r.mode, r.batch_size) for r in runs] == [
         ("bf16-eager-torch", None, 16), ("bf16-eager-torch+batch77", None, 77),
         ("bf16-eager-torch+checkpointing", None, 16),
         ("bf16-compile-torch", "default", 16), ("bf16-compile-torch+reduce-overhead", "reduce-overhead", 16),
-        ("bf16-compile-torch+batch77", "default", 77), ("bf16-compile-torch+checkpointing", "default", 16),
+        ("bf16-compile-torch+batch150", "default", 150), ("bf16-compile-torch+checkpointing", "default", 16),
         ("bf16-compile-triton", "default", 16), ("bf16-compile-triton+reduce-overhead", "reduce-overhead", 16),
         ("bf16-compile-triton+batch203", "default", 203), ("bf16-compile-triton+checkpointing", "default", 16)]
     assert [r.checkpointing for r in runs].count(True) == 3
@@ -164,6 +164,21 @@ def test_plan_batch_row_runs_plan_memorys_largest_fit_and_every_row_has_its_esti
         assert row["fused_adamw"] is False  # AdamW is fused on CUDA only
         assert row["padded_vocab_size"] == 320 and row["compile_mode"] is None
     assert "vocabulary rows allocated: 320 (of 300)" in result.output
+
+
+def test_plan_batch_plans_a_compiled_variant_with_the_compiled_count():
+    """A compiled torch-kernel variant gets the batch the compiled count fits (one logits tensor, not eager's
+    three), so it is larger than its eager twin's; the key separates the two."""
+    from kiln.pipeline.tools.bench_train import parse_variants, plan_batches
+    from kiln.pipeline.tools.plan_memory import Shape, plan
+
+    config = ModelConfig(vocab_size=50_000, **TINY)
+    room = int(0.05e9)
+    planned = plan_batches(parse_variants("fp32-eager,fp32-compile"), config, 16, room, torch.device("cpu"))
+    eager = plan(Shape(config), 1, 16, room)["largest_batch_size"]
+    compiled = plan(Shape(config, compiled=True), 1, 16, room)["largest_batch_size"]
+    assert planned == {("fp32", "torch", False): eager, ("fp32", "torch", True): compiled}
+    assert compiled > 1.5 * eager > 0
 
 
 def test_a_failing_row_is_recorded_the_rest_run_and_the_command_exits_1(tmp_path, params, monkeypatch):

@@ -105,10 +105,11 @@ class Run:
 
 
 def plan_runs(variants: list[tuple[str, bool, str]], modes: list[str], batch_size: int,
-              planned: dict[tuple[str, str], int], checkpointing: bool, stats_every: int,
+              planned: dict[tuple[str, str, bool], int], checkpointing: bool, stats_every: int,
               device: torch.device) -> list[Run]:
     """Every variant's rows in order: its own (in the first mode), one per other compile mode, then one each for
-    the planned batch, checkpointing and statistics where asked (`planned`: (precision, kernels) -> batch)."""
+    the planned batch, checkpointing and statistics where asked (`planned`: (precision, kernels, compiled) ->
+    batch)."""
     runs = []
     for precision, compiled, kernels in variants:
         name = f"{precision}-{MODES[compiled]}-{kernels}"
@@ -117,7 +118,7 @@ def plan_runs(variants: list[tuple[str, bool, str]], modes: list[str], batch_siz
         runs += [Run(f"{name}+{other}", precision, compiled, kernels, other, batch_size)
                  for other in (modes[1:] if compiled else [])]
         if planned:
-            batch = planned[precision, resolve_kernels(kernels, device)]
+            batch = planned[precision, resolve_kernels(kernels, device), compiled]
             runs.append(Run(f"{name}+batch{batch}", precision, compiled, kernels, mode, batch))
         if checkpointing:
             runs.append(Run(f"{name}+checkpointing", precision, compiled, kernels, mode, batch_size, True))
@@ -125,6 +126,21 @@ def plan_runs(variants: list[tuple[str, bool, str]], modes: list[str], batch_siz
             runs.append(Run(f"{name}+stats/{stats_every}", precision, compiled, kernels, mode, batch_size, False,
                             stats_every))
     return runs
+
+
+def plan_batches(variants: list[tuple[str, bool, str]], config, seq_len: int, room: int,
+                 device: torch.device) -> dict[tuple[str, str, bool], int]:
+    """The largest micro-batch `kiln plan memory` fits in `room` bytes for each variant's precision, kernels and
+    compile (a compiled torch head holds a third of eager's logits, so its batch is larger)."""
+    planned = {}
+    for precision, compiled, kernels in variants:
+        key = (precision, resolve_kernels(kernels, device), compiled)
+        shape = Shape(config, precision, key[1] != "torch", compiled=compiled)
+        planned[key] = plan(shape, 1, seq_len, room)["largest_batch_size"]
+        if not planned[key]:
+            raise UserError(f"--plan-batch: not one sequence of {seq_len} tokens fits {room / 1e9:.3g} GB with "
+                            f"{precision}, {MODES[compiled]} and {key[1]} kernels (kiln plan memory)")
+    return planned
 
 
 def resolve_device(name: str) -> torch.device:
@@ -258,12 +274,7 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
     planned = {}
     if plan_batch:
         room = memory_available(device) if device_gb is None else int(device_gb * 1e9)
-        for precision, _, kernels in variants:
-            key = (precision, resolve_kernels(kernels, device))
-            planned[key] = plan(Shape(config, precision, key[1] != "torch"), 1, seq_len, room)["largest_batch_size"]
-            if not planned[key]:
-                raise UserError(f"--plan-batch: not one sequence of {seq_len} tokens fits {room / 1e9:.3g} GB with "
-                                f"{precision} and {key[1]} kernels (kiln plan memory)")
+        planned = plan_batches(variants, config, seq_len, room, device)
     runs = plan_runs(variants, list(compile_modes), batch_size, planned, checkpointing, stats_every, device)
     # Initialised once on the CPU and copied, so every variant starts from the same weights.
     template = GPT(config)
