@@ -150,6 +150,7 @@ class PostTrainParams(Section):
 @dataclass
 class SFTParams(PostTrainParams):
     SECTION: ClassVar[str] = "sft"
+    lora_alpha: float = 128.0  # measured for SFT against 16 (docs/stages.md: adapters); DPO and GRPO keep 16
     # share of training rows that are windows of the corpus's train text (loss on every token): what keeps
     # pretraining's bits per byte while the examples teach the task
     text_share: float = 0.2
