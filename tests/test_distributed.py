@@ -112,7 +112,10 @@ def test_qlora_sft_on_two_processes_matches_one_with_the_nf4_codes_sharded(tiny,
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "sft.jsonl", questions())
     save_base(tiny.tokenizer, tmp_path / "base")
-    setting = {"adapter": "qlora", "lora_rank": 4, "batch_examples": 8, "lora_trainable_tokens": "chat"}
+    # alpha pinned at the update scale the tolerances below were measured at (4): a larger scale magnifies the
+    # summation order's differences, and this checks the processes agree, not how fast the adapter learns
+    setting = {"adapter": "qlora", "lora_rank": 4, "lora_alpha": 16.0, "batch_examples": 8,
+               "lora_trainable_tokens": "chat"}
     one = kiln(tmp_path, *sft_args(tiny, tmp_path, "one", batch_size=4, **setting))
     assert one.returncode == 0, one.output
     curve = sft_losses(tmp_path / "one")
