@@ -131,7 +131,7 @@ def plan_runs(variants: list[tuple[str, bool, str]], modes: list[str], batch_siz
 def plan_batches(variants: list[tuple[str, bool, str]], config, seq_len: int, room: int,
                  device: torch.device) -> dict[tuple[str, str, bool], int]:
     """The largest micro-batch `kiln plan memory` fits in `room` bytes for each variant's precision, kernels and
-    compile (a compiled torch head holds a third of eager's logits, so its batch is larger)."""
+    compile (a compiled torch head holds one logits tensor to eager's three, so its batch is larger)."""
     planned = {}
     for precision, compiled, kernels in variants:
         key = (precision, resolve_kernels(kernels, device), compiled)
