@@ -49,29 +49,29 @@ CONFIGS = [triton.Config({"BLOCK": b}, num_warps=w) for b, w in ((8192, 16), (40
 
 
 def _prune(configs, named_args, **kwargs):
-    widest = max(triton.next_power_of_2(named_args["n_cols"]), 1024)
+    widest = max(triton.next_power_of_2(named_args["row_stride"]), 1024)
     return [c for c in configs if c.kwargs["BLOCK"] <= widest] or configs[:1]
 
 
 # The kernel may write the gradient over the logits (grad_ptr == logits_ptr): each timed candidate gets the
 # logits back first.
-@autotune(CONFIGS, key=["n_cols", "COMPUTE_GRAD"], interpreter=triton.Config({"BLOCK": 1024}),
+@autotune(CONFIGS, key=["n_cols", "row_stride", "COMPUTE_GRAD"], interpreter=triton.Config({"BLOCK": 1024}),
           prune_configs_by={"early_config_prune": _prune}, restore_value=["grad_ptr"])
 @triton.jit
-def _cross_entropy_fwd(logits_ptr, grad_ptr, targets_ptr, loss_ptr, scale_ptr, scale_stride, n_cols,
+def _cross_entropy_fwd(logits_ptr, grad_ptr, targets_ptr, loss_ptr, scale_ptr, scale_stride, n_cols, row_stride,
                        ignore_index, z_loss, COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    logits_ptr += row * n_cols
-    grad_ptr += row * n_cols
+    logits_ptr += row * row_stride
+    grad_ptr += row * row_stride
     cols = tl.arange(0, BLOCK)
     target = tl.load(targets_ptr + row)
 
     if target == ignore_index:
         tl.store(loss_ptr + row, 0.0)
         if COMPUTE_GRAD:
-            for start in range(0, n_cols, BLOCK):
+            for start in range(0, row_stride, BLOCK):
                 offs = start + cols
-                tl.store(grad_ptr + offs, tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty), mask=offs < n_cols)
+                tl.store(grad_ptr + offs, tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty), mask=offs < row_stride)
         return
     tl.device_assert((target >= 0) & (target < n_cols), "cross_entropy: target out of range")
 
@@ -93,13 +93,13 @@ def _cross_entropy_fwd(logits_ptr, grad_ptr, targets_ptr, loss_ptr, scale_ptr, s
         scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
         # d/dx (z·lse²) = 2·z·lse·softmax(x), so the z-loss only stretches the softmax term.
         softmax_coef = 1.0 + 2.0 * z_loss * lse
-        for start in range(0, n_cols, BLOCK):
+        # The padding columns [n_cols, row_stride) get gradient 0: they are outside the softmax.
+        for start in range(0, row_stride, BLOCK):
             offs = start + cols
-            mask = offs < n_cols
-            x = tl.load(logits_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(logits_ptr + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
             g = tl.exp(x - lse) * softmax_coef
             g = tl.where(offs == target, g - 1.0, g) * scale
-            tl.store(grad_ptr + offs, g.to(grad_ptr.dtype.element_ty), mask=mask)
+            tl.store(grad_ptr + offs, g.to(grad_ptr.dtype.element_ty), mask=offs < row_stride)
 
 
 def _stride(scale: torch.Tensor) -> int:
@@ -107,15 +107,17 @@ def _stride(scale: torch.Tensor) -> int:
 
 
 def loss_and_grad_rows(logits: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor | None,
-                       ignore_index: int, z_loss: float, row_scale: torch.Tensor) -> None:
+                       ignore_index: int, z_loss: float, row_scale: torch.Tensor, n_classes: int | None = None) -> None:
     """Launch the forward kernel on contiguous (n, V) logits: the per-row loss into `loss` (fp32, (n,)) and,
     when `grad` is given, d loss_row / d logits · row_scale into it (`grad` may be `logits` itself).
-    `row_scale` is a scalar tensor or one value per row (any stride)."""
+    `row_scale` is a scalar tensor or one value per row (any stride). `n_classes` (default V): only the first
+    n_classes columns are classes; the rest pad each row (to keep rows 16-byte aligned) and get gradient 0."""
     n, v = logits.shape
     if n == 0:
         return
     _cross_entropy_fwd[(n,)](logits, logits if grad is None else grad, targets, loss, row_scale, _stride(row_scale),
-                             v, ignore_index, z_loss, COMPUTE_GRAD=grad is not None)
+                             v if n_classes is None else n_classes, v, ignore_index, z_loss,
+                             COMPUTE_GRAD=grad is not None)
 
 
 def scaled(grad: torch.Tensor, upstream: torch.Tensor) -> torch.Tensor:

@@ -408,14 +408,15 @@ class GPT(nn.Module):
     def _fused_loss(self, h: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
         """LM head + cross-entropy in token chunks: the (B·T, vocab) logits are never materialised."""
         B, T, D = h.shape
-        weight = self.lm_head.weight[:self.config.vocab_size]  # the padding rows are never scored
+        # The whole padded weight, told which rows are classes: its logits rows stay 16-byte aligned for cuBLAS.
+        weight = self.lm_head.weight
         if torch.is_autocast_enabled(h.device.type):  # a custom kernel is not autocast: cast as the matmul would
             dtype = torch.get_autocast_dtype(h.device.type)
             h, weight = h.to(dtype), weight.to(dtype)
         from kiln.kernels.linear_cross_entropy import linear_cross_entropy
 
         loss = linear_cross_entropy(h.reshape(B * T, D), weight, targets.reshape(B * T), reduction=reduction,
-                                    backend="triton").float()
+                                    backend="triton", vocab_size=self.config.vocab_size).float()
         return loss.view(B, T) if reduction == "none" else loss
 
     def num_params(self, embeddings: bool = True) -> int:

@@ -73,6 +73,44 @@ def test_matches_reference(N, V, D, chunk_size, reduction, z_loss, dtype):
     check_against_reference(*inputs(N, V, D, dtype), dtype, reduction, z_loss, chunk_size)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("N,V,padded,D,chunk_size", [
+    (37, 1000, 1024, 16, 8),
+    (5, 300, 301, 8, None),
+    *on_gpu((4096, 50260, 50304, 768, None)),  # GPT-2's vocabulary + kiln's 3 chat tokens, as the model pads it
+])
+def test_padded_weight(N, V, padded, D, chunk_size, reduction, dtype):
+    """The model's whole padded weight with vocab_size = V: the padding rows (large here, so any that leaked
+    into the softmax would dominate it) are never scored and get a weight gradient of exactly 0."""
+    hidden, weight, targets = inputs(N, V, D, dtype)
+    pad_rows = torch.full((padded - V, D), 3.0, dtype=dtype, device=weight.device)
+    full = torch.cat([weight, pad_rows])
+    want = reference(hidden.double(), weight.double(), targets, reduction=reduction)
+    upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    want_dh, want_dw = torch.autograd.grad(reference(h64, w64, targets, reduction=reduction), (h64, w64),
+                                           upstream.to(hidden.device))
+    h, w = hidden.clone().requires_grad_(), full.clone().requires_grad_()
+    with poisoned_allocations():
+        got = linear_cross_entropy(h, w, targets, reduction=reduction, chunk_size=chunk_size, backend="triton",
+                                   vocab_size=V)
+        got_dh, got_dw = torch.autograd.grad(got, (h, w), upstream.float().to(hidden.device))
+    assert_close(got, want, dtype, "loss")
+    assert_close(got_dh, want_dh, dtype, "grad_hidden")
+    assert_close(got_dw[:V], want_dw, dtype, "grad_weight")
+    assert torch.equal(got_dw[V:], torch.zeros_like(got_dw[V:])), "padding rows' gradient"
+    # the reference path takes vocab_size too
+    assert torch.equal(reference(hidden.double(), full.double(), targets, reduction=reduction, vocab_size=V), want)
+
+
+def test_rejects_vocab_size_outside_the_weight():
+    hidden, weight, targets = inputs(4, 50, 8, torch.float32)
+    for bad in (0, 51):
+        with pytest.raises(ValueError, match="vocab_size must be 1..50"):
+            linear_cross_entropy(hidden, weight, targets, backend="triton", vocab_size=bad)
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_frozen_weight_or_hidden(reduction):
     """Only the gradient asked for is computed (and returned right)."""
@@ -115,12 +153,12 @@ class LargestTensor(TorchDispatchMode):
 @pytest.mark.parametrize("chunk_size", [None, 8])
 def test_never_allocates_tokens_by_vocab(chunk_size, reduction):
     """Forward and backward stay within one chunk of logits (or the weight, or hidden), never N × V; "none"
-    recomputes the chunks in backward, so it is checked too. The default chunk is at most 4·D rows."""
-    N, V, D = 64, 500, 4
+    recomputes the chunks in backward, so it is checked too. The default chunk is 256 rows here."""
+    N, V, D = 640, 100, 4
     hidden, weight, targets = inputs(N, V, D, torch.float32)
     hidden.requires_grad_(), weight.requires_grad_()
     rows = chunk_size or default_chunk_size(N, D)
-    assert rows <= 4 * D
+    assert rows <= 256
     largest = LargestTensor()
     with largest:
         linear_cross_entropy(hidden, weight, targets, reduction=reduction, chunk_size=chunk_size,
@@ -142,9 +180,11 @@ def test_memory_guard_sees_the_reference_allocate_tokens_by_vocab():
 
 
 def test_default_chunk_size():
-    assert default_chunk_size(8192, 768) == 2731  # 3 equal chunks of at most 4·768 rows
-    assert default_chunk_size(37, 16) == 37
-    assert default_chunk_size(65, 4) == 13  # ceil(65 / 16) = 5 equal chunks
+    assert default_chunk_size(8192, 768) == 2816  # 3 chunks: 2731 rows rounded up to 11 · 256
+    assert default_chunk_size(16384, 768) == 2816  # 6 chunks, the last of 2304 rows
+    assert default_chunk_size(4096, 512) == 2048
+    assert default_chunk_size(37, 16) == 37  # never more rows than tokens
+    assert default_chunk_size(640, 4) == 256  # 40 chunks of 16 rows would be; a chunk is 256 rows at least
     assert default_chunk_size(0, 16) == 1
 
 

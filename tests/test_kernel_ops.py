@@ -79,11 +79,12 @@ def test_cross_entropy(dtype, reduction):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_linear_cross_entropy(dtype, reduction):
     hidden, weight = randn(20, 8, dtype=dtype, grad=True), randn(53, 8, dtype=dtype, grad=True, seed=1)
-    opcheck(linear_cross_entropy_op, (hidden, weight, targets(20, 53), -100, 1e-4, reduction, 7, True, True))
-    opcheck(linear_cross_entropy_op, (hidden, weight.detach(), targets(20, 53), -100, 0.0, reduction, 20, True,
+    # 53 weight rows of which 50 are classes (the rest padding), and all 53
+    opcheck(linear_cross_entropy_op, (hidden, weight, targets(20, 50), 50, -100, 1e-4, reduction, 7, True, True))
+    opcheck(linear_cross_entropy_op, (hidden, weight.detach(), targets(20, 53), 53, -100, 0.0, reduction, 20, True,
                                       False))
     opcheck(linear_cross_entropy_backward_op, (randn(20, seed=2), hidden.detach(), weight.detach(),
-                                               targets(20, 53), -100, 1e-4, 7, True, True))
+                                               targets(20, 50), 50, -100, 1e-4, 7, True, True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -144,6 +145,6 @@ def test_no_kernel_retunes_per_token_count():
 
     keys = {tuned.base_fn.__name__: set(tuned.keys) for tuned in _TUNED}
     assert {"_swiglu_fwd", "_swiglu_bwd", "_rms_norm_fwd", "_decode_kernel", "_forward_kernel"} <= set(keys)
-    fixed_or_bucketed = {"n_cols", "COMPUTE_GRAD", "D", "CAUSAL", "T_BUCKET", "N_BUCKET", "BLOCK_T", "REP",
+    fixed_or_bucketed = {"n_cols", "row_stride", "COMPUTE_GRAD", "D", "CAUSAL", "T_BUCKET", "N_BUCKET", "BLOCK_T", "REP",
                          "BLOCK_D", "n_q_heads", "n_k_heads", "HALF"}
     assert {name: k - fixed_or_bucketed for name, k in keys.items() if k - fixed_or_bucketed} == {}
