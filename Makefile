@@ -50,7 +50,7 @@ lock: setup
 # and once more at the end with the whole console.log.
 GPU_SIZE  ?= quick
 GPU_STEPS ?=
-GPU_OUT   := metrics/bench/gpu
+GPU_OUT   ?= metrics/bench/gpu/new
 
 gpu-wheels: setup
 	$(BIN)/python -m kiln.pipeline.tools.gpu_wheels .whl

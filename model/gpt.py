@@ -288,13 +288,19 @@ class GPT(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         self.init_weights()
 
-    def set_kernels(self, backend: str) -> GPT:
-        """Route every fusable op through kernels/ ("triton"), only on CUDA ("auto"), or never ("torch")."""
+    def set_kernels(self, backend: str, ops: tuple[str, ...] | None = None) -> GPT:
+        """Route every fusable op through kernels/ ("triton"), only on CUDA ("auto"), or never ("torch").
+        `ops`: only these of KERNEL_OPS take `backend`, the others torch's (a benchmark's split of a step's time
+        by op); None: all of them."""
         if backend not in BACKENDS:
             raise ValueError(f"kernels: {backend!r} is not one of {', '.join(BACKENDS)}")
+        unknown = sorted(set(ops or ()) - set(KERNEL_OPS))
+        if unknown:
+            raise ValueError(f"kernel ops: {', '.join(unknown)} not among {', '.join(KERNEL_OPS)}")
         for module in self.modules():
-            if isinstance(module, (GPT, Attention, MLP, RMSNorm)):
-                module.backend = backend
+            for op, kind in KERNEL_OPS.items():
+                if isinstance(module, kind):
+                    module.backend = backend if ops is None or op in ops else "torch"
         return self
 
     def set_checkpointing(self, on: bool) -> GPT:
@@ -446,3 +452,8 @@ class GPT(nn.Module):
         if c.tie_embeddings:
             n += c.d_model * c.padded_vocab_size  # otherwise lm_head.weight is already in n
         return 6 * n + 12 * c.n_layer * c.d_model * T
+
+
+# What GPT.set_kernels(ops=...) can switch one at a time: RMSNorm; the MLP's SwiGLU; attention's RoPE and flash
+# attention; the fused LM head + cross-entropy (the GPT module's own backend).
+KERNEL_OPS = {"norm": RMSNorm, "mlp": MLP, "attention": Attention, "head": GPT}

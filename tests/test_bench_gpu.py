@@ -57,7 +57,8 @@ def test_train_step_compares_torch_and_triton_kernels_and_comes_first(smoke):
     the first lines after its output say it again, before the kernels step starts."""
     result, out, _ = smoke
     rows = json.loads((out / "train.json").read_text())["results"]
-    assert [r["kernels"] for r in rows] == ["torch", "triton"] and all(r["tokens_per_s"] > 0 for r in rows)
+    assert [r["kernels"] for r in rows] == ["torch", "triton", "triton:head"]
+    assert all(r["tokens_per_s"] > 0 and r["top_ops"] for r in rows)
     steps = [line for line in result.output.splitlines() if line.startswith("== ")]
     assert steps == [f"== {step}" for step in STEPS if step != "env"]
     headline = result.output.index("headline: fp32-eager-torch: ")
@@ -65,6 +66,11 @@ def test_train_step_compares_torch_and_triton_kernels_and_comes_first(smoke):
         < result.output.index("== kernels")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["headline"]["train"]["fp32-eager-triton"]["tokens_per_s"] == rows[1]["tokens_per_s"]
+    # each row's profile: its top operators, printed under its headline line
+    top = rows[1]["top_ops"][0]
+    assert summary["headline"]["train"]["fp32-eager-triton"]["top_ops"] == rows[1]["top_ops"]
+    after = result.output[result.output.index("headline: fp32-eager-triton: "):]
+    assert f"{top['self_ms_per_step']:7.2f} ms/step" in after.splitlines()[1] and top["op"] in after.splitlines()[1]
 
 
 def test_real_pretrain_stage_ran_in_the_scratch_folder(smoke):
@@ -124,13 +130,50 @@ def test_a_failing_or_hanging_step_is_recorded_and_the_rest_still_run(tmp_path, 
 
 def test_headline_gives_every_train_row_and_the_fastest(tmp_path):
     rows = [{"variant": "bf16-compile-torch", "tokens_per_s": 3.0, "mfu": 0.3, "peak_memory_gb": 9.0,
-             "plan_memory_gb": 17.8, "batch_size": 16},
+             "plan_memory_gb": 17.8, "batch_size": 16, "step_ms": 40.0, "speedup": 1.0},
             {"variant": "bf16-compile-triton", "error": "RuntimeError: device-side assert triggered"}]
     (tmp_path / "train.json").write_text(json.dumps({"results": rows}))
     found = headline(tmp_path)
     assert found["best_train_variant"] == "bf16-compile-torch" and found["best_train_tokens_per_s"] == 3.0
     assert found["train"]["bf16-compile-triton"] == {"error": rows[1]["error"]}
     assert found["train"]["bf16-compile-torch"]["peak_memory_gb"] == 9.0
+
+
+def test_a_step_not_run_is_named_and_older_files_never_stand_in_for_it(tmp_path):
+    """An older run's train.json and pretrain.json in the same --out: a run of env alone reports neither, and
+    names the steps it did not run."""
+    import os
+
+    out = tmp_path / "out"
+    out.mkdir()
+    rows = [{"variant": "bf16-compile-torch", "tokens_per_s": 3.0, "mfu": 0.3, "peak_memory_gb": 9.0,
+             "plan_memory_gb": 17.8, "batch_size": 16, "step_ms": 40.0, "speedup": 1.0}]
+    (out / "train.json").write_text(json.dumps({"results": rows}))
+    (out / "pretrain.json").write_text(json.dumps({"pretrain": {"val_loss": 5.28, "mfu": 0.4}}))
+    for name in ("train.json", "pretrain.json"):
+        os.utime(out / name, (1e9, 1e9))  # 2001: written long before this run
+    assert headline(out)["pretrain_val_loss"] == 5.28  # read when no start time is given
+    result = CliRunner().invoke(app, ["bench", "gpu", "--size", "smoke", "--steps", "env", "--out", str(out),
+                                      "--work", str(tmp_path / "work")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["headline"] == {} and summary["not_run"] == [s for s in STEPS if s != "env"]
+    assert "not run: train, kernels, tests, pretrain, generate, serve" in result.output
+    assert "headline:" not in result.output and "pretrain_val_loss" not in result.output
+
+
+def test_quick_fits_one_device_call_and_splits_the_step_by_op(tmp_path):
+    """Quick's step limits sum to 500 s (one 10-minute call with the wheels' install and the machine's start
+    to spare); its train rows are torch's kernels, kiln's, kiln's head alone and attention alone, profiled."""
+    from kiln.pipeline.tools.bench_gpu import LIMITS, SIZE_STEPS, plan
+
+    steps = {step.name: step for step in plan("quick", tmp_path, tmp_path)}
+    quick = [s for s in SIZE_STEPS["quick"] if s != "env"]
+    assert sum(LIMITS["quick"][s] for s in quick) <= 500 and "generate" not in quick
+    train = steps["train"].commands[0]
+    variants = train[train.index("--variants") + 1].split(",")
+    assert variants == ["bf16-compile-torch", "bf16-compile-triton", "bf16-compile-triton:head",
+                        "bf16-compile-triton:attention"] and "--top-ops" in train
 
 
 def test_a_running_step_is_packed_as_it_goes(tmp_path, monkeypatch):

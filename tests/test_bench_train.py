@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
+from kiln.pipeline.errors import UserError
 
 from conftest import write_params
 
@@ -135,7 +136,7 @@ def test_rows_compose_beside_each_variant():
 
     variants = parse_variants("bf16-eager,bf16-compile,bf16-compile-triton")
     modes = parse_compile_modes("default,reduce-overhead")
-    planned = {("bf16", "torch", False): 77, ("bf16", "torch", True): 150, ("bf16", "triton", True): 203}
+    planned = {("bf16", False, False): 77, ("bf16", False, True): 150, ("bf16", True, True): 203}
     runs = plan_runs(variants, modes, 16, planned, True, 0, torch.device("cpu"))
     assert [(r.name, r.mode, r.batch_size) for r in runs] == [
         ("bf16-eager-torch", None, 16), ("bf16-eager-torch+batch77", None, 77),
@@ -145,6 +146,23 @@ def test_rows_compose_beside_each_variant():
         ("bf16-compile-triton", "default", 16), ("bf16-compile-triton+reduce-overhead", "reduce-overhead", 16),
         ("bf16-compile-triton+batch203", "default", 203), ("bf16-compile-triton+checkpointing", "default", 16)]
     assert [r.checkpointing for r in runs].count(True) == 3
+
+
+def test_variants_name_the_ops_that_take_the_kernels():
+    """KERNELS[:OP+OP] keeps the op list in the variant; the plan counts kiln's head only where "head" is named;
+    an unknown or empty op list is refused with one line naming the variant."""
+    from kiln.pipeline.tools.bench_train import fused_head, kernel_choice, parse_variants
+
+    variants = parse_variants("bf16-compile-torch,bf16-compile-triton:attention,bf16-compile-triton:head,"
+                              "bf16-compile-triton:attention+head")
+    assert [v[2] for v in variants] == ["torch", "triton:attention", "triton:head", "triton:attention+head"]
+    cpu = torch.device("cpu")
+    assert [fused_head(v[2], cpu) for v in variants] == [False, False, True, True]
+    assert kernel_choice("triton:attention+head") == ("triton", ("attention", "head"))
+    assert kernel_choice("auto") == ("auto", None)
+    for bad in ("bf16-compile-triton:softmax", "bf16-compile-triton:"):
+        with pytest.raises(UserError, match=f"--variants '{bad}'.*OP some of norm, mlp, attention, head"):
+            parse_variants(bad)
 
 
 def test_plan_batch_row_runs_plan_memorys_largest_fit_and_every_row_has_its_estimate(tmp_path, params):
@@ -177,7 +195,7 @@ def test_plan_batch_plans_a_compiled_variant_with_the_compiled_count():
     planned = plan_batches(parse_variants("fp32-eager,fp32-compile"), config, 16, room, torch.device("cpu"))
     eager = plan(Shape(config), 1, 16, room)["largest_batch_size"]
     compiled = plan(Shape(config, compiled=True), 1, 16, room)["largest_batch_size"]
-    assert planned == {("fp32", "torch", False): eager, ("fp32", "torch", True): compiled}
+    assert planned == {("fp32", False, False): eager, ("fp32", False, True): compiled}
     assert compiled > 1.5 * eager > 0
 
 

@@ -465,3 +465,23 @@ def test_triton_kernels_match_torch(arch, kw):
     torch.testing.assert_close(per_token, plain(x, y, reduction="none"), atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="kernels"):
         plain.set_kernels("cuda")
+
+
+def test_kernels_for_some_ops_only():
+    """set_kernels(backend, ops) gives `backend` to the named ops alone (the rest run torch's), so a benchmark
+    can split a step's time by op; the loss is the same whichever ops run kiln's kernels."""
+    from kiln.model.gpt import KERNEL_OPS, MLP, Attention, RMSNorm
+
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=100, n_layer=1, n_head=2, n_kv_head=2, d_model=32, max_seq_len=17)
+    plain = GPT(config).to(DEVICE)
+    x, y = torch.randint(0, 100, (2, 2, 17)).to(DEVICE)
+    want = plain(x, y).item()
+    for ops in (("head",), ("attention", "norm")):
+        model = copy.deepcopy(plain).set_kernels("triton", ops)
+        kinds = {Attention: "attention", MLP: "mlp", RMSNorm: "norm", GPT: "head"}
+        backends = {kinds[type(m)]: m.backend for m in model.modules() if type(m) in kinds}
+        assert backends == {op: "triton" if op in ops else "torch" for op in KERNEL_OPS}
+        assert model(x, y).item() == pytest.approx(want, abs=1e-5)
+    with pytest.raises(ValueError, match="kernel ops: softmax not among norm, mlp, attention, head"):
+        plain.set_kernels("triton", ("softmax",))

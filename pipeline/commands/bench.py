@@ -51,8 +51,10 @@ def bench_data(params: ParamsOpt = layout.PARAMS,
 @reports_errors
 def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 variants: Annotated[str, typer.Option(
-                    help="Comma-separated PRECISION-MODE[-KERNELS] list: PRECISION fp32|bf16|fp16, MODE "
-                         "eager|compile, KERNELS auto|triton|torch (default: --kernels). Rows run in this order, "
+                    help="Comma-separated PRECISION-MODE[-KERNELS[:OP+OP...]] list: PRECISION fp32|bf16|fp16, MODE "
+                         "eager|compile, KERNELS auto|triton|torch (default: --kernels), OPs the ones that take "
+                         "KERNELS (some of norm, mlp, attention, head; the rest run torch's; default all), e.g. "
+                         "bf16-compile-triton:head. Rows run in this order, "
                          "the first is the speedup baseline; put compile + triton last (a device-side assert ends "
                          "the process; the rows before it are saved). On a CPU keep it short: bf16 runs over 10x "
                          "slower than fp32 without bf16 instructions, and a compile variant compiles for ~40 s "
@@ -81,6 +83,9 @@ def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 profile: Annotated[Path | None, typer.Option(
                     help="A folder for a torch.profiler trace of 3 more steps per variant (Chrome/Perfetto JSON); "
                          "prints each variant's top operators by self time.")] = None,
+                top_ops: Annotated[bool, typer.Option(
+                    help="Profile 3 more steps per variant and keep its top operators by self device time (GPU "
+                         "kernels on CUDA) in the JSON and the table, without writing traces.")] = False,
                 checkpointing: Annotated[bool, typer.Option(
                     help="Also run each variant with its blocks recomputed in the backward "
                          "(train.activation_checkpointing), a row beside it.")] = False,
@@ -103,7 +108,7 @@ def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 
     run(load_section(ModelParams, params, set_), parse_variants(variants, kernels), vocab_size, batch_size, seq_len,
         steps, warmup, device, out, profile, checkpointing, stats_every, parse_compile_modes(compile_modes),
-        plan_batch, device_gb)
+        plan_batch, device_gb, top_ops)
 
 
 @app.command("generate")

@@ -4,22 +4,26 @@ measuring rather than to typing commands.
 Steps, each a subprocess with its own log and time limit (one that fails or hangs is recorded and the rest
 still run), the headline first:
 - env:      GPU name, driver, CUDA, torch/triton/liger versions, SM count (env.json);
-- train:    `kiln bench train` on the GPT-2 124M shape, bf16, compiled, with torch's kernels and then kiln's
-            (tokens/s, MFU, peak memory beside plan memory's estimate: train.json); full adds the compile modes
-            and plan memory's largest micro-batch;
+- train:    `kiln bench train` on the GPT-2 124M shape, bf16, compiled, with torch's kernels, kiln's, then
+            kiln's fused head alone and kiln's attention alone (the gap to torch's step split by op), each row
+            with its top GPU kernels from torch.profiler (tokens/s, MFU, peak memory beside plan memory's
+            estimate: train.json); full adds the compile modes and plan memory's largest micro-batch;
 - kernels:  `kiln bench kernels` (kernels.json): ours vs eager vs compile vs Liger vs SDPA, CUDA-graph timed,
-            goal per row, the autotuner's picks;
+            goal per row, the autotuner's picks; quick times the ops of the GPT-2 step only;
 - tests:    the kernel and model tests on the device itself: natively on CUDA, at LLM shapes as well as the
-            awkward ones, and the engine's CUDA graphs against its eager steps (tests.xml, JUnit);
+            awkward ones, and the engine's CUDA graphs against its eager steps (tests.xml, JUnit); quick runs
+            those of the step's kernels;
 - pretrain: the real stages (`kiln data prepare`, `tokenizer train`, `data shard`, `train`) on Shakespeare in
             a scratch folder, GPT-2's tokenizer and 124M shape, bf16 + compile (pretrain/);
 - generate: `kiln bench generate` on the 124M shape in bf16 (generate.json);
 - serve:    `kiln bench serve` on the default shape (serve.json): the engine (decode steps replaying CUDA
             graphs) against static batching and transformers, GRPO-shaped rollouts, and the engine step's host
             microseconds, copies and graph replays.
-Everything lands in `--out` (default metrics/bench/gpu/) with one log per step and summary.json, which is
-rewritten after every step (and `--pack` re-archives the folder then), so a run cut off by a time limit keeps
-what the finished steps measured.
+Quick runs all but generate, full all of them. Everything lands in `--out` (default metrics/bench/gpu/) with
+one log per step and summary.json, which is rewritten after every step (and `--pack` re-archives the folder
+then), so a run cut off by a time limit keeps what the finished steps measured. The headline reads only files
+this run wrote: a step that did not run (or wrote nothing) is named as not run, never filled from an older
+run's files in the same folder.
 
 `--size smoke` runs the same steps at toy shapes on a CPU (kernels through Triton's interpreter), which is how
 the suite checks that this command works before a GPU session depends on it. The GPU machine has torch,
@@ -71,17 +75,28 @@ TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/
 
 PACK_EVERY = 30  # seconds: a call cut off at its limit still returns the rows its running step has written
 
-# Seconds each step may take, per size. Quick's sum to 9 minutes, inside one 10-minute device call. From the
-# last H100 run (an earlier order and grid): compiling the 124M step took 27 s, so ~80 s is expected for the two
-# compiled rows; kernels took 60-80 s before the graph timing, which adds a capture and replays per timing;
-# tests 85 s, pretrain ~70 s, generate ~30 s; serve (32 requests then) under a minute. A step cut at its limit
-# keeps the rows its JSON already holds (serve writes its JSON at the end: give it room).
-# Full's train (the compile modes, a max-autotune compile per kernel choice) takes a call of its own.
-# The H200 run of 2026-11-26 (quick): train 75 s, kernels crashed at 73 s after 13 rows, tests (then with
-# test_compile, run in full only now) cut at 100 s near 80 %, pretrain 55 s, generate cut at 40 s after 9 of
-# 24 runs, serve 19 s.
+# The steps each size runs (--steps picks among them): quick leaves out generate, whose 24 runs did not fit its
+# 40 s on the H200 and which no recent change touches, to keep one call under 9 minutes.
+SIZE_STEPS = {"quick": ("env", "train", "kernels", "tests", "pretrain", "serve"), "full": STEPS, "smoke": STEPS}
+# Quick's kernel rows and tests: the ops the GPT-2 step runs (flash attention, the fused head and its
+# cross-entropy); full times and tests them all.
+STEP_OPS = "linear_cross_entropy,cross_entropy,flash_attention"
+STEP_TESTS = ["tests/test_kernel_cross_entropy.py", "tests/test_kernel_linear_cross_entropy.py",
+              "tests/test_kernel_flash_attention.py", "tests/test_kernel_ops.py"]
+# The train step's rows: torch's kernels (the baseline), kiln's, then kiln's head alone and attention alone, so
+# one run splits the gap by op (GPT-2 uses no other kiln op: its norm is LayerNorm and its MLP GELU).
+GPU_VARIANTS = "bf16-compile-torch,bf16-compile-triton,bf16-compile-triton:head,bf16-compile-triton:attention"
+
+# Seconds each step may take, per size. Quick's sum to 500 s: with the wheels' install (~20 s) one call stays
+# under 9 minutes. From the H200 runs: 2026-11-26 (quick) train 75 s for two compiled rows, pretrain 55 s,
+# serve 19 s; 2026-11-27 (quick) train cut at 100 s inside kiln's compiled row (torch's compiled in ~25 s,
+# kiln's in 56 s), kernels cut at 140 s after all 20 rows (~7 s a row). Quick's train has four compiled rows
+# now (25 + 56 + ~50 + ~50 s of compiling, a few seconds of steps and profiles each), kernels 7 rows, tests the
+# step's four kernel files (the whole list took over 100 s on 8 workers). A step cut at its limit keeps the rows
+# its JSON already holds (serve writes its JSON at the end: give it room). Full's train (the compile modes, a
+# max-autotune compile per kernel choice) takes a call of its own.
 LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "generate": 120, "serve": 120},
-          "quick": {"train": 100, "kernels": 140, "tests": 120, "pretrain": 70, "generate": 80, "serve": 40},
+          "quick": {"train": 240, "kernels": 75, "tests": 75, "pretrain": 70, "generate": 80, "serve": 40},
           "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 180, "serve": 300}}
 
 
@@ -106,10 +121,10 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
     # Quick leaves out test_compile (inductor compiles per worker, a minute each; bench train's compiled rows
     # already run kiln's ops in one compiled graph).
     tests = ["-k", "torch_backend"] if smoke else ["-n", "8"]
-    test_files = [t for t in TESTS if size != "quick" or t != "tests/test_compile.py"]
-    # The headline: the compiled step with torch's kernels, then kiln's (last: a crash there keeps the first row).
+    test_files = STEP_TESTS if size == "quick" else TESTS
+    # The headline: the compiled step with torch's kernels, then kiln's (a crash there keeps the first row).
     # On a CPU compiling takes most of a minute a variant, so the smoke run checks the same command eagerly.
-    variants = "fp32-eager-torch,fp32-eager-triton" if smoke else "bf16-compile-torch,bf16-compile-triton"
+    variants = "fp32-eager-torch,fp32-eager-triton,fp32-eager-triton:head" if smoke else GPU_VARIANTS
     grid = (["--compile-modes", "default,max-autotune-no-cudagraphs,reduce-overhead", "--plan-batch"]
             if size == "full" else [])
     shape = (["--vocab-size", "300", "--batch-size", "2", "--seq-len", "16", "--steps", "2", "--warmup", "1"] if smoke
@@ -126,9 +141,9 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
     params = str(REPO / "params.yaml")
     return [
         Step("train", [kiln("bench", "train", "--params", params, *_sets(model), "--variants", variants, *grid, *shape,
-                            "--device", "cpu" if smoke else "cuda", "--out", str(out / "train.json"))]),
+                            "--top-ops", "--device", "cpu" if smoke else "cuda", "--out", str(out / "train.json"))]),
         Step("kernels", [kiln("bench", "kernels", "--size", size, *(["--no-compile"] if smoke else []),
-                              "--out", str(out / "kernels.json"))]),
+                              *(["--ops", STEP_OPS] if size == "quick" else []), "--out", str(out / "kernels.json"))]),
         Step("tests", [[sys.executable, "-m", "pytest", *test_files, *tests, "-q", "-p", "no:cacheprovider",
                         f"--junitxml={out / 'tests.xml'}"]]),
         # The four stages as hand runs (the repo's params.yaml, other values) into one folder, run/
@@ -221,7 +236,7 @@ def bench_gpu(size: str, steps: list[str] | None, out: Path, work: Path | None, 
         raise UserError(f"--steps {','.join(unknown)}: no such step (expected some of {', '.join(STEPS)})")
     if size != "smoke" and not torch.cuda.is_available():
         raise UserError("kiln bench gpu needs a CUDA GPU (`--size smoke` runs it at toy shapes on a CPU)")
-    selected = [s for s in STEPS if steps is None or s in steps]
+    selected = [s for s in SIZE_STEPS[size] if steps is None or s in steps]
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kiln-gpu-check-")) if work is None else work
     work.mkdir(parents=True, exist_ok=True)
@@ -229,7 +244,9 @@ def bench_gpu(size: str, steps: list[str] | None, out: Path, work: Path | None, 
                PYTHONUNBUFFERED="1", COLUMNS="200")
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"  # the smoke run's kernels go through the interpreter
-    summary = {"benchmark": "gpu", "size": size, "work": str(work), "complete": False, "steps": [], "headline": {}}
+    summary = {"benchmark": "gpu", "size": size, "work": str(work), "complete": False, "steps": [], "headline": {},
+               "not_run": [s for s in STEPS if s not in selected]}
+    started = time.time()
     if "env" in selected:
         write_json(out / "env.json", environment())
         summary["steps"].append({"step": "env", "status": "ok", "seconds": 0.0, "log": "env.json"})
@@ -242,7 +259,7 @@ def bench_gpu(size: str, steps: list[str] | None, out: Path, work: Path | None, 
         for source, name in step.collect.items():
             _copy(step.cwd / source, out / name)
         summary["steps"].append(result)
-        summary["headline"] = headline(out)
+        summary["headline"] = headline(out, started)
         _save(summary, out, pack)
         if step.name == "train":  # the headline, as soon as it is measured
             for line in train_lines(summary["headline"]):
@@ -278,13 +295,20 @@ def _copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def headline(out: Path) -> dict:
-    """The numbers a note quotes, read back from the steps' JSON (absent where a step did not run)."""
+def headline(out: Path, since: float = 0.0) -> dict:
+    """The numbers a note quotes, read back from the steps' JSON files written at or after `since` (a time.time()
+    value: the run's start), so an older run's files in `out` never stand in for a step that did not run."""
     found = {}
-    if (path := out / "train.json").is_file():
+
+    def fresh(name: str) -> Path | None:
+        path = out / name
+        return path if path.is_file() and path.stat().st_mtime >= since else None
+
+    if path := fresh("train.json"):
         rows = json.loads(path.read_text())["results"]
         found["train"] = {row["variant"]: {"error": row["error"]} if "error" in row else
-                          {k: row[k] for k in ("tokens_per_s", "mfu", "peak_memory_gb", "plan_memory_gb", "batch_size")}
+                          {k: row.get(k) for k in ("step_ms", "speedup", "tokens_per_s", "mfu", "peak_memory_gb",
+                                                   "plan_memory_gb", "batch_size", "top_ops")}
                           for row in rows}
         timed = [row for row in rows if "error" not in row]
         if timed:
@@ -292,19 +316,22 @@ def headline(out: Path) -> dict:
             found["best_train_variant"] = best["variant"]
             found["best_train_mfu"] = best["mfu"]
             found["best_train_tokens_per_s"] = best["tokens_per_s"]
-    if (path := out / "kernels.json").is_file():
+    if path := fresh("kernels.json"):
         rows = json.loads(path.read_text())["results"]
         found["kernel_goals_met"] = f"{sum(r['goal_met'] is True for r in rows)}/{len(rows)}"
     for name in ("pretrain.json", "pretrain_timings.json"):
-        if (path := out / name).is_file():
+        if path := fresh(name):
             metrics = json.loads(path.read_text())
             metrics = metrics.get("pretrain", metrics)  # the timings file is flat
             found |= {f"pretrain_{k}": metrics[k] for k in ("val_loss", "tokens_per_s", "mfu") if k in metrics}
     return found
 
 
+TOP_KERNELS = 5  # per train row in the printed headline (the JSON keeps the profile's 12)
+
+
 def train_lines(found: dict) -> list[str]:
-    """The training step's headline, a line per variant."""
+    """The training step's headline, a line per variant, and under it its top kernels by device time."""
     lines = []
     for variant, row in found.get("train", {}).items():
         if "error" in row:
@@ -312,8 +339,11 @@ def train_lines(found: dict) -> list[str]:
             continue
         mfu = "" if row["mfu"] is None else f", MFU {row['mfu']:.1%}"
         memory = "" if row["peak_memory_gb"] is None else f", peak {row['peak_memory_gb']:.3g} GB"
-        lines.append(f"headline: {variant}: {row['tokens_per_s']:,.0f} tokens/s{mfu}{memory} "
-                     f"(plan {row['plan_memory_gb']:.3g} GB), batch {row['batch_size']}")
+        lines.append(f"headline: {variant}: {row['step_ms']:.1f} ms/step ({row['speedup']:.2f}x the first row), "
+                     f"{row['tokens_per_s']:,.0f} tokens/s{mfu}{memory} (plan {row['plan_memory_gb']:.3g} GB), "
+                     f"batch {row['batch_size']}")
+        lines += [f"    {op['self_ms_per_step']:7.2f} ms/step {op['share']:6.1%}  x{op['calls_per_step']}  {op['op']}"
+                  for op in (row.get("top_ops") or [])[:TOP_KERNELS]]
     return lines
 
 
@@ -324,8 +354,10 @@ def _print(summary: dict) -> None:
     for r in summary["steps"]:
         table.add_row(r["step"], r["status"], f"{r['seconds']:.1f}", r["log"])
     console.print(table)
+    if summary["not_run"]:
+        console.print(f"not run: {', '.join(summary['not_run'])} (no figures of theirs below)", highlight=False)
     for line in train_lines(summary["headline"]):
-        console.print(line, highlight=False, soft_wrap=True)
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
     for key, value in summary["headline"].items():
         if key != "train":
             console.print(f"{key}: {value}", highlight=False)

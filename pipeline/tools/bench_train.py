@@ -37,7 +37,7 @@ from rich.table import Table
 
 from kiln.kernels.backend import BACKENDS
 from kiln.model.config import memory_available
-from kiln.model.gpt import GPT
+from kiln.model.gpt import GPT, KERNEL_OPS
 from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import Progress, console
@@ -59,22 +59,43 @@ OPTIM = TrainParams()
 
 def parse_variants(text: str, kernels: str = "torch") -> list[tuple[str, bool, str]]:
     """'fp32-eager,bf16-compile-triton' -> [("fp32", False, kernels), ("bf16", True, "triton")]: a variant
-    without a third part uses `kernels` (--kernels); repeats are dropped, order is kept."""
+    without a third part uses `kernels` (--kernels); repeats are dropped, order is kept. KERNELS may name the
+    ops that take it, the others running torch's: 'bf16-compile-triton:head' keeps "triton:head"."""
     if kernels not in BACKENDS:
         raise UserError(f"--kernels {kernels!r}: expected one of {', '.join(BACKENDS)}")
     variants = []
     for item in dict.fromkeys(w.strip() for w in text.split(",") if w.strip()):
-        precision, mode, backend = (item.split("-") + [kernels])[:3] if item.count("-") in (1, 2) else (item, "", "")
+        precision, mode, choice = (item.split("-") + [kernels])[:3] if item.count("-") in (1, 2) else (item, "", "")
         if precision not in PRECISIONS:
             raise UserError(f"--variants {item!r}: unknown precision {precision!r} "
                             f"(expected one of {', '.join(PRECISIONS)})")
-        if mode not in MODES or backend not in BACKENDS:
-            raise UserError(f"--variants {item!r}: expected PRECISION-MODE or PRECISION-MODE-KERNELS, MODE eager or "
-                            f"compile, KERNELS one of {', '.join(BACKENDS)}")
-        variants.append((precision, mode == "compile", backend))
+        backend, ops = kernel_choice(choice)
+        if mode not in MODES or backend not in BACKENDS or not set(ops or ()) <= set(KERNEL_OPS) or ops == ():
+            raise UserError(f"--variants {item!r}: expected PRECISION-MODE or PRECISION-MODE-KERNELS[:OP+OP...], "
+                            f"MODE eager or compile, KERNELS one of {', '.join(BACKENDS)}, OP some of "
+                            f"{', '.join(KERNEL_OPS)}")
+        variants.append((precision, mode == "compile", choice))
     if not variants:
         raise UserError("--variants: expected at least one PRECISION-MODE, e.g. fp32-eager")
     return variants
+
+
+def kernel_choice(choice: str) -> tuple[str, tuple[str, ...] | None]:
+    """'triton:attention+head' -> ("triton", ("attention", "head")); 'triton' -> ("triton", None): all ops."""
+    backend, _, ops = choice.partition(":")
+    return backend, (tuple(op for op in ops.split("+") if op) if ops or choice.endswith(":") else None)
+
+
+def resolve_choice(choice: str, device: torch.device) -> tuple[str, tuple[str, ...] | None]:
+    """A variant's KERNELS on `device`: (triton or torch, the ops that take it or None for all)."""
+    backend, ops = kernel_choice(choice)
+    return resolve_kernels(backend, device), ops
+
+
+def fused_head(choice: str, device: torch.device) -> bool:
+    """Whether the variant's loss is kiln's fused head: what `kiln plan memory`'s kernels count."""
+    backend, ops = resolve_choice(choice, device)
+    return backend != "torch" and (ops is None or "head" in ops)
 
 
 def parse_compile_modes(text: str) -> list[str]:
@@ -108,7 +129,7 @@ def plan_runs(variants: list[tuple[str, bool, str]], modes: list[str], batch_siz
               planned: dict[tuple[str, str, bool], int], checkpointing: bool, stats_every: int,
               device: torch.device) -> list[Run]:
     """Every variant's rows in order: its own (in the first mode), one per other compile mode, then one each for
-    the planned batch, checkpointing and statistics where asked (`planned`: (precision, kernels, compiled) ->
+    the planned batch, checkpointing and statistics where asked (`planned`: (precision, fused head, compiled) ->
     batch)."""
     runs = []
     for precision, compiled, kernels in variants:
@@ -118,7 +139,7 @@ def plan_runs(variants: list[tuple[str, bool, str]], modes: list[str], batch_siz
         runs += [Run(f"{name}+{other}", precision, compiled, kernels, other, batch_size)
                  for other in (modes[1:] if compiled else [])]
         if planned:
-            batch = planned[precision, resolve_kernels(kernels, device), compiled]
+            batch = planned[precision, fused_head(kernels, device), compiled]
             runs.append(Run(f"{name}+batch{batch}", precision, compiled, kernels, mode, batch))
         if checkpointing:
             runs.append(Run(f"{name}+checkpointing", precision, compiled, kernels, mode, batch_size, True))
@@ -130,16 +151,18 @@ def plan_runs(variants: list[tuple[str, bool, str]], modes: list[str], batch_siz
 
 def plan_batches(variants: list[tuple[str, bool, str]], config, seq_len: int, room: int,
                  device: torch.device) -> dict[tuple[str, str, bool], int]:
-    """The largest micro-batch `kiln plan memory` fits in `room` bytes for each variant's precision, kernels and
-    compile (a compiled torch head holds one logits tensor to eager's three, so its batch is larger)."""
+    """The largest micro-batch `kiln plan memory` fits in `room` bytes for each variant's precision, head (kiln's
+    fused one or torch's) and compile (a compiled torch head holds one logits tensor to eager's three, so its
+    batch is larger)."""
     planned = {}
     for precision, compiled, kernels in variants:
-        key = (precision, resolve_kernels(kernels, device), compiled)
-        shape = Shape(config, precision, key[1] != "torch", compiled=compiled)
+        key = (precision, fused_head(kernels, device), compiled)
+        shape = Shape(config, precision, key[1], compiled=compiled)
         planned[key] = plan(shape, 1, seq_len, room)["largest_batch_size"]
         if not planned[key]:
             raise UserError(f"--plan-batch: not one sequence of {seq_len} tokens fits {room / 1e9:.3g} GB with "
-                            f"{precision}, {MODES[compiled]} and {key[1]} kernels (kiln plan memory)")
+                            f"{precision}, {MODES[compiled]} and {'kiln' if key[1] else 'torch'}'s LM head "
+                            "(kiln plan memory)")
     return planned
 
 
@@ -164,9 +187,10 @@ PROFILED_STEPS = 3
 TOP_OPS = 12
 
 
-def profile_steps(one, device: torch.device, trace: Path) -> list[dict]:
-    """Run a few more steps under torch.profiler, write their trace (Chrome/Perfetto JSON) to `trace`, and return
-    the operators that took the most self time on the device that did the work (CUDA kernels, else the CPU)."""
+def profile_steps(one, device: torch.device, trace: Path | None) -> list[dict]:
+    """Run a few more steps under torch.profiler, write their trace (Chrome/Perfetto JSON) to `trace` if given,
+    and return the operators that took the most self time on the device that did the work (CUDA kernels, else
+    the CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -175,8 +199,9 @@ def profile_steps(one, device: torch.device, trace: Path) -> list[dict]:
         for _ in range(PROFILED_STEPS):
             one()
         synchronize(device)
-    trace.parent.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(trace))
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:TOP_OPS]
     total = sum(getattr(e, key) for e in prof.key_averages()) or 1.0
@@ -186,12 +211,14 @@ def profile_steps(one, device: torch.device, trace: Path) -> list[dict]:
 
 
 def time_variant(template: GPT, run: Run, device: torch.device, seq_len: int, steps: int, warmup: int,
-                 progress: Progress, trace: Path | None = None) -> dict:
-    kernels = resolve_kernels(run.kernels, device)
+                 progress: Progress, profiled: bool = False, trace: Path | None = None) -> dict:
+    """`profiled`: after the timed steps, PROFILED_STEPS more under torch.profiler (their trace to `trace` if
+    given), whose top operators the row keeps."""
+    kernels, ops = resolve_choice(run.kernels, device)
     setup_precision(device, run.precision)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    model = copy.deepcopy(template).set_kernels(kernels).set_checkpointing(run.checkpointing).to(device)
+    model = copy.deepcopy(template).set_kernels(kernels, ops).set_checkpointing(run.checkpointing).to(device)
     params = dataclasses.replace(OPTIM, precision=run.precision, compile=run.compiled, compile_mode=run.mode,
                                  kernels=kernels)
     optimizer = build_optimizer(model, params, device)
@@ -226,15 +253,15 @@ def time_variant(template: GPT, run: Run, device: torch.device, seq_len: int, st
         one()
     synchronize(device)
     seconds = time.perf_counter() - start
-    top = profile_steps(one, device, trace) if trace is not None else None
+    top = profile_steps(one, device, trace) if profiled else None
     peak_memory = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     tokens_per_s = run.batch_size * seq_len * steps / seconds
-    return {"kernels": kernels, "fused_adamw": bool(optimizer.defaults.get("fused")),
+    return {"kernels": kernels if ops is None else f"{kernels}:{'+'.join(ops)}", "fused_adamw": bool(optimizer.defaults.get("fused")),
             "padded_vocab_size": model.lm_head.weight.shape[0],
             "step_ms": round(seconds / steps * 1e3, 3), "tokens_per_s": round(tokens_per_s, 1),
             "compile_seconds": round(first, 2) if run.compiled else None,
             "peak_memory_gb": None if peak_memory is None else round(peak_memory, 3),
-            **({"trace": str(trace), "top_ops": top} if trace is not None else {})}
+            **({"top_ops": top} if profiled else {}), **({"trace": str(trace)} if trace is not None else {})}
 
 
 def release(device: torch.device) -> None:
@@ -250,9 +277,10 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
                 seq_len: int | None, steps: int, warmup: int, device_name: str, out: Path,
                 profile: Path | None = None, checkpointing: bool = False, stats_every: int = 0,
                 compile_modes: list[str] = ("default",), plan_batch: bool = False,
-                device_gb: float | None = None) -> dict:
+                device_gb: float | None = None, top_ops: bool = False) -> dict:
     """`profile`: a folder for one trace per row, of PROFILED_STEPS steps after the timed ones (so the
-    profiler's overhead is not in the timings), and a table of each row's top operators by self time.
+    profiler's overhead is not in the timings), and a table of each row's top operators by self time;
+    `top_ops`: the same steps and table without the traces (each row's JSON keeps its top operators either way).
     `compile_modes`, `plan_batch` (in `device_gb`, default the device's free memory), `checkpointing` and
     `stats_every` add rows beside each variant (see the module's docstring)."""
     for option, value in (("--vocab-size", vocab_size), ("--batch-size", batch_size), ("--steps", steps),
@@ -270,7 +298,7 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
     config = model_params.config(vocab_size)
     torch.manual_seed(0)
     for _, _, kernels in variants:
-        check_kernels(kernels, device, "--variants kernels")
+        check_kernels(kernel_choice(kernels)[0], device, "--variants kernels")
     planned = {}
     if plan_batch:
         room = memory_available(device) if device_gb is None else int(device_gb * 1e9)
@@ -287,20 +315,21 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
               "batch_size": batch_size, "seq_len": seq_len, "steps": steps, "warmup": warmup,
               "baseline": None, "complete": False, "results": []}
     rows = result["results"]
-    profiled = PROFILED_STEPS if profile is not None else 0
-    with Progress("bench train", unit="steps", total=len(runs) * (warmup + steps + profiled)) as progress:
+    profiled = profile is not None or top_ops
+    with Progress("bench train", unit="steps", total=len(runs) * (warmup + steps + PROFILED_STEPS * profiled)) \
+            as progress:
         for run in runs:
             progress.advance(0, variant=run.name)
             row = {"variant": run.name, "precision": run.precision, "compile": run.compiled,
                    "compile_mode": run.mode, "kernels": run.kernels, "batch_size": run.batch_size,
                    "activation_checkpointing": run.checkpointing, "stats_every": run.stats_every}
             try:
-                row |= time_variant(template, run, device, seq_len, steps, warmup, progress,
+                row |= time_variant(template, run, device, seq_len, steps, warmup, progress, profiled,
                                     profile / f"{run.name}.json" if profile else None)
             except Exception as e:  # a result too (a compile error, out of memory): the other rows still run
                 row["error"] = one_line(e)
             release(device)
-            estimate = plan(Shape(config, run.precision, resolve_kernels(run.kernels, device) != "torch",
+            estimate = plan(Shape(config, run.precision, fused_head(run.kernels, device),
                                   run.checkpointing, run.compiled), run.batch_size, seq_len, None)["total_bytes"]
             row["plan_memory_gb"] = round(estimate / 1e9, 3)
             if "error" not in row:
@@ -315,7 +344,7 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
             console.print(_line(row, cuda), highlight=False, soft_wrap=True)
     result["complete"] = True
     write_json(out, result)
-    _print(result, config, num_params, vocab_size, device, device_label, cuda, profile is not None)
+    _print(result, config, num_params, vocab_size, device, device_label, cuda, profiled)
     console.print(f"wrote {out}", highlight=False)
     failed = [r for r in rows if "error" in r]
     if failed:
@@ -364,8 +393,9 @@ def _print(result: dict, config, num_params: int, vocab_size: int, device: torch
     for row in rows if profiled else ():
         if "error" in row:
             continue
+        trace = f", trace: {row['trace']}, opens in ui.perfetto.dev" if "trace" in row else ""
         ops = Table(title=f"{row['variant']}: top operators by self {'CUDA' if cuda else 'CPU'} time, "
-                          f"{PROFILED_STEPS} steps (trace: {row['trace']}, opens in ui.perfetto.dev)")
+                          f"{PROFILED_STEPS} steps{trace}")
         for col in ("operator", "ms/step", "share", "calls/step"):
             ops.add_column(col)
         for op in row["top_ops"]:
