@@ -24,6 +24,7 @@ Only torch, rich and kiln's light modules are imported, so this runs on a GPU ma
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import gc
@@ -184,13 +185,16 @@ def synchronize(device: torch.device) -> None:
 
 
 PROFILED_STEPS = 3
-TOP_OPS = 12
+TOP_OPS = 25  # enough to account for most of a GPT-2 step (its top 12 held ~60 %)
 
 
-def profile_steps(one, device: torch.device, trace: Path | None) -> list[dict]:
+def profile_steps(one, device: torch.device, trace: Path | None) -> tuple[list[dict], float]:
     """Run a few more steps under torch.profiler, write their trace (Chrome/Perfetto JSON) to `trace` if given,
-    and return the operators that took the most self time on the device that did the work (CUDA kernels, else
-    the CPU)."""
+    and return the operators that took the most self time on the device that did the work, and that device's
+    busy milliseconds per step. On CUDA these are the kernels (and copies) alone: an aten op's row would count
+    its kernels' time a second time, so the shares add up to the GPU's busy time, and a step's time above it is
+    the GPU waiting (on the host, or on a sync). On a CPU: the operators' self times."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -203,11 +207,17 @@ def profile_steps(one, device: torch.device, trace: Path | None) -> list[dict]:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:TOP_OPS]
-    total = sum(getattr(e, key) for e in prof.key_averages()) or 1.0
-    return [{"op": e.key, "self_ms_per_step": round(getattr(e, key) / 1e3 / PROFILED_STEPS, 3),
-             "share": round(getattr(e, key) / total, 4), "calls_per_step": e.count // PROFILED_STEPS}
-            for e in events]
+    times, calls = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        # A record_function range (AdamW.step's) is drawn on the GPU's timeline too: a span, not work.
+        if cuda and (e.device_type != DeviceType.CUDA or e.is_user_annotation):
+            continue
+        times[e.key] += getattr(e, key)
+        calls[e.key] += 1
+    total = sum(times.values()) or 1.0
+    top = [{"op": name, "self_ms_per_step": round(us / 1e3 / PROFILED_STEPS, 3), "share": round(us / total, 4),
+            "calls_per_step": calls[name] // PROFILED_STEPS} for name, us in times.most_common(TOP_OPS)]
+    return top, round(total / 1e3 / PROFILED_STEPS, 3)
 
 
 def time_variant(template: GPT, run: Run, device: torch.device, seq_len: int, steps: int, warmup: int,
@@ -253,7 +263,7 @@ def time_variant(template: GPT, run: Run, device: torch.device, seq_len: int, st
         one()
     synchronize(device)
     seconds = time.perf_counter() - start
-    top = profile_steps(one, device, trace) if profiled else None
+    top, busy = profile_steps(one, device, trace) if profiled else (None, None)
     peak_memory = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     tokens_per_s = run.batch_size * seq_len * steps / seconds
     return {"kernels": kernels if ops is None else f"{kernels}:{'+'.join(ops)}", "fused_adamw": bool(optimizer.defaults.get("fused")),
@@ -261,7 +271,8 @@ def time_variant(template: GPT, run: Run, device: torch.device, seq_len: int, st
             "step_ms": round(seconds / steps * 1e3, 3), "tokens_per_s": round(tokens_per_s, 1),
             "compile_seconds": round(first, 2) if run.compiled else None,
             "peak_memory_gb": None if peak_memory is None else round(peak_memory, 3),
-            **({"top_ops": top} if profiled else {}), **({"trace": str(trace)} if trace is not None else {})}
+            **({"top_ops": top, "device_busy_ms_per_step": busy} if profiled else {}),
+            **({"trace": str(trace)} if trace is not None else {})}
 
 
 def release(device: torch.device) -> None:
@@ -394,8 +405,9 @@ def _print(result: dict, config, num_params: int, vocab_size: int, device: torch
         if "error" in row:
             continue
         trace = f", trace: {row['trace']}, opens in ui.perfetto.dev" if "trace" in row else ""
-        ops = Table(title=f"{row['variant']}: top operators by self {'CUDA' if cuda else 'CPU'} time, "
-                          f"{PROFILED_STEPS} steps{trace}")
+        busy = f" (GPU busy {row['device_busy_ms_per_step']:.1f} of {row['step_ms']:.1f} ms a step)" if cuda else ""
+        ops = Table(title=f"{row['variant']}: top {'kernels' if cuda else 'operators'} by self "
+                          f"{'CUDA' if cuda else 'CPU'} time, {PROFILED_STEPS} steps{busy}{trace}")
         for col in ("operator", "ms/step", "share", "calls/step"):
             ops.add_column(col)
         for op in row["top_ops"]:
