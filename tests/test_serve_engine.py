@@ -232,3 +232,43 @@ def test_a_token_slice_is_the_slice_of_the_whole_sequence():
         start = rng.randrange(r.length)
         stop = rng.randrange(start, r.length + 1)
         assert r.token_slice(start, stop) == r.tokens[start:stop]
+
+
+def test_a_request_waiting_for_a_shared_prefix_holds_back_no_one():
+    """A group of samples of one prompt queued before a short request: the group's first sample prefills the
+    prompt, its siblings wait for that prefix to be cached, and the short request behind them is admitted and
+    prefilled in the same step instead of waiting out the group (the scheduler used to stop admitting at the
+    first sibling)."""
+    model = tiny()
+    prompt = list(range(10, 42))  # 32 tokens
+    engine = Engine(model, num_blocks=64, block_size=4, max_batch_tokens=64)
+    group = [engine.add(Request(prompt, SamplingParams(max_tokens=2))) for _ in range(3)]
+    short = engine.add(Request([70, 71], SamplingParams(max_tokens=2)))
+    first = engine.scheduler.schedule()
+    assert [(s.request, s.count) for s in first] == [(group[0], 32), (short, 2)]
+    assert list(engine.scheduler.waiting) == group[1:]  # still waiting, in their order
+    engine.scheduler.update(first, engine.runner.execute(first))
+    # the prompt is cached now: the siblings share its first 7 blocks and feed only the last block's 4 tokens
+    # (a block they will write into is not shared)
+    second = engine.scheduler.schedule()
+    assert {(id(s.request), s.count) for s in second} >= {(id(group[1]), 4), (id(group[2]), 4)}
+    engine.scheduler.update(second, engine.runner.execute(second))
+    while engine.has_work():
+        engine.step()
+    assert [r.output for r in group] == [generate(model, [prompt], 2, temperature=0.0)[0]] * 3
+    assert short.output == generate(model, [[70, 71]], 2, temperature=0.0)[0]
+    assert engine.scheduler.prefill_tokens == 32 + 2 + 2 * 4
+
+
+def test_groups_of_samples_prefill_every_prompt_in_the_first_step():
+    """GRPO's rollouts queue group after group (G samples of each prompt): the first step prefills one sample of
+    every prompt, not one prompt a step, and the others share the cached prompts."""
+    model = tiny()
+    texts = prompts(4, seed=5, shared=list(range(10, 22)))  # 12 shared tokens: three full blocks of 4
+    engine = Engine(model, num_blocks=128, block_size=4, max_batch_tokens=256)
+    requests = [engine.add(Request(p, SamplingParams(max_tokens=4))) for p in texts for _ in range(4)]
+    plan = engine.scheduler.schedule()
+    assert [s.request for s in plan] == [requests[0]]  # the rest share the first's system prompt, or wait
+    engine.scheduler.update(plan, engine.runner.execute(plan))
+    plan = engine.scheduler.schedule()
+    assert {id(s.request) for s in plan} >= {id(requests[g * 4]) for g in range(1, 4)}

@@ -14,9 +14,10 @@ its tokens gets a new token; finished requests go, so their blocks serve new req
 Blocks: a request admitted from the queue gets blocks for its whole prompt at once (`blocks.BlockPool`,
 sharing any cached prefix, whose tokens it then skips), and one more block whenever decoding fills the last.
 A request whose next uncached prompt block is being prefilled by a running request waits for it to be cached
-rather than compute it a second time. When the pool cannot give that block, the newest running request is
-preempted: its blocks go back and it rejoins the front of the queue with its tokens so far, to be recomputed
-(its shared prefix most likely still cached). A request is never refused for memory it could have once others
+rather than compute it a second time, and the requests behind it are admitted meanwhile. When the pool cannot
+give a decoding request its next block, the newest running request is preempted: its blocks go back and it
+rejoins the front of the queue with its tokens so far, to be recomputed (its shared prefix most likely still
+cached). A request is never refused for memory it could have once others
 finish; one that could never fit (more blocks than the pool) is refused when it is added.
 """
 
@@ -112,8 +113,8 @@ class Scheduler:
             else:
                 plan.append(ScheduledSequence(request, 1, lookahead))
         budget = self.max_batch_tokens - len(plan)
-        while self.waiting and budget > 0 and self._admit():
-            pass
+        if budget > 0:
+            self._admit()
         for request in self.running:  # prefills, oldest first, within the budget
             left = request.length - request.computed
             if left > 1 and budget > 0:
@@ -181,32 +182,47 @@ class Scheduler:
         self.waiting.appendleft(victim)
         return victim
 
-    def _admit(self) -> bool:
-        request = self.waiting[0]
-        tokens = request.tokens
-        if self.prefix_caching and self._prefix_in_flight(tokens):
-            return False
-        got = self.pool.allocate(tokens if self.prefix_caching else [], reserve=len(tokens))
-        if got is None:
-            return False
-        request.table, request.computed = got
-        request.draft_computed = 0  # the draft's cache of a shared prefix may not be whole: it recomputes
-        request.status = RequestStatus.RUNNING
-        self.running.append(self.waiting.popleft())
+    def _admit(self) -> None:
+        """Admit waiting requests in arrival order while the pool gives them blocks. One whose next prompt block a
+        running request is prefilling right now is passed over for this step (it takes that block from the cache
+        a step or two later) rather than holding back every request behind it: a group of samples of one prompt
+        would otherwise admit one new prompt a step. One the pool cannot hold stops admission, so that smaller
+        requests behind it never starve it."""
+        in_flight = set()  # the prompt blocks running requests are prefilling now, each request's hashed once
+        for request in self.running:
+            self._prefilling(request, in_flight)
+        passed_over = []
+        while self.waiting:
+            request = self.waiting.popleft()
+            tokens = request.tokens
+            if self.prefix_caching and self._prefix_in_flight(tokens, in_flight):
+                passed_over.append(request)
+                continue
+            got = self.pool.allocate(tokens if self.prefix_caching else [], reserve=len(tokens))
+            if got is None:
+                self.waiting.appendleft(request)
+                break
+            request.table, request.computed = got
+            request.draft_computed = 0  # the draft's cache of a shared prefix may not be whole: it recomputes
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._prefilling(request, in_flight)
+        self.waiting.extendleft(reversed(passed_over))  # still ahead of the later arrivals, in their order
         self.running.sort(key=lambda r: r.order)
-        return True
 
-    def _prefix_in_flight(self, tokens: list[int]) -> bool:
+    def _prefilling(self, request: Request, in_flight: set[int]) -> None:
+        """Add the keys of the prompt blocks `request` has still to compute to `in_flight`."""
+        if self.prefix_caching and request.computed < len(request.prompt):
+            keys = self.pool.prefix_keys(request.prompt[:len(request.prompt) - 1])
+            in_flight.update(keys[request.computed // self.pool.block_size:])
+
+    def _prefix_in_flight(self, tokens: list[int], in_flight: set[int]) -> bool:
         """Whether the first full block of `tokens` not yet cached is one a running request is prefilling now: the
         request then waits a step or two for it to be cached instead of computing the same keys and values again
         (requests that share a system prompt and arrive together would all compute it otherwise)."""
         keys = self.pool.prefix_keys(tokens[:len(tokens) - 1])
         needed = next((key for key in keys if key not in self.pool.cached), None)
-        if needed is None:
-            return False
-        B = self.pool.block_size
-        return any(needed in self.pool.prefix_keys(r.prompt[:len(r.prompt) - 1])[r.computed // B:]
-                   for r in self.running if r.computed < len(r.prompt))
+        return needed is not None and needed in in_flight
 
     def _commit(self, request: Request, before: int) -> None:
         """Offer the request's computed full blocks for sharing, when this step filled one: `commit` hashes the
