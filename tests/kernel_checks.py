@@ -68,3 +68,11 @@ def record_launches(monkeypatch, module, op_name: str) -> list:
 
     monkeypatch.setattr(module, op_name, record)
     return launched
+
+
+def inside_kiln_op(mode, func, args: tuple, kwargs: dict):
+    """Run kiln custom op `func` from `mode`'s __torch_dispatch__ with `mode` pushed again, so that the mode also
+    sees the aten ops the op's implementation runs (a dispatch mode is off while it handles an op)."""
+    with mode:
+        keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+        return func.redispatch(keys, *args, **kwargs)

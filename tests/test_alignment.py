@@ -16,6 +16,8 @@ from torch.utils._pytree import tree_flatten
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 
+from kernel_checks import inside_kiln_op
+
 ALIGN = 16  # bytes
 GEMMS = {"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_", "addbmm", "matmul", "_scaled_mm"}
 
@@ -57,9 +59,7 @@ class Operands(TorchDispatchMode):
                 if isinstance(t, torch.Tensor) and t.dim() >= 2:
                     self.seen.append((str(func), tuple(t.shape), t.stride(), t.dtype, problems(t)))
         if kiln_op:
-            with self:  # its implementation, so that the matmuls inside the op are recorded
-                keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
-                return func.redispatch(keys, *args, **kwargs)
+            return inside_kiln_op(self, func, args, kwargs)
         return func(*args, **kwargs)
 
     def misaligned(self) -> list[tuple]:

@@ -40,6 +40,10 @@ def test_every_variant_serves_the_whole_workload(tmp_path):
     assert generator["requests"] == engine["requests"] == 512 and engine["output_tokens"] > 0
     # a prompt's full blocks are computed once for its 8 completions
     assert engine["prefill_tokens"] < 8 * 64 * config.max_seq_len // 2
+    # the generator: a prefill, then a decode a token (until every row stops); the engine: one sample of each
+    # prompt prefills first, the rest share the cached prompts, so a few steps more than the generator's
+    assert 1 < generator["steps"] <= config.max_seq_len // 8
+    assert generator["steps"] < engine["steps"] <= 1.5 * generator["steps"] + 4
 
 
 def test_output_lengths_are_long_tailed_or_uniform_and_fit_the_context():

@@ -23,6 +23,8 @@ from kiln.pipeline.train.lm import lm_loss
 from kiln.pipeline.train.loop import Step, build_optimizer, compile_forward
 from kiln.pipeline.train.params import TrainParams
 
+from kernel_checks import inside_kiln_op
+
 COUNTED = {"copy_", "clone", "_local_scalar_dense"}
 LEFT_OUT = ("triton/runtime/interpreter", "torch/optim/")  # the interpreter's launch copies, CPU AdamW's reads
 
@@ -44,9 +46,7 @@ class CopiesAndReads(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func.namespace == "kiln":
-            with self:  # the op's implementation, so that its own copies count too
-                keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
-                return func.redispatch(keys, *args, **kwargs)
+            return inside_kiln_op(self, func, args, kwargs)
         name = func.overloadpacket.__name__
         if name in COUNTED and not called_from(LEFT_OUT):
             self.counts[name] += 1

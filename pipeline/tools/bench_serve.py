@@ -187,14 +187,19 @@ def run_rollouts(model: GPT, prompts: list[list[int]], group: int, new_tokens: i
     (`serve.engine.complete`, a prompt's blocks computed once). Completion tokens/s each."""
     rows = [p for p in prompts for _ in range(group)]
     out = []
+    forwards = []  # the generator's model calls: its steps, to set beside the engine's
+    hook = model.register_forward_hook(lambda *_: forwards.append(1))
     start = time.perf_counter()
-    with torch.inference_mode():
-        done = generate(model, rows, new_tokens, temperature=1.0, stop_ids=stops, seed=seed)
+    try:
+        with torch.inference_mode():
+            done = generate(model, rows, new_tokens, temperature=1.0, stop_ids=stops, seed=seed)
+    finally:
+        hook.remove()
     seconds = time.perf_counter() - start
     tokens = sum(map(len, done))
     out.append({"variant": f"rollouts {len(prompts)} x {group}: batched generator", "requests": len(rows),
                 "output_tokens": tokens, "output_tokens_per_s": round(tokens / seconds, 1),
-                "seconds": round(seconds, 3)})
+                "seconds": round(seconds, 3), "steps": len(forwards)})
     requests = [Request(p, SamplingParams(new_tokens, 1.0, seed=seed + j, stop_ids=stops)) for j, p in enumerate(rows)]
     engine = Engine.sized_for(model, requests)
     engine.runner.timing = True
@@ -350,7 +355,7 @@ def show(result: dict) -> None:
     for column in ("variant", "tok/s", "TTFT p50/p99 ms", "ITL p50/p99 ms", "KV slots peak", "notes"):
         table.add_column(column)
     for r in result["results"]:
-        notes = [f"{k}={r[k]}" for k in ("speedup_vs_static", "speedup_vs_generator", "prefill_tokens",
+        notes = [f"{k}={r[k]}" for k in ("speedup_vs_static", "speedup_vs_generator", "steps", "prefill_tokens",
                                          "prefill_drop", "shared_whole_block_share", "kv_blocks_over_need",
                                          "preemptions", "acceptance_rate", "speedup_vs_batch_1", "host_us_per_step",
                                          "copies_per_step") if k in r]
