@@ -164,6 +164,36 @@ def test_rollout_micro_batches_are_the_sampled_completions(tiny, project):
     assert rollouts.batch_index == 1
 
 
+def test_compiled_micro_batches_come_in_a_few_widths(tiny, project):
+    """Under train.compile a micro-batch keeps its all-padding columns up to a multiple of the bucket (64, or the
+    batch's width if less), so the compiled step sees a few shapes; eagerly the width is exact. The kept
+    columns hold no target: they score nothing."""
+    from kiln.pipeline.post.grpo import WIDTH_BUCKET
+
+    chat = ChatFormat(load_tokenizer(tiny.tokenizer, ordinary=True))
+    model, _ = load_model(project / "start")
+    rows = [PromptAnswer([{"role": "user", "content": f"Say x, {i} times."}], "x") for i in range(6)]
+    prompts = encode_prompts(rows, chat, model.config.max_seq_len, 4, "test")
+    params = build_section(GRPOParams, {**GRPO, "batch_examples": 16, "batch_size": 8, "group_size": 4})
+
+    def micro_batches(compiled: bool, bucket: int | None = None):
+        torch.manual_seed(0)
+        rollouts = Rollouts(model, prompts, params, chat, make_reward("contains"), "fp32", accum=2,
+                            compiled=compiled)
+        assert rollouts.bucket == (WIDTH_BUCKET if compiled else 1)
+        rollouts.bucket = bucket or rollouts.bucket
+        return [next(rollouts) for _ in range(2)], rollouts.batch[0].shape[1]
+
+    exact, full = micro_batches(False)
+    assert all((y[:, -1] != IGNORE).any() for _, y, *_ in exact)  # eagerly the last column scores a token
+    for bucket in (None, 4):
+        bucketed, _ = micro_batches(True, bucket)
+        for (x, y, *_), (x0, y0, *_) in zip(bucketed, exact):
+            width, want = x.shape[1], x0.shape[1]
+            assert width == min(-(-want // (bucket or WIDTH_BUCKET)) * (bucket or WIDTH_BUCKET), full)
+            assert torch.equal(x[:, :want], x0) and torch.equal(y[:, :want], y0) and (y[:, want:] == IGNORE).all()
+
+
 PARITY = """
 def parity(prompt, completion, answer):
     # the prompts that say "even" always score 1 (their groups have no spread); the others vary by completion

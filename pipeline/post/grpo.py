@@ -101,6 +101,9 @@ def encode_prompts(rows: list[PromptAnswer], chat: ChatFormat, seq_len: int, max
     return out
 
 
+WIDTH_BUCKET = 64  # columns: a compiled micro-batch's width is rounded up to a multiple of this
+
+
 class Rollouts:
     """The loop's micro-batches: scored completions that the policy samples as training goes.
 
@@ -115,8 +118,12 @@ class Rollouts:
     the backward and the optimizer step."""
 
     def __init__(self, model: torch.nn.Module, prompts: Prompts, params: GRPOParams, chat: ChatFormat,
-                 reward: NamedReward, precision: str, accum: int, world: World = SINGLE):
+                 reward: NamedReward, precision: str, accum: int, world: World = SINGLE, compiled: bool = False):
         self.model, self.prompts, self.params, self.chat, self.reward = model, prompts, params, chat, reward
+        # A micro-batch drops its trailing all-padding columns. Under torch.compile it keeps them up to a multiple
+        # of WIDTH_BUCKET, so the compiled graphs (and kiln's head's chunking) see a few widths, not a new one
+        # every micro-batch; eagerly the width is exact, as the DAG's numbers were made.
+        self.bucket = WIDTH_BUCKET if compiled else 1
         self.stops = (chat.im_end, chat.eot)  # where a completion ends
         self.precision, self.accum, self.world, self.step = precision, accum, world, 0
         self.per_rollout = params.batch_examples // params.group_size
@@ -146,6 +153,7 @@ class Rollouts:
         x, y, advantages, old, ref, per_micro = self.batch
         rows = slice(first * B, (first + 1) * B)
         width = int((y[rows] != IGNORE).any(dim=0).nonzero().max()) + 1  # trailing all-padding columns dropped
+        width = min(-(-width // self.bucket) * self.bucket, y.shape[1])
         old, ref = (t[rows, :width] if t.numel() else t for t in (old, ref))
         return [x[rows, :width], y[rows, :width], advantages[rows], old, ref, per_micro]
 
@@ -332,7 +340,7 @@ def grpo_stage(params: GRPOParams, s: Start, reward: NamedReward, start_dir: Pat
     val = encode_prompts(s.data.val, chat, seq_len, params.max_new_tokens, "grpo held-out")
     micro = params.batch_size * seq_len
     rollouts = Rollouts(model, prompts, params, chat, reward, loop.precision,
-                        accumulation_steps(loop, micro, world.size), world)
+                        accumulation_steps(loop, micro, world.size), world, compiled=loop.compile)
 
     def evaluate(m) -> dict:
         if not len(val):
