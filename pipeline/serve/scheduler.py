@@ -103,7 +103,9 @@ class Scheduler:
         """This step's plan, decodes first; blocks made ready for all of it."""
         plan: list[ScheduledSequence] = []
         for request in list(self.running):  # decodes: one token each (and the draft's), every step
-            if request not in self.running or request.length - request.computed != 1:
+            # one preempted by an earlier request's growth this step is waiting again (a status check, where a
+            # search of the running list would make the step quadratic in the batch)
+            if request.status is not RequestStatus.RUNNING or request.length - request.computed != 1:
                 continue
             lookahead = self.lookahead(request)
             while not self.pool.grow(request.table, request.length + lookahead):
