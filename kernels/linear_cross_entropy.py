@@ -111,7 +111,7 @@ def _chunked_pass(hidden, weight, targets, vocab_size, ignore_index, z_loss, row
             if dhidden is not None:
                 torch.mm(logits, weight, out=dhidden[rows])
             if dweight is not None:
-                # beta=0 on the first chunk overwrites the uninitialised buffer (NaNs in it are ignored).
+                # the first chunk writes the buffer over (its uninitialised contents are never read)
                 accumulate(dweight, logits.T, h, first=start == 0)
     return loss, dhidden, None if dweight is None else dweight.to(weight.dtype)
 
