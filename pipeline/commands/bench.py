@@ -216,16 +216,15 @@ def bench_kernels(ops: Annotated[str | None, typer.Option(
 @app.command("gpu")
 @reports_errors
 def bench_gpu(size: Annotated[str, typer.Option(
-                  help="quick: every step in one short pass (limits summing to 9 minutes); full: every shape of "
-                       "the issue and the train grid (split it with --steps to fit 10-minute calls); smoke: toy "
-                       "shapes on a CPU, to check the command works.")] = "quick",
+                  help="quick: every step but generate in one short pass (limits summing to 480 s); full: every "
+                       "step, every shape of the issue and the train grid (split it with --steps to fit 10-minute "
+                       "calls); smoke: toy shapes on a CPU, to check the command works.")] = "quick",
               steps: Annotated[str | None, typer.Option(
                   help="Comma-separated subset of env, train, kernels, tests, pretrain, generate, serve (default: "
-                       "all, "
-                       "in this order).")]
+                       "the size's steps, in this order).")]
               = None,
               out: Annotated[Path, typer.Option(help="Folder for the JSON, logs and curves.")] =
-              layout.BENCH / "gpu",
+              layout.BENCH / "gpu" / "new",
               work: Annotated[Path | None, typer.Option(
                   help="Scratch folder for the pretrain step's data and model (default: a new temp folder).")]
               = None,
@@ -234,7 +233,7 @@ def bench_gpu(size: Annotated[str, typer.Option(
               = None):
     """The GPU session's whole measurement in one command, the headline first: the compiled training step with
     torch's kernels and kiln's, then the kernel benchmarks, native kernel tests, a real pretrain run of the GPT-2
-    124M shape, generation and serving; exits 1 if any step failed."""
+    124M shape, generation (full only) and serving; exits 1 if any step failed."""
     from kiln.pipeline.tools.bench_gpu import bench_gpu as run
 
     summary = run(size, steps.split(",") if steps else None, out, work, pack)

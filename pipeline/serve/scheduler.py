@@ -17,8 +17,8 @@ A request whose next uncached prompt block is being prefilled by a running reque
 rather than compute it a second time, and the requests behind it are admitted meanwhile. When the pool cannot
 give a decoding request its next block, the newest running request is preempted: its blocks go back and it
 rejoins the front of the queue with its tokens so far, to be recomputed (its shared prefix most likely still
-cached). A request is never refused for memory it could have once others
-finish; one that could never fit (more blocks than the pool) is refused when it is added.
+cached). A request is never refused for memory it could have once others finish; one that could never fit
+(more blocks than the pool) is refused when it is added.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ still run), the headline first:
 - serve:    `kiln bench serve` on the default shape (serve.json): the engine (decode steps replaying CUDA
             graphs) against static batching and transformers, GRPO-shaped rollouts, and the engine step's host
             microseconds, copies and graph replays.
-Quick runs all but generate, full all of them. Everything lands in `--out` (default metrics/bench/gpu/) with
+Quick runs all but generate, full all of them. Everything lands in `--out` (default metrics/bench/gpu/new/) with
 one log per step and summary.json, which is rewritten after every step (and `--pack` re-archives the folder
 then), so a run cut off by a time limit keeps what the finished steps measured. The headline reads only files
 this run wrote: a step that did not run (or wrote nothing) is named as not run, never filled from an older
@@ -92,8 +92,9 @@ GPU_VARIANTS = "bf16-compile-torch,bf16-compile-triton,bf16-compile-triton:head,
 # serve 19 s; 2026-11-27 (first run) train cut at 100 s inside kiln's compiled row (kiln's compiled in 56 s),
 # kernels cut at 140 s after all 20 rows; 2026-11-27 (this layout) train 152 s for its four compiled rows
 # (compiles 30, 44, 21, 21 s) and their profiles, kernels' 6 step rows ~70 s (cut at 75 s on the way out),
-# pretrain 60 s, serve 31 s, and the two cross-entropy test files 52 s on 8 workers (the two flash-attention
-# and op files beside them did not finish in 75 s, so quick leaves flash attention's to full). A step cut at
+# pretrain 60 s, serve 31 s, and the two cross-entropy test files 52 s on 8 workers (with flash attention's
+# and the ops' files beside them the step did not finish in 75 s, so quick leaves flash attention's to full;
+# the ops' file beside the two is not timed yet). A step cut at
 # its limit keeps the rows its JSON already holds (serve writes its JSON at the end: give it room). Full's
 # train (the compile modes, a max-autotune compile per kernel choice) takes a call of its own.
 LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "generate": 120, "serve": 120},

@@ -83,8 +83,8 @@ def parse_variants(text: str, kernels: str = "torch") -> list[tuple[str, bool, s
 
 def kernel_choice(choice: str) -> tuple[str, tuple[str, ...] | None]:
     """'triton:attention+head' -> ("triton", ("attention", "head")); 'triton' -> ("triton", None): all ops."""
-    backend, _, ops = choice.partition(":")
-    return backend, (tuple(op for op in ops.split("+") if op) if ops or choice.endswith(":") else None)
+    backend, colon, ops = choice.partition(":")
+    return backend, tuple(op for op in ops.split("+") if op) if colon else None
 
 
 def resolve_choice(choice: str, device: torch.device) -> tuple[str, tuple[str, ...] | None]:
