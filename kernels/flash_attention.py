@@ -3,9 +3,12 @@
 Eager attention writes the scores, the probabilities and, for backward, keeps both: O(T^2) memory per head and
 several passes over it. Here one program owns a block of query rows of one (batch, head) and streams the key
 and value blocks past it, keeping a running row max and row sum in fp32 (online softmax) so the probabilities
-are rescaled instead of stored; with `causal`, key blocks wholly above the diagonal are never loaded. Forward
-saves only the output O and the per-row log-sum-exp L (fp32, natural log): with L, backward recomputes any
-block of probabilities exactly as P = exp(S - L), so nothing of size T^2 is kept.
+are rescaled instead of stored; with `causal`, key blocks wholly above the diagonal are never loaded, and
+those wholly below it (and inside the sequence) go without masks, so only the diagonal and a sequence's last
+partial block pay for them (forward and dQ: on an H200 the forward 1.31x faster for it; the dK/dV kernel keeps
+one masked loop, since the same split made it 1.2x slower there). Forward saves only the output O and the
+per-row log-sum-exp L (fp32, natural log): with L, backward recomputes any block of probabilities exactly as
+P = exp(S - L), so nothing of size T^2 is kept.
 
 Backward follows FA-2: a small kernel first computes delta = rowsum(dO * O), the softmax-gradient term that
 every key block of a row needs. Then one program per (batch, kv head, key block) holds its K and V blocks and
@@ -73,18 +76,51 @@ def _dot(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(ptrs, rows, cols, T, D: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr):
+    """A (rows, BLOCK_D) tile. Unmasked tiles lie wholly inside the sequence, so with a power-of-two head dim
+    their loads carry no mask at all and vectorize."""
+    if MASKED:
+        return tl.load(ptrs, mask=(rows[:, None] < T) & (cols[None, :] < D), other=0.0)
+    if BLOCK_D == D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=cols[None, :] < D, other=0.0)
+
+
+@triton.jit
 def _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D: tl.constexpr,
-               CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
-    """The key/value block at start_n, the scaled scores of the query rows against it, and which are visible."""
+               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+    """The key/value block at start_n and the scaled scores of the query rows against it; a masked block's
+    invisible scores (keys past T, or above the causal diagonal) are -inf."""
     keys = start_n + offs_n
-    key_mask = (keys[:, None] < T) & (cols[None, :] < D)
-    k = tl.load(k_ptrs + start_n * sk_t, mask=key_mask, other=0.0)
-    v = tl.load(v_ptrs + start_n * sv_t, mask=key_mask, other=0.0)
+    k = _load_rows(k_ptrs + start_n * sk_t, keys, cols, T, D, BLOCK_D, MASKED)
+    v = _load_rows(v_ptrs + start_n * sv_t, keys, cols, T, D, BLOCK_D, MASKED)
     s = _dot(q, tl.trans(k), PRECISION) * qk_scale
-    visible = keys[None, :] < T
+    if MASKED:
+        visible = keys[None, :] < T
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= rows[:, None])
+        s = tl.where(visible, s, float("-inf"))
+    return k, v, s
+
+
+@triton.jit
+def _interior_end(start_m, T, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Where a query block's key loop stops needing masks: key blocks before it are inside the sequence and,
+    with `causal`, wholly left of the block's first row, so every row sees all of their keys."""
     if CAUSAL:
-        visible = visible & (keys[None, :] <= rows[:, None])
-    return k, v, s, visible
+        return (start_m // BLOCK_N) * BLOCK_N
+    return (T // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _online_softmax(acc, m_i, l_i, s, v, PRECISION: tl.constexpr):
+    """Fold one block of scores (log2 units) into the running max, sum and output."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
+    return acc, m_new, l_i
 
 
 @autotune(FORWARD_CONFIGS, key=TUNING_KEY, interpreter=INTERPRETER_CONFIG)
@@ -108,23 +144,23 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     v_ptrs = v_ptr + b * sv_b + kv_h * sv_h + offs_n[:, None] * sv_t + cols[None, :]
 
     # Every row, padding rows included, sees key 0 in the first block, so the running max is finite from then
-    # on and exp2 never sees -inf - -inf.
+    # on and exp2 never sees -inf - -inf. Interior key blocks skip the masks; the diagonal and the sequence's
+    # last partial block take them.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    interior = _interior_end(start_m, T, BLOCK_N, CAUSAL)
     end = T
     if CAUSAL:
         end = tl.minimum(T, start_m + BLOCK_M)
-    for start_n in range(0, end, BLOCK_N):
-        k, v, s, visible = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D,
-                                      CAUSAL, PRECISION)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION)
-        m_i = m_new
+    for start_n in range(0, interior, BLOCK_N):
+        k, v, s = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D, BLOCK_D,
+                             CAUSAL, PRECISION, False)
+        acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v, PRECISION)
+    for start_n in range(interior, end, BLOCK_N):
+        k, v, s = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D, BLOCK_D,
+                             CAUSAL, PRECISION, True)
+        acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v, PRECISION)
 
     o = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + cols[None, :], o, mask=row_mask)
@@ -199,6 +235,19 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=key_mask)
 
 
+@triton.jit
+def _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale,
+              D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+              MASKED: tl.constexpr):
+    """dQ's sum over one key block: the probabilities recomputed from L, then dS = P * (dP - delta)."""
+    k, v, s = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D, BLOCK_D,
+                         CAUSAL, PRECISION, MASKED)
+    p = tl.exp2(s - lse[:, None])
+    dp = _dot(do, tl.trans(v), PRECISION)
+    ds = p * (dp - delta[:, None])
+    return dq + _dot(ds.to(k.dtype), k, PRECISION)
+
+
 @autotune(BACKWARD_CONFIGS, key=TUNING_KEY, interpreter=INTERPRETER_CONFIG)
 @triton.jit
 def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
@@ -221,16 +270,16 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     k_ptrs = k_ptr + b * sk_b + kv_h * sk_h + offs_n[:, None] * sk_t + cols[None, :]
     v_ptrs = v_ptr + b * sv_b + kv_h * sv_h + offs_n[:, None] * sv_t + cols[None, :]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    interior = _interior_end(start_m, T, BLOCK_N, CAUSAL)
     end = T
     if CAUSAL:
         end = tl.minimum(T, start_m + BLOCK_M)
-    for start_n in range(0, end, BLOCK_N):
-        k, v, s, visible = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D,
-                                      CAUSAL, PRECISION)
-        p = tl.exp2(tl.where(visible, s - lse[:, None], float("-inf")))
-        dp = _dot(do, tl.trans(v), PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += _dot(ds.to(k.dtype), k, PRECISION)
+    for start_n in range(0, interior, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale,
+                       D, BLOCK_D, CAUSAL, PRECISION, False)
+    for start_n in range(interior, end, BLOCK_N):
+        dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale,
+                       D, BLOCK_D, CAUSAL, PRECISION, True)
     dq_ptrs = dq_ptr + b * sdq_b + h * sdq_h + rows[:, None] * sdq_t + cols[None, :]
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
 

@@ -10,7 +10,8 @@ kind. It reports achieved GB/s from the bytes the op must move at the least (rea
 outputs once), that as a share of this device's copy bandwidth (measured in
 the same run: `dst.copy_(src)` on 1 GiB), the speed-up over every baseline, peak memory, and whether the op
 meets its goal (GOALS). Attention and the fused linear+cross-entropy are compute-bound, so they report
-TFLOP/s instead of GB/s; attention is also compared with `F.scaled_dot_product_attention` on its flash backend.
+TFLOP/s instead of GB/s; attention is also compared with `F.scaled_dot_product_attention` on its flash and
+cuDNN backends (cuDNN's is what torch's own training step runs on Hopper).
 NF4 dequantisation (QLoRA's 4-bit weights to bf16, forward only, so its fwd+bwd is its forward) is compared
 with bitsandbytes' `dequantize_4bit` and Unsloth's `fast_dequantize` on the same bytes; a baseline that cannot
 run (not installed, no CUDA) is named in the row's `missing_baselines` with the reason, and its column is empty.
@@ -86,7 +87,8 @@ def shapes(size: str) -> dict[str, list[tuple]]:
         # 128k-vocab logits for 32k tokens would be 8 GB of bf16 alone: a quarter of the rows there.
         "cross_entropy": [(n // 4 if v > 100_000 else n, v) for n in tokens for v in vocab],
         "linear_cross_entropy": [(8192, 50304, 768)] + ([] if size == "quick" else [(16384, 128256, 4096)]),
-        "flash_attention": [(4, 12, 12, 2048, 64)] + ([] if size == "quick" else
+        # GPT-2 124M's training step (batch 16 x 1024), then longer sequences
+        "flash_attention": [(16, 12, 12, 1024, 64), (4, 12, 12, 2048, 64)] + ([] if size == "quick" else
                                                       [(2, 32, 8, 4096, 128), (1, 16, 16, 8192, 128)]),
         # Llama-2's MLP weights, (out, in): 7B's up and down projections, 70B's down; full adds 13B's and 70B's up
         "nf4_dequantize": [(11008, 4096), (4096, 11008), (8192, 28672)] + ([] if size == "quick" else
@@ -153,7 +155,8 @@ def cases(size: str, device: torch.device) -> list[Case]:
                                                                      randn(b_, kv, t, d)],
                         lambda x, b: flash_attention(x[0], x[1], x[2], causal=True, backend=b),
                         fwd_flops=flops, bwd_flops=int(2.5 * flops),
-                        extra={"sdpa flash": _sdpa_flash} if device.type == "cuda" else {}))
+                        extra={"sdpa flash": partial(_sdpa, "FLASH_ATTENTION"),
+                               "sdpa cudnn": partial(_sdpa, "CUDNN_ATTENTION")} if device.type == "cuda" else {}))
     nf4_extra, nf4_missing = nf4_baselines(device)
     for rows, cols in grid["nf4_dequantize"]:
         n = rows * cols
@@ -232,10 +235,12 @@ def liger_baselines() -> dict[str, dict[str, Callable]]:
             "linear_cross_entropy": {"liger": lambda x: liger_fused_linear_cross_entropy(x[0], x[1], x[2])}}
 
 
-def _sdpa_flash(x: list[torch.Tensor]) -> torch.Tensor:
+def _sdpa(backend: str, x: list[torch.Tensor]) -> torch.Tensor:
+    """SDPA on one backend: FLASH_ATTENTION (FlashAttention-2), or CUDNN_ATTENTION, which torch's own step
+    uses on Hopper."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+    with sdpa_kernel(getattr(SDPBackend, backend)):
         return F.scaled_dot_product_attention(x[0], x[1], x[2], is_causal=True, enable_gqa=x[0].size(1) != x[1].size(1))
 
 
