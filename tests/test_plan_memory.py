@@ -10,6 +10,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 from kiln.pipeline.tools.plan_memory import Shape, measure_cpu_peak, plan
+from kiln.pipeline.train.memory import HEADROOM
 
 
 def layer_saved_bytes(config: ModelConfig, tokens_rows: int, precision: str, kernels: str) -> int:
@@ -73,6 +74,38 @@ def test_the_plan_is_within_a_tenth_of_the_measured_peak(kw, batch, precision, c
     assert abs(estimate / measured - 1) < 0.10, (estimate, measured)
 
 
+# From a batch whose peak is AdamW's step (the weights, gradients, moments and the step's temporaries) to one whose
+# logits (32 x 64 tokens x 8,192) outweigh the blocks. "Never under" is held to 1 %: the count leaves out a few
+# tens of kilobytes of small tensors (the batch, the norms of clipping), which --plan-batch's headroom covers.
+SCALING = dict(vocab_size=8192, n_layer=2, n_head=4, d_model=128, max_seq_len=64)
+
+
+@pytest.mark.parametrize("batch", [2, 8, 32])
+@pytest.mark.parametrize("arch,n_kv_head,precision,compiled,high", [
+    ("gpt2", 4, "fp32", False, 1.10),
+    ("llama", 2, "bf16", False, 1.10),
+    ("gpt2", 4, "fp32", True, 1.10),
+    # inductor recomputes llama's norm, RoPE and SwiGLU outputs in the backward rather than saving them, which the
+    # count (eager's) does not know: measured 1.12-1.16x at batches 8 and 32
+    ("llama", 2, "bf16", True, 1.20),
+])
+def test_the_plan_holds_from_small_batches_to_logits_dominated_ones(arch, n_kv_head, precision, compiled, high,
+                                                                     batch):
+    shape = Shape(ModelConfig(arch=arch, n_kv_head=n_kv_head, **SCALING), precision, compiled=compiled)
+    estimate = plan(shape, batch, SCALING["max_seq_len"], None)["total_bytes"]
+    measured = measure_cpu_peak(shape, batch, SCALING["max_seq_len"])
+    assert 0.99 <= estimate / measured < high, (estimate, measured)
+
+
+def test_the_step_temporaries_are_counted_only_for_unfused_adamw():
+    """A small batch's peak is AdamW's step; unfused (off CUDA) it holds two fp32 copies of the largest
+    parameter beside every gradient and moment, fused none."""
+    config = ModelConfig(arch="gpt2", n_kv_head=4, **SCALING)
+    unfused, fused = plan(Shape(config), 1, 8, None), plan(Shape(config, fused_adamw=True), 1, 8, None)
+    assert unfused["step_temporary_bytes"] == 2 * 4 * 8192 * 128 and fused["step_temporary_bytes"] == 0
+    assert unfused["total_bytes"] - fused["total_bytes"] == 2 * 4 * 8192 * 128
+
+
 @pytest.mark.parametrize("kw,precision,checkpointing", [
     (dict(vocab_size=4096, n_layer=1, n_head=4, n_kv_head=2, d_model=64, max_seq_len=128), "fp32", False),
     (dict(vocab_size=2048, n_layer=1, n_head=4, n_kv_head=4, d_model=128, max_seq_len=128, arch="gpt2"), "fp32",
@@ -97,7 +130,8 @@ def test_checkpointing_plans_less_and_the_largest_batch_is_the_largest_that_fits
     result = plan(plain, 1, 1024, 80 * 10**9)
     fits = result["largest_batch_size"]
     assert fits > 1
-    assert plan(plain, fits, 1024, None)["total_bytes"] <= 80e9 < plan(plain, fits + 1, 1024, None)["total_bytes"]
+    room = 80e9 * (1 - HEADROOM)  # the allocator's and the libraries' share is left free
+    assert plan(plain, fits, 1024, None)["total_bytes"] <= room < plan(plain, fits + 1, 1024, None)["total_bytes"]
     assert plan(plain, 1, 1024, 10**8)["largest_batch_size"] == 0  # not even one sequence in 0.1 GB
 
 

@@ -152,13 +152,14 @@ def plan_runs(variants: list[tuple[str, bool, str]], modes: list[str], batch_siz
 
 def plan_batches(variants: list[tuple[str, bool, str]], config, seq_len: int, room: int,
                  device: torch.device) -> dict[tuple[str, str, bool], int]:
-    """The largest micro-batch `kiln plan memory` fits in `room` bytes for each variant's precision, head (kiln's
+    """The largest micro-batch `kiln plan memory` fits in `room` bytes (less its headroom) for each variant's
+    precision, head (kiln's
     fused one or torch's) and compile (a compiled torch head holds one logits tensor to eager's three, so its
     batch is larger)."""
     planned = {}
     for precision, compiled, kernels in variants:
         key = (precision, fused_head(kernels, device), compiled)
-        shape = Shape(config, precision, key[1], compiled=compiled)
+        shape = Shape(config, precision, key[1], compiled=compiled, fused_adamw=device.type == "cuda")
         planned[key] = plan(shape, 1, seq_len, room)["largest_batch_size"]
         if not planned[key]:
             raise UserError(f"--plan-batch: not one sequence of {seq_len} tokens fits {room / 1e9:.3g} GB with "
@@ -340,8 +341,8 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
             except Exception as e:  # a result too (a compile error, out of memory): the other rows still run
                 row["error"] = one_line(e)
             release(device)
-            estimate = plan(Shape(config, run.precision, fused_head(run.kernels, device),
-                                  run.checkpointing, run.compiled), run.batch_size, seq_len, None)["total_bytes"]
+            estimate = plan(Shape(config, run.precision, fused_head(run.kernels, device), run.checkpointing,
+                                  run.compiled, device.type == "cuda"), run.batch_size, seq_len, None)["total_bytes"]
             row["plan_memory_gb"] = round(estimate / 1e9, 3)
             if "error" not in row:
                 peak, _ = peak_flops(device, run.precision)

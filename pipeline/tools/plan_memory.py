@@ -39,13 +39,16 @@ def show(result: dict, config: ModelConfig) -> None:
     table.add_row("activations", f"{result['activation_bytes'] / gb:.3f}",
                   f"{result['activation_bytes_per_token_per_layer']:,} B/token/layer "
                   f"({result['activation_bytes_per_token_per_layer_checkpointed']:,} checkpointed) + head and loss")
+    if result["step_temporary_bytes"]:
+        table.add_row("AdamW step temporaries", f"{result['step_temporary_bytes'] / gb:.3f}",
+                      "unfused AdamW (off CUDA): two fp32 copies of the largest parameter")
     table.add_row("total (peak)", f"{result['total_bytes'] / gb:.3f}", "")
     table.add_row("KV cache (generation)", f"{result['kv_cache_bytes_full_context'] / gb:.4f}",
                   f"{result['kv_cache_bytes_per_token']:,} B/token, per sequence of max_seq_len")
     console.print(table)
     if result["device_bytes"] is not None:
-        console.print(f"largest micro-batch in {result['device_bytes'] / gb:.3g} GB: "
-                      f"{result['largest_batch_size']} sequences of {result['seq_len']} tokens", highlight=False)
+        console.print(f"largest micro-batch in {result['device_bytes'] / gb:.3g} GB, {result['headroom']:.0%} left "
+                      f"free: {result['largest_batch_size']} sequences of {result['seq_len']} tokens", highlight=False)
 
 
 def measure_cpu_peak(shape: Shape, batch_size: int, seq_len: int, steps: int = 2) -> int:
@@ -63,6 +66,9 @@ def measure_cpu_peak(shape: Shape, batch_size: int, seq_len: int, steps: int = 2
                          compile=shape.compiled)
     device = torch.device("cpu")
     torch.manual_seed(0)
+    # A fresh compile: after another batch size dynamo would compile this one for any size (automatic dynamic
+    # shapes), a graph that holds other buffers than a run of one size does.
+    torch._dynamo.reset()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model = GPT(shape.config).set_kernels(params.kernels).set_checkpointing(shape.checkpointing)
         step = Step(model, compile_forward(model, params), build_optimizer(model, params, device),
@@ -93,7 +99,7 @@ def plan_memory(model_config: ModelConfig, precision: str, kernels: str, checkpo
     if measure and kernels != "torch":
         raise UserError(f"--measure with --kernels {kernels}: the Triton kernels run on a CPU only in the interpreter, "
                         "whose allocations are not the GPU's; measure with --kernels torch")
-    shape = Shape(model_config, precision, kernels != "torch", checkpointing, compiled)
+    shape = Shape(model_config, precision, kernels != "torch", checkpointing, compiled, device.type == "cuda")
     result = plan(shape, batch_size, seq_len, memory_available(device) if device_gb is None else int(device_gb * 1e9))
     result["model"] = dataclasses.asdict(model_config)
     show(result, model_config)

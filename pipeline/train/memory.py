@@ -28,10 +28,18 @@ the softmax-minus-target gradient into one buffer of that size, so the head hold
 a CPU, torch 2.13, vocabularies 4,096 and 16,384: 4.0 bytes per token and entry in fp32, 2.25 in bf16, against
 the eager path's 12; on the H200, GPT-2 124M bf16 at 16 x 1,024: 9.09 GB peak, where the eager count planned
 17.8 and this one 9.6). Its blocks are counted as eager ones: inductor recomputes some pointwise outputs
-instead of saving them, so the count is high by 5-20 % (fp32 / bf16 on CPU shapes). With activation
+instead of saving them, so the count is high by 5-20 % (fp32 / bf16 on CPU shapes; llama's norms, RoPE and
+SwiGLU most). While its logits' gradient is alive, the compiled head's backward also allocates the head's fp32
+weight gradient and its input's gradient (measured on a CPU: without them a batch the logits dominate was
+planned 3-4 % under its peak). With activation
 checkpointing as well, a compiled step was measured above that count (37.8 MB against 24.9 planned, GPT-2 shape
 on a CPU) and below the eager one (41.7), so the eager count stands there.
 DyT and LayerNorm on llama are counted as RMSNorm, a few bytes per token off.
+
+The optimizer's step is the other candidate for the peak: every gradient exists then, and off CUDA (where
+build_optimizer's AdamW is not fused) each parameter's update allocates temporaries, two fp32 copies of the
+largest parameter at once; at small batches that is the peak (a third above weights, gradients and moments
+on the CPU shapes of tests/test_plan_memory.py).
 """
 
 from __future__ import annotations
@@ -44,6 +52,10 @@ from kiln.model.config import ModelConfig, memory_available
 from kiln.pipeline.errors import UserError
 
 ADAMW_BYTES = 8  # two fp32 moments
+# The largest micro-batch is planned into all but this share of the device's free bytes: the count holds tensors
+# only, not the allocator's fragmentation or cuBLAS's and inductor's workspaces. Planned to the last byte, the
+# H200's 150 GB took a compiled GPT-2 124M micro-batch of 302 (149.4 GB counted) and it ran out of memory.
+HEADROOM = 0.10
 
 
 @dataclass
@@ -55,6 +67,7 @@ class Shape:
     fused: bool = False  # kiln's Triton kernels
     checkpointing: bool = False
     compiled: bool = False  # torch.compile: the torch path's loss fused (one logits tensor, above)
+    fused_adamw: bool = False  # build_optimizer's choice on CUDA; elsewhere AdamW steps one tensor at a time
     LOGIT_GRADIENTS = 8  # bytes per token and vocabulary entry: log-softmax's output gradient, the logits'
 
     @property
@@ -92,7 +105,9 @@ class Shape:
             return grad_w + weight_copy + tokens * ((6 if self.half else 8) * d + 12), chunk + grad_w
         norm_and_head_inputs = (10 if self.half else 12) * d + 12
         if self.compiled and not self.checkpointing:  # the logits in the matmul's dtype, the gradient in place
-            return weight_copy + tokens * (norm_and_head_inputs + (2 if self.half else 4) * v), 0
+            # and, while it is alive, the head's fp32 weight gradient and its input's gradient
+            head_grads = 4 * c.padded_vocab_size * d + tokens * (2 if self.half else 4) * d
+            return weight_copy + tokens * (norm_and_head_inputs + (2 if self.half else 4) * v), head_grads
         return weight_copy + tokens * (norm_and_head_inputs + 4 * v), tokens * self.LOGIT_GRADIENTS * v
 
     def checkpointed_bytes_per_token(self) -> int:
@@ -117,30 +132,44 @@ def state_bytes(config: ModelConfig) -> dict[str, int]:
     return {"weights": 4 * n, "gradients": 4 * n, "optimizer": ADAMW_BYTES * n}
 
 
+def step_temporary_bytes(shape: Shape) -> int:
+    """What AdamW's step allocates beside every gradient and moment: nothing fused; one tensor at a time, the
+    denominator sqrt(v) / bias correction of the largest parameter, two fp32 temporaries at once (measured on a
+    CPU: a small batch's peak is the step's, 32 % above weights, gradients and moments alone)."""
+    if shape.fused_adamw:
+        return 0
+    c = shape.config
+    largest = max(c.padded_vocab_size, c.ffn_dim, c.n_head * c.head_dim, c.max_seq_len) * c.d_model
+    return 2 * 4 * largest
+
+
 def plan(shape: Shape, batch_size: int, seq_len: int, device_bytes: int | None) -> dict:
     """The plan's numbers: state, activations for `batch_size` x `seq_len`, KV cache, and the largest
-    micro-batch (in sequences) that fits `device_bytes`."""
+    micro-batch (in sequences) that fits `device_bytes` with HEADROOM of it left free."""
     c = shape.config
     state = state_bytes(c)
     tokens = batch_size * seq_len
     activations = shape.activation_bytes(tokens)
     # The gradients fill in during the backward as the activations are freed: the peak is at its start (no
-    # gradients yet: zero_grad sets them to None) or at its end (every gradient, no activations).
-    total = state["weights"] + state["optimizer"] + max(activations, state["gradients"])
+    # gradients yet: zero_grad sets them to None) or in the optimizer's step (every gradient, no activations).
+    temporaries = step_temporary_bytes(shape)
+    step = state["gradients"] + temporaries
+    total = state["weights"] + state["optimizer"] + max(activations, step)
     kv_bytes = 2 * c.n_layer * c.n_kv_head * c.head_dim * (2 if shape.half else 4)
     result = {"params": c.num_params(), "precision": shape.precision, "kernels": "triton" if shape.fused else "torch",
               "activation_checkpointing": shape.checkpointing, "compile": shape.compiled,
               "batch_size": batch_size, "seq_len": seq_len, **{f"{k}_bytes": v for k, v in state.items()},
-              "activation_bytes": activations, "total_bytes": total,
+              "activation_bytes": activations, "step_temporary_bytes": temporaries, "total_bytes": total,
               "activation_bytes_per_token_per_layer": shape.layer_bytes_per_token(),
               "activation_bytes_per_token_per_layer_checkpointed": shape.checkpointed_bytes_per_token(),
               "kv_cache_bytes_per_token": kv_bytes, "kv_cache_bytes_full_context": kv_bytes * c.max_seq_len,
-              "device_bytes": device_bytes, "largest_batch_size": None}
+              "device_bytes": device_bytes, "headroom": HEADROOM, "largest_batch_size": None}
     if device_bytes is not None:
         fixed = state["weights"] + state["optimizer"]
+        room = device_bytes * (1 - HEADROOM)
 
         def fits(sequences: int) -> bool:
-            return fixed + max(shape.activation_bytes(sequences * seq_len), state["gradients"]) <= device_bytes
+            return fixed + max(shape.activation_bytes(sequences * seq_len), step) <= room
 
         low, high = 0, 1  # fits(low); find a high that does not, then bisect
         while high < 1 << 24 and fits(high):
