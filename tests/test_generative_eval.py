@@ -24,6 +24,7 @@ from kiln.pipeline.evaluate.params import EvalParams
 from kiln.pipeline.evaluate.generative import GenTaskSpec, load_gen_task, plain_answer, run_gen_task
 from kiln.pipeline.tasks.tasks import TaskSpec
 from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.serve.sampler import exponentials
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.text.bpe import load_tokenizer
 
@@ -76,12 +77,12 @@ def test_pass_at_k_against_a_count_of_raw_samples(tmp_path, chat):
     got = run_gen_task(task, model, chat, True, rows=64, precision="fp32", seed=11)
 
     # Sample j of prompt i is answer 8i + j, drawn from the model's next-token distribution by the exponential
-    # race with its own generator, seeded eval seed + 8i + j.
+    # race with the sampler's noise for key eval seed + 8i + j at the prompt's end.
     raw = []
     for n, ids in enumerate(ids for ids in prompts for _ in range(8)):
         with torch.no_grad():
             probs = model(torch.tensor([ids]))[0, -1].float().softmax(-1)
-        race = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(11 + n))
+        race = exponentials(torch.tensor([11 + n]), torch.tensor([len(ids)]), len(probs))[0]
         raw.append([int((probs / race).argmax())])
     right = [sum(chat.parse_reply(raw[8 * i + j]) == answers[i] for j in range(8)) for i in range(5)]
     assert any(0 < c < 8 for c in right), right  # the estimator has something to average

@@ -147,6 +147,9 @@ def test_n_choices_share_one_prompt_and_each_is_its_own_seeded_draw(tiny, server
     # the prompt counted once (after its <|endoftext|>), each choice's tokens counted
     assert done.usage.prompt_tokens == 1 + len(tokenizer(tiny).encode(prompt).ids)
     assert 3 <= done.usage.completion_tokens <= 18
+    # one request and two forks: the prompt computed once (prefix caching alone would recompute its last block)
+    computed = httpx.get(f"{base}/health").json()["prefill_tokens"] - before["prefill_tokens"]
+    assert computed == done.usage.prompt_tokens
     alone = [client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, seed=11 + i)
              .choices[0].text for i in range(3)]
     assert [c.text for c in done.choices] == alone  # choice i is the request with seed + i

@@ -272,3 +272,78 @@ def test_groups_of_samples_prefill_every_prompt_in_the_first_step():
     engine.scheduler.update(plan, engine.runner.execute(plan))
     plan = engine.scheduler.schedule()
     assert {id(s.request) for s in plan} >= {id(requests[g * 4]) for g in range(1, 4)}
+
+
+def sampled(seed: int, max_tokens: int = 8) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed)
+
+
+def alone(model: GPT, prompt: list[int], sampling: SamplingParams) -> list[int]:
+    return Engine(model, num_blocks=64, block_size=4).run([Request(prompt, sampling)])[0].output
+
+
+@pytest.mark.parametrize("length", [30, 32], ids=["partial_last_block", "whole_blocks"])
+def test_n_samples_of_one_prompt_cost_one_prefill_and_draw_as_if_alone(length):
+    """`n` as one request: the prompt is computed once, the 7 forks share its full blocks (the partly filled last
+    one copied, else their decodes would write into each other's) and take their first tokens from its last
+    position. Each sample is what the same request draws alone, and greedy forks are generate's output."""
+    model = tiny()
+    prompt = [(7 * i) % VOCAB for i in range(1, length + 1)]
+    engine = Engine(model, num_blocks=64, block_size=4)
+    parent = Request(prompt, sampled(100))
+    parent.forks = [Request(prompt, sampled(100 + j)) for j in range(1, 8)]
+    group = [parent, *parent.forks]
+    engine.add(parent)
+    engine.step()  # the prompt in one chunk, then the forks
+    full, partial = divmod(length, 4)
+    for fork in group[1:]:
+        assert fork.table[:full] == parent.table[:full] and fork.computed == length and len(fork.output) == 1
+        if partial:  # its own block, holding what the request's holds for the prompt's last tokens
+            assert fork.table[full] != parent.table[full]
+            for cache in (engine.cache.k, engine.cache.v):
+                assert torch.equal(cache[:, fork.table[full], :partial], cache[:, parent.table[full], :partial])
+    while engine.has_work():
+        engine.step()
+    assert engine.scheduler.prefill_tokens == length
+    assert [r.output for r in group] == [alone(model, prompt, sampled(100 + j)) for j in range(8)]
+    assert len({tuple(r.output) for r in group}) > 1 and engine.pool.in_use() == 0
+    greedy = [Request(prompt, SamplingParams(max_tokens=6)) for _ in range(4)]
+    greedy[0].forks = greedy[1:]
+    Engine(model, num_blocks=64, block_size=4).run(greedy[:1])
+    assert [r.output for r in greedy] == [generate(model, [prompt], 6, temperature=0.0)[0]] * 4
+
+
+def test_a_fork_the_pool_cannot_hold_computes_its_prompt_itself():
+    """Four blocks of 4 for a 10-token prompt: the request holds three, its first fork takes the last for its copy
+    of the partly filled block, the second waits with its first token, as a preempted request does, and
+    computes what is not cached once the others are done. Every sample is still what it draws alone."""
+    model = tiny()
+    prompt = list(range(20, 30))
+    engine = Engine(model, num_blocks=4, block_size=4)
+    parent = Request(prompt, sampled(7, max_tokens=2))
+    parent.forks = [Request(prompt, sampled(8, max_tokens=2)), Request(prompt, sampled(9, max_tokens=2))]
+    group = [parent, *parent.forks]
+    engine.run([parent])
+    # the second fork finds the prompt's two full blocks cached and computes the rest and its first token
+    assert engine.scheduler.prefill_tokens == 10 + 3
+    assert [r.output for r in group] == [alone(model, prompt, sampled(s, max_tokens=2)) for s in (7, 8, 9)]
+    assert engine.pool.in_use() == 0
+
+
+def test_aborting_a_request_hands_its_forks_on_and_a_fork_can_go_alone():
+    model = tiny()
+    prompt = list(range(30, 45))
+    engine = Engine(model, num_blocks=64, block_size=4)
+    parent = Request(prompt, sampled(1))
+    parent.forks = [Request(prompt, sampled(2)), Request(prompt, sampled(3)), Request(prompt, sampled(4))]
+    first, second, third = parent.forks
+    engine.add(parent)
+    engine.abort(third)  # not started: it leaves the group
+    engine.abort(parent)  # before its prompt ran: the first fork takes its place, the second with it
+    assert third.finish_reason == parent.finish_reason == "abort" and first.forks == [second]
+    while engine.has_work():
+        engine.step()
+    assert engine.scheduler.prefill_tokens == len(prompt) and third.output == parent.output == []
+    assert [first.output, second.output] == [alone(model, prompt, sampled(s)) for s in (2, 3)]
+    with pytest.raises(ValueError, match="samples of the request's own prompt"):
+        engine.add(Request(prompt, sampled(5), forks=[Request(prompt[1:], sampled(6))]))

@@ -1,5 +1,6 @@
 """The engine's batched sampler: each row's distribution against a float64 reference of temperature, top-k and
-top-p, the exponential race's draws against that distribution (chi-square), greedy rows, seeded rows."""
+top-p, the exponential race's draws against that distribution (chi-square), greedy rows, seeded rows, and the
+counter-based noise: splitmix64 bit for bit, Exp(1) in distribution, independent across keys and positions."""
 
 import numpy as np
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from kiln.model.generate import batched_probs
 from kiln.pipeline.serve.request import SamplingParams
-from kiln.pipeline.serve.sampler import sample
+from kiln.pipeline.serve.sampler import exponentials, mix, sample
 
 
 def reference_probs(row: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -52,11 +53,14 @@ def test_top_k_keeps_the_ties_of_its_kth_token():
     assert (got > 0).tolist() == [True, False, True, True, False]
 
 
-def settings(params: list[SamplingParams], vocab: int) -> dict[str, torch.Tensor]:
-    """The rows' settings as the runner sends them to the device."""
+def settings(params: list[SamplingParams], vocab: int, keys: list[int] | None = None,
+             position: int = 0) -> dict[str, torch.Tensor]:
+    """The rows' settings as the runner sends them to the device; row i's key keys[i] (default i)."""
     return {"temperature": torch.tensor([p.temperature for p in params]),
             "top_k": torch.tensor([p.top_k or vocab for p in params]),
-            "top_p": torch.tensor([1.0 if p.top_p is None else p.top_p for p in params])}
+            "top_p": torch.tensor([1.0 if p.top_p is None else p.top_p for p in params]),
+            "sample_keys": torch.tensor(keys if keys is not None else range(len(params)), dtype=torch.int64),
+            "sample_positions": torch.full((len(params),), position, dtype=torch.int64)}
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(8, 0.95), (None, None)])
@@ -67,7 +71,7 @@ def test_draws_follow_the_distribution_and_greedy_rows_take_the_argmax(top_k, to
     want = reference_probs(row, 0.8, top_k, top_p)
     params = [SamplingParams(1, 0.8, top_k, top_p)] * n + [SamplingParams(1)]  # the last row greedy
     logits = row.expand(n + 1, vocab).clone()
-    tokens = sample(logits, params, settings(params, vocab), [None] * (n + 1))
+    tokens = sample(logits, params, settings(params, vocab))  # n keys: n independent draws
     assert tokens[-1].item() == row.argmax().item()
     counts = np.bincount(tokens[:-1].numpy(), minlength=vocab)
     support = want.numpy() > 0
@@ -79,21 +83,54 @@ def test_draws_follow_the_distribution_and_greedy_rows_take_the_argmax(top_k, to
     assert torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(statistic / 2)).item() > 1e-3, statistic
 
 
-def test_a_seeded_row_draws_the_same_whatever_shares_its_batch():
+def test_a_row_draws_the_same_whatever_shares_its_batch():
     torch.manual_seed(1)
     row = torch.randn(1, 30)
 
-    def draw(batch: int, others_seed: int) -> int:
-        torch.manual_seed(others_seed)  # the unseeded rows' randomness
+    def draw(batch: int, others_seed: int, position: int = 5) -> int:
+        torch.manual_seed(others_seed)
         logits = torch.cat([row, torch.randn(batch - 1, 30)])
-        params = [SamplingParams(1, 1.0, seed=7)] + [SamplingParams(1, 1.0)] * (batch - 1)
-        generators = [torch.Generator().manual_seed(7)] + [None] * (batch - 1)
-        return sample(logits, params, settings(params, 30), generators)[0].item()
+        params = [SamplingParams(1, 1.0)] * batch
+        keys = [7] + torch.randint(-2**62, 2**62, (batch - 1,)).tolist()
+        return sample(logits, params, settings(params, 30, keys, position))[0].item()
 
     assert len({draw(b, s) for b, s in [(1, 0), (4, 1), (9, 2)]}) == 1
-    assert len({draw(1, 0) for _ in range(3)}) == 1
+    assert len({draw(1, 0, position) for position in range(40)}) > 3  # a new position, a new draw
 
 
 def test_an_all_greedy_step_is_the_argmax():
     logits = torch.randn(5, 11)
-    assert sample(logits, [SamplingParams(1)] * 5, {}, [None] * 5).tolist() == logits.argmax(-1).tolist()
+    assert sample(logits, [SamplingParams(1)] * 5, {}).tolist() == logits.argmax(-1).tolist()
+
+
+def splitmix64_finalizer(x: int) -> int:
+    """Vigna's reference, in Python's unbounded integers masked to 64 bits."""
+    m = (1 << 64) - 1
+    x &= m
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
+    return x ^ (x >> 31)
+
+
+def test_the_mixer_is_splitmix64_bit_for_bit():
+    values = [0, 1, 2, 3, -1, 1 << 40, -(1 << 63), (1 << 63) - 1, 0x1234_5678_9ABC_DEF0, -0x0FED_CBA9_8765_4321]
+    got = mix(torch.tensor(values, dtype=torch.int64)).tolist()
+    assert [g & ((1 << 64) - 1) for g in got] == [splitmix64_finalizer(v) for v in values]
+
+
+def test_the_noise_is_exponential_and_independent_across_keys_positions_and_tokens():
+    vocab = 4096
+    noise = exponentials(torch.tensor([0, 1, 0, -5]), torch.tensor([0, 0, 1, 0]), vocab).double()
+    assert noise.min() > 0 and torch.isfinite(noise).all()
+    # Exp(1): mean 1 and variance 1, each row alone (4,096 draws: standard errors 0.016 and 0.04)
+    assert (noise.mean(1) - 1).abs().max() < 0.07 and (noise.var(1) - 1).abs().max() < 0.25
+    # Kolmogorov-Smirnov against Exp(1) over all 16,384 draws: 1.63 / sqrt(n) is the 1 % critical value
+    values = noise.flatten().sort().values
+    cdf = 1 - torch.exp(-values)
+    n = len(values)
+    ks = torch.maximum(torch.arange(1, n + 1) / n - cdf, cdf - torch.arange(n) / n).max()
+    assert ks < 1.63 / n ** 0.5, ks
+    # rows of other keys or positions are not shifted copies: their correlation is noise-sized (1 / sqrt(4096))
+    centred = noise - noise.mean(1, keepdim=True)
+    correlation = (centred @ centred.T) / (centred.norm(dim=1)[:, None] * centred.norm(dim=1)[None, :])
+    assert (correlation - torch.eye(4)).abs().max() < 0.07

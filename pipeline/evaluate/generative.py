@@ -123,13 +123,16 @@ def run_gen_task(task: GenTask, model, chat: ChatFormat, chat_model: bool, rows:
     ids = task.chat_ids if chat_model else task.plain_ids
     stops = [chat.im_end, chat.eot] if chat_model else task.line_ends
 
-    def answers(prompts: list[list[int]], temperature: float) -> list[str]:
+    def answers(prompts: list[list[int]], temperature: float, n: int = 1) -> list[str]:
+        """`n` answers to each prompt, the prompt computed once for them (a request and its forks)."""
         device = next(model.parameters()).device
         requests = [Request(p, SamplingParams(spec.max_new_tokens, temperature, seed=seed + i, stop_ids=tuple(stops)))
-                    for i, p in enumerate(prompts)]
+                    for i, p in enumerate(p for p in prompts for _ in range(n))]
+        for k in range(0, len(requests), n):
+            requests[k].forks = requests[k + 1:k + n]
         with autocast(device, precision):
-            out = [r.output for r in complete(model, requests, concurrent=rows)]
-        return [chat.parse_reply(c) if chat_model else plain_answer(chat, c) for c in out]
+            complete(model, requests[::n], concurrent=rows)
+        return [chat.parse_reply(r.output) if chat_model else plain_answer(chat, r.output) for r in requests]
 
     def rewards(completions: list[str], n: int, what: str) -> list[float]:
         triples = [(task.texts[i // n], c, task.answers[i // n]) for i, c in enumerate(completions)]
@@ -139,7 +142,7 @@ def run_gen_task(task: GenTask, model, chat: ChatFormat, chat_model: bool, rows:
     greedy = rewards(completions, 1, "greedy answers")
     per_item = {"pass@1": (np.array(greedy) >= 1).astype(np.float64), "mean_reward": np.array(greedy, np.float64)}
     if n := spec.samples:
-        sampled = np.array(rewards(answers([p for p in ids for _ in range(n)], spec.temperature), n, "samples")) >= 1
+        sampled = np.array(rewards(answers(ids, spec.temperature, n), n, "samples")) >= 1
         right = sampled.reshape(len(ids), n).sum(axis=1).tolist()
         per_item |= {f"sampled/pass@{k}": np.array([pass_at_k(n, c, k) for c in right]) for k in spec.ks()}
     return GenResult({k: float(v.mean()) for k, v in per_item.items()}, greedy, completions, per_item)

@@ -219,13 +219,17 @@ class Rollouts:
         """(prompt index, its group_size completions, their rewards) for each prompt of `chosen`."""
         p, G = self.params, self.params.group_size
         device = next(self.model.parameters()).device
-        # On the serving engine: a group's completions share its prompt's cached blocks, and a finished
-        # completion's place goes to the next at once. Completion j draws with seed + j, whatever else runs.
+        # On the serving engine: a group is one request and its G - 1 forks, so its prompt is computed once, and a
+        # finished completion's place goes to the next at once. Completion j draws with seed + j, whatever else
+        # runs.
         requests = [Request(self.prompts.ids[i], SamplingParams(p.max_new_tokens, p.temperature, None, p.top_p,
                                                                 seed + j, self.stops))
                     for j, i in enumerate(i for i in chosen for _ in range(G))]
+        for k in range(0, len(requests), G):
+            requests[k].forks = requests[k + 1:k + G]
         with autocast(device, self.precision):
-            completions = [r.output for r in complete(self.model, requests)]
+            complete(self.model, requests[::G])
+        completions = [r.output for r in requests]
         groups = []
         for j, i in enumerate(chosen):
             group = completions[j * G:(j + 1) * G]

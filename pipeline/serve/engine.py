@@ -9,7 +9,7 @@ update applies the tokens (outputs grown, finished requests let go, full blocks 
 
 SamplingParams is per request: its own temperature, top-k, top-p and seed, so what a request draws does not
 depend on which others share its steps; greedy (temperature 0) is the argmax, the same tokens `kiln generate`
-gives.
+gives. A request's forks (more samples of its prompt) are added with it and draw as they would alone.
 """
 
 from __future__ import annotations
@@ -57,7 +57,10 @@ class Engine:
                   max_batch_tokens: int = 2048) -> Engine:
         """An engine whose cache holds `concurrent` of `requests` (all, by default) at their longest, so the batch
         stays full and nothing is preempted while the rest wait their turn; every step launched eagerly."""
-        need = sorted((-(-(len(r.prompt) + r.sampling.max_tokens) // block_size) for r in requests), reverse=True)
+        # a fork shares its prompt's full blocks with the request it forks from
+        need = sorted((-(-(len(r.prompt) + r.sampling.max_tokens) // block_size) - (len(r.prompt) // block_size
+                                                                                  if r is not first else 0)
+                       for first in requests for r in (first, *first.forks)), reverse=True)
         # eager: a one-off batch (GRPO's rollouts, evaluate's tasks) meets each batch size once or twice as its
         # requests finish, too few replays to repay capturing a graph for it on a fresh engine
         return cls(model, max(1, sum(need[:concurrent])), block_size, max_batch_tokens, graph_batch=0)
@@ -78,7 +81,11 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
-        return self.scheduler.update(plan, self.runner.execute(plan))
+        events = self.scheduler.update(plan, self.runner.execute(plan))
+        if self.scheduler.copies:  # forks' own copies of their prompt's last block, before they next decode
+            self.cache.copy_blocks(self.scheduler.copies)
+            self.scheduler.copies.clear()
+        return events
 
     def run(self, requests: list[Request]) -> list[Request]:
         """Add `requests` and step until every one has finished (tests, `kiln generate`)."""
@@ -90,9 +97,9 @@ class Engine:
 
 
 def complete(model, requests: list[Request], concurrent: int | None = None) -> list[Request]:
-    """Run `requests` to the end on an engine made for them (`Engine.sized_for`). The model is in eval mode for
-    the call and back as it was after (what GRPO's rollouts, evaluate's generative tasks and `kiln generate` run
-    on)."""
+    """Run `requests` (and their forks) to the end on an engine made for them (`Engine.sized_for`). The model is in
+    eval mode for the call and back as it was after (what GRPO's rollouts, evaluate's generative tasks and `kiln
+    generate` run on)."""
     was_training = model.training
     try:
         return Engine.sized_for(model.eval(), requests, concurrent).run(requests)

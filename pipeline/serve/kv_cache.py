@@ -66,6 +66,13 @@ class PagedKVCache:
     def bytes_per_block(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks, every layer's keys and values, source to destination: the partly filled last
+        blocks that forked requests take over (`BlockPool.fork`)."""
+        source, copy = (torch.tensor(column, device=self.device) for column in zip(*pairs))
+        self.k[:, copy] = self.k[:, source]
+        self.v[:, copy] = self.v[:, source]
+
     def begin(self, segments: list[Segment], extra: dict[str, np.ndarray] | None = None,
               pad_to: int = 0) -> dict[str, torch.Tensor]:
         """Set the step's segments: the model's next forward runs their new tokens, in this order. Every index

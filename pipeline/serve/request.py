@@ -51,6 +51,10 @@ class Request:
     computed: int = 0  # tokens whose keys and values are in the cache
     draft_computed: int = 0  # the same in the draft model's cache (speculative decoding)
     order: int = 0  # arrival: preemption takes the newest
+    # Other samples of the same prompt (a request's `n`, a GRPO group). They are never queued: when this request's
+    # prompt has been computed they fork onto its blocks and draw their first tokens from its last prompt
+    # position's logits, so the prompt is computed once for all of them.
+    forks: list[Request] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:

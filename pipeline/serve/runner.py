@@ -3,8 +3,8 @@
 Everything the step needs on the device (the token ids, the cache's positions, slots and block tables, which
 rows sample and with what temperature, top-k and top-p) is packed on the host and crosses in one copy
 (`transfer.HostToDevice`); the model runs the flat batch over the paged cache; `sampler.sample` draws every
-sampling row's token on the device; the tokens come back in one read. A step with no row to sample reads
-nothing back.
+sampling row's token on the device (its noise keyed on the request and position, one set of ops for the
+batch); the tokens come back in one read. A step with no row to sample reads nothing back.
 
 Speculative decoding (a draft model) keeps its per-request acceptance (serve/speculative.py): each verified
 draft reads its row back, so its steps cost more than one transfer; what it saves is target forwards.
@@ -44,7 +44,12 @@ class ModelRunner:
         # `kiln bench serve` turns this on to split a step's time into the model's and the host's: the model's
         # time is read around its forward and sampling (with a device sync on CUDA, which timing costs)
         self.timing, self.model_seconds, self.reads = False, 0.0, 0
-        # a seeded request's own generator, created at its first draw, gone with the request
+        # a request's key for the sampler's counter-based draws (its seed, or a random one for an unseeded request),
+        # and a seeded request's own generator for the speculative path's draws; each gone with its request
+        self.keys: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
+        # unseeded requests' keys, from torch's seed so that torch.manual_seed makes a run repeat (drawn on the
+        # host: a torch draw would be a tensor read every time a request starts)
+        self.unseeded = np.random.default_rng(torch.initial_seed())
         self.generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
 
     @property
@@ -59,16 +64,20 @@ class ModelRunner:
         ids = np.fromiter(itertools.chain.from_iterable(
             seq.request.token_slice(seq.request.computed, seq.request.computed + seq.count) for seq in plan), np.int64)
         rows = [i for i, seq in enumerate(plan) if seq.samples]
-        sampled = [plan[i].request for i in rows]
+        # a request whose prompt ends here draws its forks' first tokens from the same row, each its own way
+        fork_rows = [(i, fork) for i in rows for fork in plan[i].request.forks]
+        sampled = [plan[i].request for i in rows] + [fork for _, fork in fork_rows]
         params = [r.sampling for r in sampled]
         any_sampled = any(p.temperature > 0 for p in params)
         extra = {"ids": ids}
-        if len(rows) < len(plan):
-            extra["sample_rows"] = np.array(rows, dtype=np.int64)
+        if len(rows) < len(plan) or fork_rows:
+            extra["sample_rows"] = np.array(rows + [i for i, _ in fork_rows], dtype=np.int64)
         if any_sampled:  # an all-greedy step needs no sampling settings on the device
             extra |= {"temperature": np.array([p.temperature for p in params], dtype=np.float32),
                       "top_k": np.array([p.top_k or self.vocab_size for p in params], dtype=np.int64),
-                      "top_p": np.array([1.0 if p.top_p is None else p.top_p for p in params], dtype=np.float32)}
+                      "top_p": np.array([1.0 if p.top_p is None else p.top_p for p in params], dtype=np.float32),
+                      "sample_keys": np.array([self._key(r) for r in sampled], dtype=np.int64),
+                      "sample_positions": np.array([r.length for r in sampled], dtype=np.int64)}
         bucket = self.graphs.bucket(len(plan)) if self.graphs and len(ids) == len(plan) else None
         if bucket:
             extra["ids"] = np.pad(ids, (0, bucket - len(ids)))
@@ -79,22 +88,32 @@ class ModelRunner:
         else:
             logits = self.model(on_device["ids"][None], cache=self.cache)[0]
         tokens: list[list[int]] = [[] for _ in plan]
+        forked: list[list[int]] = [[] for _ in plan]
         if rows:
-            generators = [self._generator(r) if r.sampling.temperature > 0 else None for r in sampled]
             new = sample(logits[on_device["sample_rows"]] if "sample_rows" in on_device else logits, params,
-                         on_device, generators)
+                         on_device)
         if self.timing:
             self.model_seconds += self._clock() - started
         if rows:
             self.reads += 1
-            for i, token in zip(rows, new.tolist()):  # the step's one read back
+            new = new.tolist()  # the step's one read back
+            for i, token in zip(rows, new):
                 tokens[i] = [token]
-        return StepResult(tokens, [0] * len(plan))
+            for (i, _), token in zip(fork_rows, new[len(rows):]):
+                forked[i].append(token)
+        return StepResult(tokens, [0] * len(plan), forked if fork_rows else None)
 
     def _clock(self) -> float:
         if self.timing and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def _key(self, request: Request) -> int:
+        if request not in self.keys:
+            seed = request.sampling.seed
+            seed = int(self.unseeded.integers(-2**63, 2**63 - 1, dtype=np.int64)) if seed is None else seed
+            self.keys[request] = (seed + 2**63) % 2**64 - 2**63  # its bits as an int64
+        return self.keys[request]
 
     def _generator(self, request: Request) -> torch.Generator | None:
         if request.sampling.seed is None:
@@ -149,18 +168,26 @@ class ModelRunner:
         rows = logits.split([s.logits for s in segments])
         best = logits.argmax(-1).tolist()  # every row's greedy token in one transfer, not one sync per request
         ends = itertools.accumulate(s.logits for s in segments)
-        tokens, counts = [], []
+        tokens, counts, forked = [], [], []
+
+        def first(request: Request, row: torch.Tensor, end: int) -> int:
+            """A token from the sequence's first logits row (its last fed token's), as `request` samples."""
+            if request.sampling.temperature == 0:
+                return best[end - len(row)]
+            return self._sample_one(request, row[0])[0]
+
         for seq, row, end in zip(plan, rows, ends):
             r, s = seq.request, seq.request.sampling
             drafted, draft_probs = drafts.get(id(r), ([], []))
             counts.append(len(drafted))
+            forked.append([first(fork, row, end) for fork in r.forks] if seq.samples else [])
             if not seq.samples:
                 tokens.append([])
             elif not drafted:
-                tokens.append([best[end - 1] if s.temperature == 0 else self._sample_one(r, row[0])[0]])
+                tokens.append([first(r, row, end)])
             elif s.temperature == 0:
                 tokens.append(accept_greedy(row, drafted))
             else:
                 target = sampling_probs(row, s.temperature, s.top_k, s.top_p)
                 tokens.append(accept(target, torch.stack(draft_probs), drafted, self._generator(r)))
-        return StepResult(tokens, counts)
+        return StepResult(tokens, counts, forked)

@@ -19,6 +19,10 @@ give a decoding request its next block, the newest running request is preempted:
 rejoins the front of the queue with its tokens so far, to be recomputed (its shared prefix most likely still
 cached). A request is never refused for memory it could have once others finish; one that could never fit
 (more blocks than the pool) is refused when it is added.
+
+Forks (`Request.forks`: `n` samples of a prompt, a GRPO group) are never queued: the step that computes their
+request's last prompt token also samples their first tokens from its row, and they start running on its
+blocks, the full ones shared and the partly filled last one copied, so a group costs one prefill.
 """
 
 from __future__ import annotations
@@ -49,10 +53,12 @@ class ScheduledSequence:
 @dataclass
 class StepResult:
     """What the runner gives back for a step's plan, in its order: each sequence's new tokens (none for a prefill
-    chunk short of the end) and how many draft tokens it verified."""
+    chunk short of the end), how many draft tokens it verified, and the first tokens of its forks (a request
+    whose prompt ended this step: `Request.forks`, in their order; None when no sequence forks)."""
 
     tokens: list[list[int]]
     drafted: list[int]
+    forked: list[list[int]] | None = None
 
 
 class Scheduler:
@@ -69,9 +75,24 @@ class Scheduler:
         self.preemptions = 0
         self.aborted = 0
         self.drafted = self.accepted = 0  # draft tokens verified and kept: the acceptance rate
+        self.parents: dict[Request, Request] = {}  # a fork not yet started -> the request it forks from
+        self.copies: list[tuple[int, int]] = []  # (block, copy) for the cache, from this step's forks
 
     def add(self, request: Request) -> Request:
-        """Queue a request (checked: it must fit the model's context and, alone, the pool)."""
+        """Queue a request and its forks (checked: each must fit the model's context and, alone, the pool; the
+        forks must have its prompt)."""
+        for r in (request, *request.forks):
+            self._check(r)
+            if r.forks and r is not request or r.prompt != request.prompt:
+                raise ValueError("forks: expected samples of the request's own prompt, with no forks of their own")
+        for r in (request, *request.forks):
+            r.order = next(self.counter)
+            r.status = RequestStatus.WAITING
+        self.parents.update(dict.fromkeys(request.forks, request))
+        self.waiting.append(request)
+        return request
+
+    def _check(self, request: Request) -> None:
         s = request.sampling
         if not request.prompt:
             raise ValueError("prompt: expected at least one token")
@@ -80,13 +101,21 @@ class Scheduler:
                              f"context is {self.max_seq_len} tokens")
         if self.pool.blocks_for(len(request.prompt) + s.max_tokens) > self.pool.num_blocks:
             raise ValueError(f"prompt + max_tokens need more than the cache's {self.pool.num_blocks} blocks")
-        request.order = next(self.counter)
-        request.status = RequestStatus.WAITING
-        self.waiting.append(request)
-        return request
 
     def abort(self, request: Request) -> None:
-        """Stop a request now (a client that went away): its blocks go back at once."""
+        """Stop a request now (a client that went away): its blocks go back at once. A fork not started yet
+        leaves its request's forks; a request with forks waiting on its prompt hands them to the first of them,
+        which takes its place."""
+        if (parent := self.parents.pop(request, None)) is not None:
+            parent.forks.remove(request)
+        elif request.forks:
+            heir, heir.forks, request.forks = request.forks[0], request.forks[1:], []
+            del self.parents[heir]
+            self.parents.update(dict.fromkeys(heir.forks, heir))
+            if request in self.waiting:
+                self.waiting[self.waiting.index(request)] = heir
+            else:
+                self.waiting.appendleft(heir)
         if request in self.waiting:
             self.waiting.remove(request)
         if request in self.running:
@@ -136,7 +165,8 @@ class Scheduler:
     def update(self, plan: list[ScheduledSequence], result: StepResult) -> list[tuple[Request, int]]:
         """Apply a step's tokens; return (request, new token) for each token that came out (finished ones too)."""
         events = []
-        for seq, new, drafted in zip(plan, result.tokens, result.drafted, strict=True):
+        forked = result.forked or [[] for _ in plan]
+        for seq, new, drafted, first in zip(plan, result.tokens, result.drafted, forked, strict=True):
             request, before = seq.request, seq.request.computed
             if seq.count > 1 or request.computed < len(request.prompt):
                 self.prefill_tokens += seq.count
@@ -147,6 +177,8 @@ class Scheduler:
             self.drafted += drafted
             self.accepted += len(new) - 1
             last = request.length - 1  # the position fed this step; the drafts were fed after it
+            if request.forks:  # before the request can finish and let its blocks go
+                self._fork(request, first, events)
             self._finish(request, new, events)
             # Every new token but the last is a kept draft, whose keys and values the target computed; the last
             # is fed next step. The draft computed its cache up to the draft before the last it proposed.
@@ -161,6 +193,12 @@ class Scheduler:
 
     def _finish(self, request: Request, tokens: list[int], events: list) -> None:
         """Append `tokens` until a stop id or max_tokens; release the request when it is done."""
+        if self._append(request, tokens, events):
+            self.running.remove(request)
+            self.pool.release(request.table)
+
+    def _append(self, request: Request, tokens: list[int], events: list) -> bool:
+        """Append `tokens` until a stop id or max_tokens; whether that finished the request."""
         s = request.sampling
         for token in tokens:
             request.output.append(token)
@@ -170,10 +208,31 @@ class Scheduler:
             elif len(request.output) >= s.max_tokens:
                 request.status = RequestStatus.FINISHED_LENGTH
             if request.status.finished:
-                break
-        if request.status.finished:
-            self.running.remove(request)
-            self.pool.release(request.table)
+                return True
+        return False
+
+    def _fork(self, parent: Request, tokens: list[int], events: list) -> None:
+        """Start `parent`'s forks, its prompt now computed: each shares the prompt's full blocks, takes a copy of
+        the partly filled last one (queued in `copies` for the cache) and its first token from the parent's last
+        prompt position (`tokens`, drawn by the runner with the fork's own sampling). A fork the pool has no
+        block for waits at the front of the queue with that token, as a preempted request does, and computes
+        the prompt itself."""
+        forks, parent.forks = parent.forks, []
+        for fork, token in zip(forks, tokens, strict=True):
+            del self.parents[fork]
+            got = self.pool.fork(parent.table, len(parent.prompt))
+            if got is None:
+                if not self._append(fork, [token], events):
+                    self.waiting.appendleft(fork)
+                continue
+            fork.table, copy = got
+            if copy is not None:
+                self.copies.append(copy)
+            fork.computed, fork.draft_computed = len(fork.prompt), 0  # a draft model computes its own cache
+            fork.status = RequestStatus.RUNNING
+            self.running.append(fork)
+            self._finish(fork, [token], events)
+        self.running.sort(key=lambda r: r.order)
 
     def _preempt(self) -> Request:
         victim = max(self.running, key=lambda r: r.order)

@@ -76,10 +76,12 @@ class EngineThread:
     def start(self) -> None:
         self.thread.start()
 
-    def submit(self, request: Request, on_token) -> None:
-        """Queue `request`; `on_token(request, token)` is called on the engine thread for each new token, and
-        once more with token None when it has finished (or was refused: `request.status` says which)."""
-        self.inbox.put(("add", request, on_token))
+    def submit(self, request: Request, on_token, forks: list[tuple[Request, object]] = ()) -> None:
+        """Queue `request`, and `forks` (more samples of its prompt, each with its own listener) as its forks;
+        `on_token(request, token)` is called on the engine thread for each new token, and once more with token
+        None when it has finished (or was refused: `request.status` says which)."""
+        request.forks = [fork for fork, _ in forks]
+        self.inbox.put(("add", request, [(request, on_token), *forks]))
 
     def abort(self, request: Request) -> None:
         self.inbox.put(("abort", request, None))
@@ -93,15 +95,16 @@ class EngineThread:
                     commands.append(self.inbox.get_nowait())
                 except queue.Empty:
                     break
-            for kind, request, on_token in commands:
+            for kind, request, group in commands:
                 if kind == "add":
                     try:
                         self.engine.add(request)
                     except ValueError as e:
-                        request.status, request.error = RequestStatus.FINISHED_REFUSED, str(e)
-                        on_token(request, None)
+                        for member, on_token in group:
+                            member.status, member.error = RequestStatus.FINISHED_REFUSED, str(e)
+                            on_token(member, None)
                         continue
-                    listeners[id(request)] = on_token
+                    listeners.update((id(member), on_token) for member, on_token in group)
                 elif id(request) in listeners:
                     self.engine.abort(request)
                     listeners.pop(id(request))(request, None)
@@ -244,14 +247,15 @@ class Service:
         return self.chat.prompt(turns)
 
     def start_jobs(self, ids: list[int], samplings: list[SamplingParams], stops: list[str], decode) -> list[Job]:
-        """One job per choice, all on the same prompt: the engine computes its full blocks once and shares them."""
+        """One job per choice, all on the same prompt: the first choice's request, the others its forks, so the
+        engine computes the prompt once."""
         loop = asyncio.get_running_loop()
         jobs = [Job(Request(ids, sampling, id=uuid.uuid4().hex), stops, decode) for sampling in samplings]
-        for job in jobs:
-            def on_token(request, token, queue=job.queue):
-                loop.call_soon_threadsafe(queue.put_nowait, (request, token))
 
-            self.worker.submit(job.request, on_token)
+        def listener(job: Job):
+            return lambda request, token: loop.call_soon_threadsafe(job.queue.put_nowait, (request, token))
+
+        self.worker.submit(jobs[0].request, listener(jobs[0]), [(job.request, listener(job)) for job in jobs[1:]])
         return jobs
 
     async def tokens(self, job: Job):
@@ -414,7 +418,7 @@ def add_model_routes(app, service: Service) -> None:
         engine = service.engine  # counters read across threads: a snapshot, not a transaction
         return {"status": "ok", "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                 "kv_blocks_in_use": engine.pool.in_use(), "kv_blocks": engine.pool.num_blocks,
-                "aborted": engine.scheduler.aborted}
+                "aborted": engine.scheduler.aborted, "prefill_tokens": engine.scheduler.prefill_tokens}
 
     @app.get("/v1/models", dependencies=[key_check(service)])
     async def models():

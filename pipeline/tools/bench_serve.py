@@ -184,7 +184,7 @@ def run_rollouts(model: GPT, prompts: list[list[int]], group: int, new_tokens: i
                  seed: int) -> list[dict]:
     """GRPO-shaped work: `group` completions of each prompt at temperature 1, ending at a stop id or new_tokens,
     by the batched generator (every row in one left-padded batch, each prefilling its prompt) and by the engine
-    (`serve.engine.complete`, a prompt's blocks computed once). Completion tokens/s each."""
+    (a group as one request and its forks, as GRPO has it: a prompt computed once). Completion tokens/s each."""
     rows = [p for p in prompts for _ in range(group)]
     out = []
     forwards = []  # the generator's model calls: its steps, to set beside the engine's
@@ -201,10 +201,12 @@ def run_rollouts(model: GPT, prompts: list[list[int]], group: int, new_tokens: i
                 "output_tokens": tokens, "output_tokens_per_s": round(tokens / seconds, 1),
                 "seconds": round(seconds, 3), "steps": len(forwards)})
     requests = [Request(p, SamplingParams(new_tokens, 1.0, seed=seed + j, stop_ids=stops)) for j, p in enumerate(rows)]
-    engine = Engine.sized_for(model, requests)
+    for k in range(0, len(requests), group):  # a group is one request and its forks, as GRPO samples
+        requests[k].forks = requests[k + 1:k + group]
+    engine = Engine.sized_for(model, requests[::group])
     engine.runner.timing = True
     start, steps = time.perf_counter(), 0
-    for request in requests:
+    for request in requests[::group]:
         engine.add(request)
     while engine.has_work():
         engine.step()
