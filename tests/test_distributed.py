@@ -175,14 +175,18 @@ def test_lora_dpo_under_fsdp_matches_one_process_and_resumes_on_one(tiny, tmp_pa
 
 def test_grpo_under_fsdp_samples_and_trains_as_one_process(tiny, tmp_path, monkeypatch):
     """Every rank samples the whole rollout batch (the same seed and weights: the same completions) and trains
-    on its half of the rows: rewards equal, losses to 1e-5, the KL reference a whole copy on each rank."""
+    on its half of the rows: rewards equal, losses to 1e-5, the KL reference a whole copy on each rank. The
+    reward is the completion's length, so every group has a spread from the first step: a step whose groups
+    all tie trains on the KL term alone, whose gradient is rounding noise (the sharded forward against the
+    whole reference's) that AdamW scales up to a full step, and the runs part ways on noise."""
     from test_grpo import REWARDS, grpo_args
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "rewards.py").write_text(REWARDS)
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Say x, {i} times.", "answer": "x"} for i in range(40)])
     save_base(tiny.tokenizer, tmp_path / "start")
-    setting = {"max_steps": 4, "eval_every": 2, "checkpoint_every": 2, "log_every": 1, "beta": 0.04}
+    setting = {"max_steps": 4, "eval_every": 2, "checkpoint_every": 2, "log_every": 1, "beta": 0.04,
+               "reward": "rewards.py:length"}
 
     def curves(run):
         files = metric_files(tmp_path / run / "metrics/grpo")

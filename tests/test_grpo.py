@@ -29,6 +29,9 @@ REWARDS = '''
 def share(prompt, completion, answer):
     return sum(ch == answer for ch in completion) / max(1, len(completion))
 
+def length(prompt, completion, answer):
+    return len(completion) / 16
+
 def broken(prompt, completion, answer):
     raise KeyError("no such field")
 

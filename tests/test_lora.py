@@ -383,13 +383,13 @@ def test_grpo_trains_a_qlora_adapter_against_the_base_as_reference(tiny, tmp_pat
     (tmp_path / "rewards.py").write_text(REWARDS)
     write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": f"Say x, {i} times.", "answer": "x"} for i in range(40)])
     save_base(tiny.tokenizer, tmp_path / "start")
-    args = grpo_args(tiny, tmp_path, max_steps=3, eval_every=3, checkpoint_every=3, log_every=1, beta=0.04,
+    args = grpo_args(tiny, tmp_path, max_steps=4, eval_every=4, checkpoint_every=4, log_every=1, beta=0.04,
                      adapter="qlora", lora_rank=4)
     done = kiln(tmp_path, *args)
     assert done.returncode == 0, done.output
     kl = [float(line.split("\t")[1]) for line in (tmp_path / "grpo/metrics/grpo/plots/metrics/kl.tsv").read_text()
           .splitlines()[1:]]
-    assert len(kl) == 3 and kl[0] == 0 and kl[-1] > 0
+    assert len(kl) == 4 and kl[0] == 0 and kl[-1] > 0
     assert (tmp_path / "grpo/model/adapter.safetensors").is_file()
     assert load_model(tmp_path / "grpo/model")[1]["adapter"]["adapter"] == "qlora"
 

@@ -347,3 +347,34 @@ def test_aborting_a_request_hands_its_forks_on_and_a_fork_can_go_alone():
     assert [first.output, second.output] == [alone(model, prompt, sampled(s)) for s in (2, 3)]
     with pytest.raises(ValueError, match="samples of the request's own prompt"):
         engine.add(Request(prompt, sampled(5), forks=[Request(prompt[1:], sampled(6))]))
+
+
+def test_an_engine_kept_across_weight_updates_samples_as_a_fresh_one():
+    """GRPO keeps one engine for the stage: after an optimizer step changes the weights in place, the engine
+    forgets its cached prefixes (their keys and values are the old weights') and then samples exactly what a
+    fresh engine built on the updated model samples; a reset with a request running is refused."""
+    model = tiny()
+    prompt = list(range(10, 40))
+
+    def group() -> list[Request]:
+        requests = [Request(prompt, sampled(50 + j)) for j in range(4)]
+        requests[0].forks = requests[1:]
+        return requests
+
+    engine = Engine(model, num_blocks=64, block_size=4)
+    engine.run(group()[:1])
+    with torch.no_grad():  # an optimizer step: the same tensors, new values
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    engine.reset_prefix_cache()
+    before = engine.scheduler.prefill_tokens
+    kept = group()
+    engine.run(kept[:1])
+    assert engine.scheduler.prefill_tokens - before == len(prompt)  # nothing stale was shared
+    fresh = group()
+    Engine(model, num_blocks=64, block_size=4).run(fresh[:1])
+    assert [r.output for r in kept] == [r.output for r in fresh]
+    engine.add(Request(prompt, SamplingParams(max_tokens=4)))
+    engine.step()
+    with pytest.raises(RuntimeError, match="in use"):
+        engine.reset_prefix_cache()

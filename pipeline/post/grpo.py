@@ -44,8 +44,8 @@ from kiln.pipeline.post.grpo_loss import group_advantages, policy_loss
 from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.post.stage import Stage, run_stage
 from kiln.pipeline.progress import console
-from kiln.pipeline.runtime import SINGLE, World, autocast
-from kiln.pipeline.serve.engine import complete
+from kiln.pipeline.runtime import PRECISIONS, SINGLE, World, autocast
+from kiln.pipeline.serve.engine import Engine, complete
 from kiln.pipeline.serve.request import Request, SamplingParams
 from kiln.pipeline.tasks.chat_data import PromptAnswer
 from kiln.pipeline.tasks.chat_format import ChatFormat
@@ -139,6 +139,7 @@ class Rollouts:
         self.loss_stats: list[dict] = []
         self.current: dict = {}
         self.seconds, self.tokens = 0.0, 0
+        self.engine: Engine | None = None  # the stage's one serving engine, built at the first rollout
 
     def __iter__(self):
         return self
@@ -228,7 +229,7 @@ class Rollouts:
         for k in range(0, len(requests), G):
             requests[k].forks = requests[k + 1:k + G]
         with autocast(device, self.precision):
-            complete(self.model, requests[::G])
+            complete(self.model, requests[::G], engine=self._engine())
         completions = [r.output for r in requests]
         groups = []
         for j, i in enumerate(chosen):
@@ -237,6 +238,20 @@ class Rollouts:
             rewards = score(self.reward, rows, f"grpo step {step}: grpo.data prompt {i}, completions")
             groups.append((i, group, torch.tensor(rewards, dtype=torch.float64)))
         return groups
+
+    def _engine(self) -> Engine:
+        """The engine every rollout runs on, the policy's own weights: built once, its cache in the compute dtype
+        and holding a rollout batch's groups at the dataset's longest prompt at once; at each later rollout it
+        only forgets its cached prefixes, which the optimizer steps since made stale (TRL's
+        `reset_prefix_cache` after it moves the weights to vLLM)."""
+        if self.engine is None:
+            p, G = self.params, self.params.group_size
+            group = [Request(max(self.prompts.ids, key=len), SamplingParams(p.max_new_tokens)) for _ in range(G)]
+            group[0].forks = group[1:]
+            self.engine = Engine.sized_for(self.model, [group[0]] * self.per_rollout, dtype=PRECISIONS[self.precision])
+        else:
+            self.engine.reset_prefix_cache()
+        return self.engine
 
     @torch.no_grad()
     def _score(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

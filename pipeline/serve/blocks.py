@@ -121,6 +121,13 @@ class BlockPool:
                 self.keys[block] = key
                 self.cached[key] = block
 
+    def reset(self) -> None:
+        """Forget every cached prefix (the weights that computed them changed); only with no block in use."""
+        if self.in_use():
+            raise RuntimeError(f"{self.in_use()} blocks are in use: a reset would pull cached prefixes from under them")
+        self.keys = [None] * self.num_blocks
+        self.cached.clear()
+
     def release(self, table: list[int]) -> None:
         """Give a finished or preempted sequence's blocks back. The tail goes to the free list first, so it is
         reused before the prefix, which other requests are likelier to share."""

@@ -54,16 +54,17 @@ class Engine:
 
     @classmethod
     def sized_for(cls, model, requests: list[Request], concurrent: int | None = None, block_size: int = 16,
-                  max_batch_tokens: int = 2048) -> Engine:
+                  max_batch_tokens: int = 2048, dtype: torch.dtype | None = None) -> Engine:
         """An engine whose cache holds `concurrent` of `requests` (all, by default) at their longest, so the batch
-        stays full and nothing is preempted while the rest wait their turn; every step launched eagerly."""
+        stays full and nothing is preempted while the rest wait their turn; every step launched eagerly. `dtype`:
+        the cache's (default the parameters')."""
         # a fork shares its prompt's full blocks with the request it forks from
         need = sorted((-(-(len(r.prompt) + r.sampling.max_tokens) // block_size) - (len(r.prompt) // block_size
                                                                                   if r is not first else 0)
                        for first in requests for r in (first, *first.forks)), reverse=True)
         # eager: a one-off batch (GRPO's rollouts, evaluate's tasks) meets each batch size once or twice as its
         # requests finish, too few replays to repay capturing a graph for it on a fresh engine
-        return cls(model, max(1, sum(need[:concurrent])), block_size, max_batch_tokens, graph_batch=0)
+        return cls(model, max(1, sum(need[:concurrent])), block_size, max_batch_tokens, dtype=dtype, graph_batch=0)
 
     def add(self, request: Request) -> Request:
         """Queue a request (checked: it must fit the model's context and, alone, the pool)."""
@@ -75,6 +76,11 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def reset_prefix_cache(self) -> None:
+        """After the model's weights changed (an optimizer step): the cached prefixes' keys and values are the old
+        weights', so none may be shared again."""
+        self.pool.reset()
 
     def step(self) -> list[tuple[Request, int]]:
         """Run one step; return (request, new token) for each request that got a token (finished ones too)."""
@@ -96,12 +102,14 @@ class Engine:
         return requests
 
 
-def complete(model, requests: list[Request], concurrent: int | None = None) -> list[Request]:
-    """Run `requests` (and their forks) to the end on an engine made for them (`Engine.sized_for`). The model is in
-    eval mode for the call and back as it was after (what GRPO's rollouts, evaluate's generative tasks and `kiln
-    generate` run on)."""
+def complete(model, requests: list[Request], concurrent: int | None = None,
+             engine: Engine | None = None) -> list[Request]:
+    """Run `requests` (and their forks) to the end on `engine` (one of `model`'s), or on one made for them
+    (`Engine.sized_for`). The model is in eval mode for the call and back as it was after (what GRPO's rollouts,
+    evaluate's generative tasks and `kiln generate` run on)."""
     was_training = model.training
     try:
-        return Engine.sized_for(model.eval(), requests, concurrent).run(requests)
+        model.eval()
+        return (engine or Engine.sized_for(model, requests, concurrent)).run(requests)
     finally:
         model.train(was_training)
