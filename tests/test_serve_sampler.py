@@ -1,6 +1,8 @@
 """The engine's batched sampler: each row's distribution against a float64 reference of temperature, top-k and
 top-p, the exponential race's draws against that distribution (chi-square), greedy rows, seeded rows, and the
-counter-based noise: splitmix64 bit for bit, Exp(1) in distribution, independent across keys and positions."""
+counter-based noise: its hash bit for bit, Exp(1) in distribution, independent across keys and positions."""
+
+import math
 
 import numpy as np
 import pytest
@@ -110,6 +112,28 @@ def splitmix64_finalizer(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m
     return x ^ (x >> 31)
+
+
+def fmix32(x: int) -> int:
+    """murmur3's 32-bit finalizer, in Python's integers masked to 32 bits."""
+    m = (1 << 32) - 1
+    x &= m
+    x = ((x ^ (x >> 16)) * 0x85EBCA6B) & m
+    x = ((x ^ (x >> 13)) * 0xC2B2AE35) & m
+    return x ^ (x >> 16)
+
+
+def test_the_noise_is_its_hash_bit_for_bit():
+    """Each exponential is -log(u) for u the top 23 bits of fmix32(row + fmix32((v + 1) * golden32)), row the low
+    32 bits of splitmix64(key + position * golden64): recomputed in Python's unbounded integers, so a wrap or a
+    shift the tensors got wrong (int64 to int32, arithmetic shifts) shows."""
+    keys, positions, vocab = [0, 7, -3, (1 << 63) - 1, -(1 << 63)], [0, 5, 1 << 20, 3, 9], 37
+    got = exponentials(torch.tensor(keys), torch.tensor(positions), vocab)
+    for r, (key, position) in enumerate(zip(keys, positions)):
+        row = splitmix64_finalizer(key + position * 0x9E3779B97F4A7C15) & 0xFFFFFFFF
+        for v in range(vocab):
+            u = ((fmix32(row + fmix32((v + 1) * 0x9E3779B9)) >> 9) + 0.5) * 2.0 ** -23
+            assert got[r, v].item() == pytest.approx(-math.log(u), rel=1e-6), (r, v)
 
 
 def test_the_mixer_is_splitmix64_bit_for_bit():

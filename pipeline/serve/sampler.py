@@ -6,11 +6,12 @@ temperature, top_k and top_p per row). A sampled row draws by the exponential ra
 E_v ~ Exp(1) independent, argmax_v p_v / E_v is distributed as p (vLLM's sampler does the same), so no
 multinomial call and no host round trip per row.
 
-The exponentials are counter-based: E for (key, position, token) is a hash of the three (splitmix64's mixer)
-turned into a uniform, the way vLLM's newer model runner seeds its Gumbel noise per request. A row's draw so
-depends on its own key (its seed, or a random one given to an unseeded request once), the position it draws
-for and its logits, never on which requests share its step, and a whole batch's noise is one set of tensor
-ops rather than a generator call per seeded row.
+The exponentials are counter-based, the way vLLM's newer model runner seeds its Gumbel noise per request: a
+row's key is splitmix64's mix of (request key, position), and token v's exponential is -log(u) for u the top 23
+bits of murmur3's 32-bit finalizer of (row key + a scrambled constant for v). A row's draw so depends on its own
+key (its seed, or a random one given to an unseeded request once), the position it draws for and its logits,
+never on which requests share its step, and a batch's noise is a dozen in-place int32 passes instead of a
+generator call per seeded row (on this CPU 5.6 ms for 512 rows of 4,096, where per-row generators took 41).
 """
 
 from __future__ import annotations
@@ -26,14 +27,17 @@ def _int64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-# splitmix64 (Steele, Lea and Flood 2014; Vigna's constants): the golden-ratio increment and the two multipliers
+# splitmix64 (Steele, Lea and Flood 2014; Vigna's constants): the golden-ratio increment and the two multipliers;
+# murmur3's fmix32 multipliers (Appleby) and the 32-bit golden ratio
 GOLDEN, MIX1, MIX2 = _int64(0x9E3779B97F4A7C15), _int64(0xBF58476D1CE4E5B9), _int64(0x94D049BB133111EB)
+FMIX1, FMIX2, GOLDEN32 = (value - (1 << 32) for value in (0x85EBCA6B, 0xC2B2AE35, 0x9E3779B9))
 UNIFORM_BITS = 23  # bits + 0.5 is then exact in float32's 24-bit significand: u is never 0 or 1
 
 
 def _shift(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """x >> bits on the 64 bits as unsigned (torch shifts int64 arithmetically)."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
+    """x >> bits on x's bits as unsigned (torch shifts signed integers arithmetically)."""
+    width = 8 * x.element_size()
+    return (x >> bits) & ((1 << (width - bits)) - 1)
 
 
 def mix(x: torch.Tensor) -> torch.Tensor:
@@ -43,13 +47,23 @@ def mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift(x, 31)
 
 
+def fmix32_(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finalizer on an int32 tensor, in place (products wrap modulo 2^32)."""
+    x ^= _shift(x, 16)
+    x *= FMIX1
+    x ^= _shift(x, 13)
+    x *= FMIX2
+    x ^= _shift(x, 16)
+    return x
+
+
 def exponentials(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(R, vocab) float32 Exp(1) draws, row r's from (keys[r], positions[r]) alone: token v's is -log(u) for u the
-    top 23 bits of mix(mix(key + GOLDEN * position) + GOLDEN * (v + 1)), as a uniform in (0, 1)."""
-    row = mix(keys + positions * GOLDEN)
-    tokens = torch.arange(1, vocab + 1, device=keys.device, dtype=torch.int64) * GOLDEN
-    bits = _shift(mix(row[:, None] + tokens), 64 - UNIFORM_BITS)
-    return -torch.log((bits.float() + 0.5) * 2.0 ** -UNIFORM_BITS)
+    """(R, vocab) float32 Exp(1) draws, row r's from (keys[r], positions[r]) alone. The tokens' constants are
+    scrambled too, so rows of other keys are not shifted copies of one sequence."""
+    rows = mix(keys + positions * GOLDEN).to(torch.int32)  # the low 32 bits
+    tokens = fmix32_(torch.arange(1, vocab + 1, device=keys.device, dtype=torch.int32) * GOLDEN32)
+    bits = _shift(fmix32_(rows[:, None] + tokens), 32 - UNIFORM_BITS)
+    return bits.float().add_(0.5).mul_(2.0 ** -UNIFORM_BITS).log_().neg_()
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], on_device: dict[str, torch.Tensor]) -> torch.Tensor:
