@@ -55,6 +55,9 @@ class Request:
     # prompt has been computed they fork onto its blocks and draw their first tokens from its last prompt
     # position's logits, so the prompt is computed once for all of them.
     forks: list[Request] = field(default_factory=list)
+    # the runner's: the sampler's noise key (its seed, or a random one for an unseeded request), set at its first
+    # draw (an attribute: a dictionary keyed on requests cost a lookup per request every step)
+    noise_key: int | None = None
 
     @property
     def tokens(self) -> list[int]:

@@ -44,12 +44,10 @@ class ModelRunner:
         # `kiln bench serve` turns this on to split a step's time into the model's and the host's: the model's
         # time is read around its forward and sampling (with a device sync on CUDA, which timing costs)
         self.timing, self.model_seconds, self.reads = False, 0.0, 0
-        # a request's key for the sampler's counter-based draws (its seed, or a random one for an unseeded request),
-        # and a seeded request's own generator for the speculative path's draws; each gone with its request
-        self.keys: weakref.WeakKeyDictionary[Request, int] = weakref.WeakKeyDictionary()
-        # unseeded requests' keys, from torch's seed so that torch.manual_seed makes a run repeat (drawn on the
-        # host: a torch draw would be a tensor read every time a request starts)
+        # unseeded requests' noise keys, from torch's seed so that torch.manual_seed makes a run repeat (drawn on
+        # the host: a torch draw would be a tensor read every time a request starts)
         self.unseeded = np.random.default_rng(torch.initial_seed())
+        # a seeded request's own generator for the speculative path's draws, gone with the request
         self.generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
 
     @property
@@ -109,11 +107,11 @@ class ModelRunner:
         return time.perf_counter()
 
     def _key(self, request: Request) -> int:
-        if request not in self.keys:
+        if request.noise_key is None:
             seed = request.sampling.seed
             seed = int(self.unseeded.integers(-2**63, 2**63 - 1, dtype=np.int64)) if seed is None else seed
-            self.keys[request] = (seed + 2**63) % 2**64 - 2**63  # its bits as an int64
-        return self.keys[request]
+            request.noise_key = (seed + 2**63) % 2**64 - 2**63  # its bits as an int64
+        return request.noise_key
 
     def _generator(self, request: Request) -> torch.Generator | None:
         if request.sampling.seed is None:
