@@ -115,3 +115,15 @@ def test_random_workloads_keep_the_books_and_end_at_zero(seed):
     for table, _ in running:
         pool.release(table)
     assert pool.in_use() == 0
+
+
+def test_keys_extended_from_known_ones_are_the_keys_hashed_whole():
+    """A sequence's block keys are extended as it grows (`Request.block_keys`), never hashed again from the
+    start: the extended list equals the whole hash, and a commit of fewer tokens than the known keys cover
+    registers only the blocks those tokens fill."""
+    pool = BlockPool(8, 4)
+    tokens = list(range(100, 130))
+    known = pool.prefix_keys(tokens[:9])  # two full blocks
+    assert pool.prefix_keys(tokens, known) is known and known == pool.prefix_keys(tokens) and len(known) == 7
+    pool.commit(list(range(8)), tokens[:10], list(known))
+    assert sorted(pool.cached.values()) == [0, 1] and [pool.cached[k] for k in known[:2]] == [0, 1]

@@ -55,10 +55,12 @@ class BlockPool:
             del self.free[block]
         self.refs[block] += 1
 
-    def prefix_keys(self, tokens: Sequence[int]) -> list[int]:
-        """The key of each full block of `tokens`, in order."""
-        keys, parent, B = [], 0, self.block_size
-        for start in range(0, len(tokens) - B + 1, B):
+    def prefix_keys(self, tokens: Sequence[int], known: list[int] | None = None) -> list[int]:
+        """The key of each full block of `tokens`, in order. `known`, the keys of its first blocks found before
+        (a sequence only grows), is extended in place and returned, so that only the new blocks are hashed."""
+        keys, B = ([] if known is None else known), self.block_size
+        parent = keys[-1] if keys else 0
+        for start in range(len(keys) * B, len(tokens) - B + 1, B):
             parent = hash((parent, tuple(tokens[start:start + B])))
             keys.append(parent)
         return keys
@@ -112,11 +114,12 @@ class BlockPool:
             del table[keep:]
             self.release(tail)
 
-    def commit(self, table: list[int], tokens: Sequence[int]) -> None:
+    def commit(self, table: list[int], tokens: Sequence[int], known: list[int] | None = None) -> None:
         """Register the full blocks of `table` whose KV for `tokens` (the sequence so far) is now computed, so
-        later requests can share them. A block already registered, or whose prefix another block holds, is
-        left as it is."""
-        for block, key in zip(table, self.prefix_keys(tokens)):
+        later requests can share them; `known` as in `prefix_keys`. A block already registered, or whose prefix
+        another block holds, is left as it is."""
+        keys = self.prefix_keys(tokens, known)[:len(tokens) // self.block_size]
+        for block, key in zip(table, keys):
             if self.keys[block] is None and key not in self.cached:
                 self.keys[block] = key
                 self.cached[key] = block

@@ -286,7 +286,7 @@ class Scheduler:
         return needed is not None and needed in in_flight
 
     def _commit(self, request: Request, before: int) -> None:
-        """Offer the request's computed full blocks for sharing, when this step filled one: `commit` hashes the
-        whole sequence, a cost that grows with its length, so not on every step."""
+        """Offer the request's computed full blocks for sharing, when this step filled one; only the blocks not
+        hashed before are (`Request.block_keys`)."""
         if self.prefix_caching and request.computed // self.pool.block_size > before // self.pool.block_size:
-            self.pool.commit(request.table, request.tokens[:request.computed])
+            self.pool.commit(request.table, request.token_slice(0, request.computed), request.block_keys)
