@@ -32,7 +32,7 @@ from kiln.pipeline.evaluate.params import GenTaskSpec
 from kiln.pipeline.evaluate.pass_at_k import pass_at_k
 from kiln.pipeline.runtime import autocast
 from kiln.pipeline.serve.engine import complete
-from kiln.pipeline.serve.request import Request, SamplingParams
+from kiln.pipeline.serve.request import Request, SamplingParams, fork_groups
 from kiln.pipeline.tasks.chat_data import load_prompts
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.tasks.corpus_task import held_out_items
@@ -128,10 +128,8 @@ def run_gen_task(task: GenTask, model, chat: ChatFormat, chat_model: bool, rows:
         device = next(model.parameters()).device
         requests = [Request(p, SamplingParams(spec.max_new_tokens, temperature, seed=seed + i, stop_ids=tuple(stops)))
                     for i, p in enumerate(p for p in prompts for _ in range(n))]
-        for k in range(0, len(requests), n):
-            requests[k].forks = requests[k + 1:k + n]
         with autocast(device, precision):
-            complete(model, requests[::n], concurrent=rows)
+            complete(model, fork_groups(requests, n), concurrent=rows)
         return [chat.parse_reply(r.output) if chat_model else plain_answer(chat, r.output) for r in requests]
 
     def rewards(completions: list[str], n: int, what: str) -> list[float]:

@@ -46,7 +46,7 @@ from kiln.pipeline.post.stage import Stage, run_stage
 from kiln.pipeline.progress import console
 from kiln.pipeline.runtime import PRECISIONS, SINGLE, World, autocast
 from kiln.pipeline.serve.engine import Engine, complete
-from kiln.pipeline.serve.request import Request, SamplingParams
+from kiln.pipeline.serve.request import Request, SamplingParams, fork_groups
 from kiln.pipeline.tasks.chat_data import PromptAnswer
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.tasks.rewards import NamedReward, make_reward, score
@@ -226,10 +226,8 @@ class Rollouts:
         requests = [Request(self.prompts.ids[i], SamplingParams(p.max_new_tokens, p.temperature, None, p.top_p,
                                                                 seed + j, self.stops))
                     for j, i in enumerate(i for i in chosen for _ in range(G))]
-        for k in range(0, len(requests), G):
-            requests[k].forks = requests[k + 1:k + G]
         with autocast(device, self.precision):
-            complete(self.model, requests[::G], engine=self._engine())
+            complete(self.model, fork_groups(requests, G), engine=self._engine())
         completions = [r.output for r in requests]
         groups = []
         for j, i in enumerate(chosen):
@@ -246,9 +244,9 @@ class Rollouts:
         `reset_prefix_cache` after it moves the weights to vLLM)."""
         if self.engine is None:
             p, G = self.params, self.params.group_size
-            group = [Request(max(self.prompts.ids, key=len), SamplingParams(p.max_new_tokens)) for _ in range(G)]
-            group[0].forks = group[1:]
-            self.engine = Engine.sized_for(self.model, [group[0]] * self.per_rollout, dtype=PRECISIONS[self.precision])
+            longest = [Request(max(self.prompts.ids, key=len), SamplingParams(p.max_new_tokens)) for _ in range(G)]
+            self.engine = Engine.sized_for(self.model, fork_groups(longest, G) * self.per_rollout,
+                                           dtype=PRECISIONS[self.precision])
         else:
             self.engine.reset_prefix_cache()
         return self.engine

@@ -58,12 +58,15 @@ class Engine:
         """An engine whose cache holds `concurrent` of `requests` (all, by default) at their longest, so the batch
         stays full and nothing is preempted while the rest wait their turn; every step launched eagerly. `dtype`:
         the cache's (default the parameters')."""
-        # a fork shares its prompt's full blocks with the request it forks from
-        need = sorted((-(-(len(r.prompt) + r.sampling.max_tokens) // block_size) - (len(r.prompt) // block_size
-                                                                                  if r is not first else 0)
-                       for first in requests for r in (first, *first.forks)), reverse=True)
-        # eager: a one-off batch (GRPO's rollouts, evaluate's tasks) meets each batch size once or twice as its
-        # requests finish, too few replays to repay capturing a graph for it on a fresh engine
+        def blocks(r: Request) -> int:
+            return -(-(len(r.prompt) + r.sampling.max_tokens) // block_size)
+
+        need = []
+        for r in requests:  # a fork shares its prompt's full blocks with the request it forks from
+            need += [blocks(r), *(blocks(f) - len(f.prompt) // block_size for f in r.forks)]
+        need.sort(reverse=True)
+        # eager: evaluate's tasks meet each batch size once or twice as their requests finish, too few replays to
+        # repay capturing graphs on a fresh engine (GRPO's kept engine runs eagerly too: graphs for it are to do)
         return cls(model, max(1, sum(need[:concurrent])), block_size, max_batch_tokens, dtype=dtype, graph_batch=0)
 
     def add(self, request: Request) -> Request:

@@ -80,3 +80,11 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.value if self.status.finished else None
+
+
+def fork_groups(requests: list[Request], n: int) -> list[Request]:
+    """Make each run of `n` requests (samples of one prompt, in order) its first request with the others as its
+    forks; return those first requests, which are what an engine is given."""
+    for k in range(0, len(requests), n):
+        requests[k].forks = requests[k + 1:k + n]
+    return requests[::n]

@@ -49,7 +49,7 @@ from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
 from kiln.pipeline.serve.engine import Engine
 from kiln.pipeline.serve.graphs import GRAPH_BATCH
-from kiln.pipeline.serve.request import Request, SamplingParams
+from kiln.pipeline.serve.request import Request, SamplingParams, fork_groups
 from kiln.pipeline.tools.machine import machine
 
 ROLLOUT_PROMPTS, ROLLOUT_GROUP = 64, 8  # the GRPO-shaped row: prompts x completions of each
@@ -201,12 +201,11 @@ def run_rollouts(model: GPT, prompts: list[list[int]], group: int, new_tokens: i
                 "output_tokens": tokens, "output_tokens_per_s": round(tokens / seconds, 1),
                 "seconds": round(seconds, 3), "steps": len(forwards)})
     requests = [Request(p, SamplingParams(new_tokens, 1.0, seed=seed + j, stop_ids=stops)) for j, p in enumerate(rows)]
-    for k in range(0, len(requests), group):  # a group is one request and its forks, as GRPO samples
-        requests[k].forks = requests[k + 1:k + group]
-    engine = Engine.sized_for(model, requests[::group])
+    heads = fork_groups(requests, group)  # a group is one request and its forks, as GRPO samples
+    engine = Engine.sized_for(model, heads)
     engine.runner.timing = True
     start, steps = time.perf_counter(), 0
-    for request in requests[::group]:
+    for request in heads:
         engine.add(request)
     while engine.has_work():
         engine.step()
