@@ -19,7 +19,7 @@ request is read where it lies. Every index a step needs crosses to the device in
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,10 +31,10 @@ from kiln.model.config import ModelConfig
 from kiln.pipeline.serve.transfer import HostToDevice
 
 
-@dataclass(frozen=True)
-class Segment:
+class Segment(NamedTuple):
     """One sequence's share of a step: `count` new tokens at positions [start, start + count), in `table`, of
-    which the last `logits` get logits (more than one when a speculative draft is verified)."""
+    which the last `logits` get logits (more than one when a speculative draft is verified). A named tuple: a step
+    makes one per running sequence."""
 
     table: list[int]
     start: int

@@ -17,7 +17,11 @@ class SamplingParams:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop_ids: tuple[int, ...] = ()
+    stop_ids: frozenset[int] = frozenset()
+
+    def __post_init__(self):
+        # a set: every sampled token is looked up in it (GRPO's and the bench's hold hundreds)
+        object.__setattr__(self, "stop_ids", frozenset(self.stop_ids))
 
 
 class RequestStatus(enum.Enum):
@@ -32,10 +36,10 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in FINISHED
+        return self._value_ in FINISHED  # by value: a member's own hash is a Python call, asked per request per step
 
 
-FINISHED = frozenset(s for s in RequestStatus if s.name.startswith("FINISHED"))
+FINISHED = frozenset(s.value for s in RequestStatus if s.name.startswith("FINISHED"))
 
 
 @dataclass(eq=False)  # a request is itself: two with the same prompt and sampling are still two
