@@ -436,6 +436,7 @@ def test_a_folder_kiln_did_not_write_is_refused_unless_forced(exported, tiny, tm
     result = convert("from-hf", hf_dir, back)
     assert result.exit_code == 2 and "holds 'draft.md', which no model folder kiln writes holds" in result.output
     (tmp_path / "file").write_text("mine")
-    result = convert("from-hf", hf_dir, tmp_path / "file")
-    assert result.exit_code == 2 and "a file, not a model folder" in result.output
+    for force in ((), ("--force",)):  # a file is never an output folder, forced or not
+        result = convert("from-hf", hf_dir, tmp_path / "file", *force)
+        assert result.exit_code == 2 and "file: a file; expected a folder" in result.output, result.output
     assert (tmp_path / "file").read_text() == "mine"

@@ -50,6 +50,11 @@ def test_seeds_runs_each_seed_apart_and_reports_the_spread(tiny, tmp_path, monke
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 0 and "-> " not in again.output
     assert json.loads((out / "seeds.json").read_text()) == summary
+    # Another lr into the same --out exited 0 at once with the old runs' numbers, recorded beside the new lr.
+    other = CliRunner().invoke(app, [*args[:6], "--set", "lr=0.0001", "--out", str(out)])
+    assert other.exit_code == 2 and other.output.strip() == f"error: --out {out}: holds seed runs of another " \
+        "command (set ['lr=0.02'] there, ['lr=0.0001'] now); their metrics are not this one's: choose another --out"
+    assert json.loads((out / "seeds.json").read_text()) == summary
 
 
 @pytest.mark.parametrize("args, expected", [

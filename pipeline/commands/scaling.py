@@ -18,6 +18,7 @@ from kiln.pipeline.commands.shared import (
     print_metrics,
     reports_errors,
 )
+from kiln.pipeline.protected import check_output
 
 app = typer.Typer(help="Scaling laws: an IsoFLOP sweep, Chinchilla's approaches 2 and 3 fitted to it, the model size "
                                "they give.",
@@ -59,7 +60,7 @@ def scaling_size_command(
         fit: Annotated[Path, typer.Option(help="The fit `kiln scaling fit` wrote.")] = layout.FIT,
         tokenizer: TokenizerOpt = layout.TOKENIZER,
         out: Annotated[Path, typer.Option(help="Where to write the choice (JSON); by default, a hand run's goes to "
-                                               "runs/scaling_size-<time>/size.json.")] = layout.SIZE):
+                                               "runs/scaling_size-<digest>/size.json.")] = layout.SIZE):
     """With model.size=auto, pick the depth-dial model and token count for scaling.target_flops from the fit
     (stage `scaling_size`); with model.size=fixed, record just that.
 
@@ -95,6 +96,13 @@ def scaling_fit_command(
     from kiln.pipeline.scaling.fit import print_summary, scaling_fit
     from kiln.pipeline.scaling.params import ScalingParams
 
+    # the DAG's stage is this command as dvc.yaml's cmd gives it; any other is a hand run, kept out of the project
+    dag = (layout.SCALING / "runs.csv", layout.FIT, layout.METRICS / "scaling", layout.METRICS / "scaling.json",
+           None, None, 0, layout.PARAMS, [])
+    if (runs, out, plots, metrics, target_flops, bootstrap, seed, params, set_) != dag:
+        for option, path, folder in (("--out", out, False), ("--plots", plots, True), ("--metrics", metrics, False)):
+            if path is not None:
+                check_output(path, option, folder)
     scaling = load_section(ScalingParams, params, set_)
     target_flops = scaling.target_flops if target_flops is None else target_flops
     bootstrap = scaling.bootstrap if bootstrap is None else bootstrap

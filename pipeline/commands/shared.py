@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import fnmatch
 import functools
+import hashlib
 import inspect
+import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import Annotated
 
@@ -17,6 +19,7 @@ from kiln.pipeline import layout
 from kiln.pipeline.errors import KilnError, UserError
 from kiln.pipeline.outputs import replacing
 from kiln.pipeline.progress import console, print_columns
+from kiln.pipeline.protected import check_output
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to read.")]
 SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
@@ -25,11 +28,15 @@ TokenizerOpt = Annotated[Path, typer.Option(help="The tokenizer.json to use.")]
 OutOpt = Annotated[Path, typer.Option(help="Output folder (replaced whole, only when the stage succeeds). Given, or with "
                                            "--set, another --params or another input, the run is a hand run: "
                                            "everything it writes goes under this folder (default runs/<stage>-"
-                                           "<time>/): model/ (or the stage's output), metrics/, checkpoints/.")]
+                                           "<digest>/, the same folder for the same command): model/ (or the stage's "
+                                           "output), metrics/, checkpoints/; never inside the project's source, "
+                                           "tracked files or the DAG's paths.")]
 # read by `reports_errors`, which lets the command's output folders replace what is in the way
-ForceOpt = Annotated[bool, typer.Option("--force", help="Replace --out even if it holds files that kiln's output "
-                                                        "of this kind does not (by default such a folder is "
-                                                        "refused).")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Let --out hold files that kiln's output of this kind does "
+                                                        "not (by default such a folder is refused before any "
+                                                        "work): a hand run writes beside them, an output folder "
+                                                        "is replaced whole. Never inside the project's source, "
+                                                        "tracked files or the DAG's paths.")]
 ResumeOpt = Annotated[Path | None, typer.Option(help="A checkpoint (a step_NNNNNNNN folder, of any run) to go on from "
                                                      "with these params while this run has none of its own.")]
 
@@ -73,9 +80,14 @@ def hand_runs(stage: str, output: str, out: str = "out", one_file: bool = False)
 
     The command is the DAG's stage only as dvc.yaml runs it: params.yaml, no --set, every path at its default.
     Otherwise it is a hand run: what it writes (its `output`, metrics, curves, timings, checkpoints) goes under
-    one folder, `--out` or `runs/<stage>-<time>/`: `<run>/<output>`, `<run>/metrics/`, `<run>/checkpoints/<stage>`
-    (a --checkpoints option left at its default is moved there too). A stage that writes `one_file` and nothing
-    else takes a named --out as that file."""
+    one folder, `--out` or `runs/<stage>-<digest>/` (named for the command's arguments and the params file's
+    bytes, so the same command finds its run again and resumes it): `<run>/<output>`, `<run>/metrics/`,
+    `<run>/checkpoints/<stage>` (a --checkpoints option left at its default is moved there too). A stage that
+    writes `one_file` and nothing else takes a named --out as that file.
+
+    Before any work the folder is checked: never in the project's source, its tracked files or the DAG's paths
+    (pipeline/protected.py), and, when it exists, holding only what such a run writes there (--force lets it
+    hold other files, which the run leaves alone)."""
 
     def wrap(fn):
         defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
@@ -88,27 +100,45 @@ def hand_runs(stage: str, output: str, out: str = "out", one_file: bool = False)
             if not why:
                 return fn(**kwargs)
             named = not _same(kwargs[out], defaults[out])
-            root = (kwargs[out].parent if one_file else kwargs[out]) if named else new_run(stage)
-            if not (named and one_file):
+            if named and one_file:
+                check_output(kwargs[out], "--out", folder=False)
+                root = kwargs[out].parent
+            else:
+                root = kwargs[out] if named else run_folder(stage, why, kwargs.get("params"))
                 kwargs[out] = root / output
+            check_output(root, "--out" if named else "the hand run's folder")
+            holds = (output, f"{output}.*", "metrics", "metrics.*", "checkpoints")
+            _check_run_folder(root, holds, bool(kwargs.get("force")), stage)
+            main = os.environ.get("RANK", "0") == "0"
+            if main:
+                console.print(f"{stage}: a hand run ({'; '.join(why)}), writing under {root}/ (the same command "
+                              "goes on from its last checkpoint if stopped)", highlight=False, markup=False,
+                              soft_wrap=True)
             with layout.hand_run(root):
                 if "checkpoints" in kwargs and _same(kwargs["checkpoints"], defaults["checkpoints"]):
                     kwargs["checkpoints"] = layout.checkpoints(stage)
-                try:
-                    result = fn(**kwargs)
-                except KeyboardInterrupt:
-                    if not named:
-                        console.print(f"to go on from its last checkpoint: the same command with --out {root}",
-                                      highlight=False, soft_wrap=True)
-                    raise
-            if os.environ.get("RANK", "0") == "0":  # said last, after the stage's own lines, on one rank
-                console.print(f"{stage}: a hand run ({'; '.join(why)}): what it wrote is under {root}/, none of the "
-                              "DAG's outputs", highlight=False, soft_wrap=True)
+                result = fn(**kwargs)
+            if main:  # said last, after the stage's own lines: what is there now, read back
+                wrote = sorted(p.name + ("/" if p.is_dir() else "") for p in Path(root).iterdir()
+                               if any(fnmatch.fnmatch(p.name, h) for h in holds[::2]))
+                console.print(f"{stage}: the hand run wrote {', '.join(wrote) or 'nothing'} under {root}/",
+                              highlight=False, markup=False, soft_wrap=True)
             return result
 
         return wrapper
 
     return wrap
+
+
+def _check_run_folder(root: Path, holds: tuple[str, ...], force: bool, stage: str) -> None:
+    """A hand run's existing folder holds only what a run of `stage` writes there, unless --force."""
+    if force or not root.is_dir():
+        return
+    foreign = sorted(p.name for p in root.iterdir() if not any(fnmatch.fnmatch(p.name, h) for h in holds))
+    if foreign:
+        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
+        raise UserError(f"--out {root}: holds {foreign[0]!r}{more}, which a {stage} run does not write; choose "
+                        "another --out, or pass --force to write beside them (they are left alone)")
 
 
 def _same(value, default) -> bool:
@@ -117,14 +147,13 @@ def _same(value, default) -> bool:
     return value == default
 
 
-def new_run(stage: str) -> Path:
-    """runs/<stage>-<local time>, with -2, -3... for a second run in the same second."""
-    base = layout.RUNS / f"{stage}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path, n = base, 1
-    while path.exists():
-        n += 1
-        path = base.with_name(f"{base.name}-{n}")
-    return path
+def run_folder(name: str, words: list[str], params: Path | None = None) -> Path:
+    """runs/<name>-<12 hex digits>: a digest of the command's arguments (`words`) and the params file's bytes,
+    so that the same command on the same params comes back to the same folder (and resumes what it left)."""
+    digest = hashlib.sha256(json.dumps([name, words]).encode())
+    if params is not None and Path(params).is_file():
+        digest.update(Path(params).read_bytes())
+    return layout.RUNS / f"{name}-{digest.hexdigest()[:12]}"
 
 
 def reports_errors(fn):

@@ -11,6 +11,7 @@ import typer
 from kiln.pipeline import layout
 from kiln.pipeline.commands.shared import ForceOpt, ParamsOpt, SetOpt, TokenizerOpt, reports_errors
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.protected import check_output
 
 convert_app = typer.Typer(help="Hugging Face interop: GPT-2 and Llama checkpoints in, transformers folders out.",
                           no_args_is_help=True)
@@ -35,6 +36,8 @@ def debug_overfit(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.tools.overfit import overfit
     from kiln.pipeline.train.params import ModelParams, TrainParams
 
+    if out is not None:
+        check_output(out, "--out", folder=False)
     train, model = load_sections((TrainParams, ModelParams), params, set_)
     if not overfit(model, train, shards, tokenizer, steps, target, lr, out).learned:
         raise typer.Exit(1)
@@ -64,6 +67,8 @@ def plan_memory(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.tools.plan_memory import plan_memory as run
     from kiln.pipeline.train.params import ModelParams, TrainParams
 
+    if out is not None:
+        check_output(out, "--out", folder=False)
     train, model, tokenizer = load_sections((TrainParams, ModelParams, TokenizerParams), params, set_)
     vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
     if vocab_size < 1:
@@ -84,6 +89,7 @@ def convert_from_hf(
     refusing any setting kiln's model would not compute exactly."""
     from kiln.pipeline.tools.convert import from_hf
 
+    check_output(out, "OUT")
     from_hf(src, out)
 
 
@@ -101,6 +107,7 @@ def convert_to_hf(
     """Convert a kiln model into a folder that transformers' AutoModelForCausalLM and AutoTokenizer load."""
     from kiln.pipeline.tools.convert import to_hf
 
+    check_output(out, "OUT")
     if tokenizer is None:
         tokenizer = model / "tokenizer.json" if (model / "tokenizer.json").is_file() else layout.TOKENIZER
     to_hf(model, out, tokenizer, adapter)

@@ -19,10 +19,10 @@ from kiln.pipeline.commands.shared import (
     SetOpt,
     TokenizerOpt,
     hand_runs,
-    new_run,
     params_help,
     print_metrics,
     reports_errors,
+    run_folder,
 )
 
 app = typer.Typer()
@@ -139,14 +139,16 @@ def seeds_command(stage: Annotated[str, typer.Argument(help="pretrain | sft | dp
                   seeds: Annotated[str, typer.Option(help="The seeds, comma-separated (at least two).")] = "1,2,3",
                   params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                   out: Annotated[Path | None, typer.Option(help="The folder of every seed's run and seeds.json "
-                                                                 "(default runs/seeds-<stage>-<time>/); given again, "
+                                                                 "(default runs/seeds-<stage>-<digest>/, the same for "
+                                                                 "the same command); given again, "
                                                                  "finished seeds are kept and the rest run.")] = None):
     """Run a training stage once per seed (each a hand run: `--set <section>.seed=N --out <out>/seed-N`, with
     your --set) and print every metric's per-seed values, mean, std, spread and 95% t-interval of the mean,
     also written to <out>/seeds.json. Nothing of the DAG's is touched."""
     from kiln.pipeline.tools.seeds import parse_seeds, print_summary, run_seeds
 
-    print_summary(run_seeds(stage, parse_seeds(seeds), params, set_, out or new_run(f"seeds-{stage}")))
+    print_summary(run_seeds(stage, parse_seeds(seeds), params, set_,
+                            out or run_folder(f"seeds-{stage}", [seeds, *set_], params)))
 
 
 def train_stage(stage: str, train, run) -> None:

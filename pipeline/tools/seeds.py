@@ -13,6 +13,7 @@ not pin the mean.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
 import subprocess
@@ -20,9 +21,12 @@ import sys
 from pathlib import Path
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.outputs import write_json
+from kiln.pipeline.outputs import sha256_file, write_json
 from kiln.pipeline.progress import console, print_columns
+from kiln.pipeline.protected import check_output
 
+COMMAND_FILE = "command.json"  # in a seeds folder: what its runs are runs of
+HOLDS = ("seed-*", "seeds.json*", f"{COMMAND_FILE}*")
 SEED_KEYS = {"pretrain": "train.seed", "sft": "sft.seed", "dpo": "dpo.seed", "grpo": "grpo.seed"}
 # Two-sided 95% Student-t quantiles by degrees of freedom (scipy.stats.t.ppf(0.975, df)); beyond 30, the normal's.
 T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
@@ -36,6 +40,8 @@ def run_seeds(stage: str, seeds: list[int], params: Path, sets: list[str], root:
     key = SEED_KEYS[stage]
     if any(s.split("=", 1)[0].strip() in (key, key.split(".")[1]) for s in sets):
         raise UserError(f"kiln seeds: --set {key}: the seed is what --seeds varies; expected it left out")
+    check_output(root, "--out")
+    claim(root, {"stage": stage, "set": sets, "params_sha256": sha256_file(params) if params.is_file() else None})
     per_seed = {}
     for i, seed in enumerate(seeds, 1):
         out = root / f"seed-{seed}"
@@ -54,6 +60,32 @@ def run_seeds(stage: str, seeds: list[int], params: Path, sets: list[str], root:
                "per_seed": {str(s): per_seed[s] for s in seeds}}
     write_json(root / "seeds.json", summary)
     return summary
+
+
+def claim(root: Path, command: dict) -> None:
+    """Record in `root` what its seed runs are runs of (the stage, the --set values, the params file's digest),
+    or refuse a `root` holding runs of another command: their metrics would be summarised as this one's."""
+    record = root / COMMAND_FILE
+    if root.is_dir():
+        foreign = sorted(p.name for p in root.iterdir() if not any(fnmatch.fnmatch(p.name, h) for h in HOLDS))
+        if foreign:
+            raise UserError(f"--out {root}: holds {foreign[0]!r}, which kiln seeds does not write; choose another "
+                            "--out")
+        if any(root.glob("seed-*")) and not record.is_file():
+            raise UserError(f"--out {root}: holds seed runs without {COMMAND_FILE}, so of unknown params; choose "
+                            "another --out")
+    if record.is_file():
+        try:
+            theirs = json.loads(record.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise UserError(f"{record}: unreadable ({type(e).__name__}); choose another --out") from None
+        if theirs != command:
+            diff = ", ".join(f"{k} {theirs.get(k)!r} there, {v!r} now" for k, v in command.items()
+                             if theirs.get(k) != v) if isinstance(theirs, dict) else "not a command record"
+            raise UserError(f"--out {root}: holds seed runs of another command ({diff}); their metrics are not "
+                            "this one's: choose another --out")
+        return
+    write_json(record, command)
 
 
 def parse_seeds(text: str) -> list[int]:
