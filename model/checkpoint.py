@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from kiln.model.atomic import atomic_dir
 from kiln.model.config import ModelConfig
-from kiln.model.errors import StageError
+from kiln.model.errors import StageError, UserError
+from kiln.model.files import read_capped
 from kiln.model.gpt import GPT
 
 WEIGHTS = "model.safetensors"
@@ -103,12 +104,16 @@ def save_model(model_or_state_dict: torch.nn.Module | dict, config: ModelConfig,
     return out_dir
 
 
+MAX_JSON_BYTES = 64 << 20  # a model's config.json is a few kB; an HF tokenizer_config.json well under this
+
+
 def read_json_object(path: Path) -> dict:
-    """A JSON object from `path`; ValueError naming the file if it is missing, unreadable or not an object."""
+    """A JSON object from `path`; ValueError naming the file if it is missing, unreadable, not a regular file of at
+    most MAX_JSON_BYTES, or not an object."""
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ValueError(f"{path}: not found") from None
+        data = json.loads(read_capped(Path(path), MAX_JSON_BYTES, "a JSON file").decode("utf-8"))
+    except UserError as e:
+        raise ValueError(str(e)) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise ValueError(f"{path}: cannot read ({e})") from None
     if not isinstance(data, dict):

@@ -132,8 +132,21 @@ def build_section(cls: type[S], values: dict) -> S:
                             f"(expected one of: {', '.join(names)})")
         kwargs[key] = coerce(f"{cls.SECTION}.{key}", value, hints[key])
     obj = cls(**kwargs)
+    for name in names:
+        if name == "seed" or name.endswith("_seed"):
+            check_seed(getattr(obj, name), f"params: {cls.SECTION}.{name}")
     obj.check()
     return obj
+
+
+SEED_BOUND = 2 ** 63  # torch's and numpy's generators take a seed as 64 bits; kiln's seeds are in [0, 2**63)
+
+
+def check_seed(value, name: str) -> None:
+    """Refuse a seed outside [0, 2**63): a negative one or one past int64 crashed a run midway (numpy's
+    generators refuse negatives, torch overflows past 64 bits)."""
+    if isinstance(value, int) and not 0 <= value < SEED_BOUND:
+        raise UserError(f"{name}={shown(value)}: expected a whole number in [0, 2**63)")
 
 
 def did_you_mean(name: object, known, prefix: str = "") -> str:

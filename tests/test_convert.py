@@ -391,6 +391,14 @@ def test_from_hf_refuses_a_missing_config_or_weights_or_folder(hf_dirs, tmp_path
     (src / "config.json").unlink()
     assert_refused(convert("from-hf", src, out), "src/config.json: not found", out)
     assert_refused(convert("from-hf", tmp_path / "nothing", out), "nothing: not found", out)
+    # a config.json that never ends (/dev/zero: a MemoryError traceback) or is far too large for one
+    (src / "config.json").symlink_to("/dev/zero")
+    assert_refused(convert("from-hf", src, out), "src/config.json: a device; expected a JSON file", out)
+    (src / "config.json").unlink()
+    with open(src / "config.json", "wb") as f:
+        f.truncate((64 << 20) + 1)  # sparse: no disk spent
+    assert_refused(convert("from-hf", src, out), "src/config.json: 67,108,865 bytes; expected a JSON file of at "
+                   "most 67,108,864", out)
 
 
 def test_to_hf_refuses_the_wrong_tokenizer_a_missing_model_and_gpt2_with_gqa(tiny, tmp_path):

@@ -41,7 +41,7 @@ def ws(tiny, tmp_path_factory):
 
 class Run:
     def __init__(self, built, root: Path):
-        self.built, self.root, self.metrics = built, root, root / "metrics"
+        self.built, self.root, self.metrics = built, root, root / "run/metrics"
 
     def args(self, task: dict, samples: list[str] = ("The king",)) -> list[str]:
         params = write_params(self.root / "params.yaml", {
@@ -50,7 +50,7 @@ class Run:
             "train": {"device": "cpu"}})
         return ["evaluate", "--params", str(params), "--models", str(self.root / "models"),
                 "--shards", str(self.built.shards), "--tokenizer", str(self.built.tokenizer),
-                "--corpus", str(self.built.corpus), "--out", str(self.root)]  # a hand run: root/metrics
+                "--corpus", str(self.built.corpus), "--out", str(self.root / "run")]  # a hand run
 
     def invoke(self, task: dict):
         from typer.testing import CliRunner
@@ -126,3 +126,31 @@ def test_a_task_whose_every_answer_is_longer_than_the_context_is_refused(ws, tmp
 ])
 def test_a_sample_prompt_that_cannot_be_continued_is_named_before_any_work(ws, samples, names):
     ws.fails({"name": "good", "data": str(ws.root / "good.jsonl")}, *names, samples=samples)
+
+
+def test_a_task_file_that_never_ends_or_never_answers_is_refused_before_reading(ws, tmp_path):
+    """A task file that was /dev/zero grew the process to 22.9 GB (the machine's out-of-memory killer ended
+    it); a FIFO hung forever; a 50 MB single line was read whole. Each is one line now, before a row is read."""
+    import os
+    import threading
+
+    zero = tmp_path / "zero.jsonl"
+    zero.symlink_to("/dev/zero")
+    ws.fails({"name": "t", "data": str(zero)}, str(zero), "a device; expected a task or dataset file")
+    fifo = tmp_path / "fifo.jsonl"
+    os.mkfifo(fifo)
+
+    def unblock():  # should the FIFO be opened for reading after all, end that read so the test fails, not hangs
+        if not done.wait(20):
+            with open(fifo, "wb"):
+                pass
+
+    done = threading.Event()
+    threading.Thread(target=unblock, daemon=True).start()
+    try:
+        ws.fails({"name": "t", "data": str(fifo)}, str(fifo), "a FIFO; expected a task or dataset file")
+    finally:
+        done.set()
+    long = tmp_path / "long.jsonl"
+    long.write_bytes(b'{"query": "' + b"x" * (9 << 20) + b'"}\n')
+    ws.fails({"name": "t", "data": str(long)}, f"{long}:1", "a line of more than 8,388,608 bytes")

@@ -16,6 +16,7 @@ import typer
 from rich.markup import escape
 
 from kiln.pipeline import layout
+from kiln.pipeline.config import check_seed
 from kiln.pipeline.errors import KilnError, UserError
 from kiln.pipeline.outputs import replacing
 from kiln.pipeline.progress import console, print_columns
@@ -137,7 +138,7 @@ def _check_run_folder(root: Path, holds: tuple[str, ...], force: bool, stage: st
     foreign = sorted(p.name for p in root.iterdir() if not any(fnmatch.fnmatch(p.name, h) for h in holds))
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise UserError(f"--out {root}: holds {foreign[0]!r}{more}, which a {stage} run does not write; choose "
+        raise UserError(f"--out {root}: holds {foreign[0]!r}{more}, which kiln {stage} does not write there; choose "
                         "another --out, or pass --force to write beside them (they are left alone)")
 
 
@@ -158,7 +159,8 @@ def run_folder(name: str, words: list[str], params: Path | None = None) -> Path:
 
 def reports_errors(fn):
     """Turn a KilnError into its one-line message and exit code instead of a traceback; refuse a non-finite
-    number in any float option (click parses `inf` and `nan`) before the command sees it."""
+    number in any float option (click parses `inf` and `nan`) and a --seed outside [0, 2**63) before the command
+    sees them."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -166,6 +168,8 @@ def reports_errors(fn):
             for name, value in kwargs.items():
                 if isinstance(value, float) and not math.isfinite(value):
                     raise UserError(f"--{name.replace('_', '-')}={value}: expected a finite number")
+                if name == "seed":
+                    check_seed(value, "--seed")
             with replacing(bool(kwargs.get("force"))):
                 return fn(*args, **kwargs)
         except KilnError as e:

@@ -638,6 +638,20 @@ def model_card(service: Service) -> dict:
             "max_model_len": service.context}
 
 
+def check_cache_fits(configs, kv_blocks: int, block_size: int, like) -> None:
+    """Refuse (UserError) a KV cache (the model's and a draft's: keys and values of every layer, one scratch block
+    more) larger than the free memory of the device the parameters `like` are on, before allocating it."""
+    from kiln.model.config import memory_available
+    from kiln.pipeline.errors import UserError
+
+    need = sum(2 * c.n_layer * (kv_blocks + 1) * block_size * c.n_kv_head * c.head_dim for c in configs) \
+        * like.element_size()
+    free = memory_available(like.device)
+    if need > free:
+        raise UserError(f"--kv-blocks={kv_blocks} x --block-size={block_size}: the KV cache needs {need / 1e9:,.1f} "
+                        f"GB, {like.device} has {free / 1e9:,.1f} GB free; expected fewer or smaller blocks")
+
+
 def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: str, kv_blocks: int | None,
           block_size: int, max_batch_tokens: int, name: str | None = None, draft_dir: Path | None = None,
           speculate: int = 4, enforce_eager: bool = False, api_key: str | None = None,
@@ -662,11 +676,15 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     lm = TextModel(model_dir, tokenizer_path, pick_device(device))
     lm.model.eval()
     context = lm.model.config.max_seq_len
+    if block_size > context:
+        raise UserError(f"--block-size={block_size}: expected at most the model's context, {context} tokens")
     # by default room for 16 requests that fill the whole context at once; shorter ones share it
     kv_blocks = kv_blocks or 16 * -(-context // block_size)
     draft = None
     if draft_dir is not None:  # checked against the same tokenizer, so it speaks the same vocabulary
         draft = TextModel(draft_dir, tokenizer_path, lm.model.tok_emb.weight.device).model.eval()
+    check_cache_fits([m.config for m in (lm.model, draft) if m is not None], kv_blocks, block_size,
+                     next(lm.model.parameters()))
     try:
         engine = Engine(lm.model, kv_blocks, block_size, max_batch_tokens, draft=draft, speculate=speculate,
                         graph_batch=0 if enforce_eager else GRAPH_BATCH)

@@ -19,9 +19,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kiln.model.files import check_regular
 from kiln.pipeline.errors import UserError
 
 ROW_FILES = (".jsonl", ".json", ".parquet")
+# A benchmark or dataset file is megabytes, a row kilobytes: beyond these caps a file (decompressed, when
+# gzipped) or a line is not a task file's, and reading on would only fill the memory.
+MAX_FILE_BYTES = 4 << 30
+MAX_LINE_BYTES = 8 << 20
+WHAT = "a task or dataset file (JSON lines, JSON, Parquet or CSV, optionally gzipped)"
 
 # What a damaged gzip stream raises part-way through: a cut file (EOFError), a bad header (BadGzipFile is an
 # OSError), corrupt deflate data (zlib.error).
@@ -40,6 +46,7 @@ def is_row_file(path: Path) -> bool:
 
 def read_row_file(path: Path) -> Iterator[Row]:
     """The rows of a .jsonl, .json or .parquet file (optionally .gz), lazily."""
+    check_regular(path, MAX_FILE_BYTES, WHAT)
     suffix = _suffix(path)
     if suffix == ".parquet":
         return _parquet_rows(path)
@@ -50,6 +57,7 @@ def read_row_file(path: Path) -> Iterator[Row]:
 
 def read_csv_file(path: Path) -> Iterator[tuple[str, list[str]]]:
     """("path:line", cells) for each non-empty record of a header-less CSV file (optionally .gz)."""
+    check_regular(path, MAX_FILE_BYTES, WHAT)
     try:
         with _open_text(path) as f:
             reader = csv.reader(f)
@@ -87,18 +95,27 @@ def _open_text(path: Path):
 
 def _read_bytes(path: Path) -> bytes:
     try:
-        if _is_gzip(path):
-            with gzip.open(path, "rb") as f:
-                return f.read()
-        return path.read_bytes()
+        with gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except GZIP_ERRORS as e:
         raise UserError(f"{path}: cannot read it ({_gzip_reason(path, e)})") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise UserError(f"{path}: more than {MAX_FILE_BYTES:,} bytes (decompressed); expected {WHAT} of at most "
+                        "that")
+    return data
 
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """Each line with its number; one longer than MAX_LINE_BYTES is refused as it is read, not held whole."""
     try:
         with (gzip.open(path, "rb") if _is_gzip(path) else open(path, "rb")) as f:
-            yield from enumerate(f, 1)
+            number = 0
+            while line := f.readline(MAX_LINE_BYTES + 1):
+                number += 1
+                if len(line) > MAX_LINE_BYTES:
+                    raise UserError(f"{path}:{number}: a line of more than {MAX_LINE_BYTES:,} bytes; expected one "
+                                    "row per line")
+                yield number, line
     except GZIP_ERRORS as e:
         raise UserError(f"{path}: cannot read it ({_gzip_reason(path, e)})") from None
 

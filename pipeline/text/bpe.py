@@ -13,9 +13,11 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer
 
+from kiln.model.files import read_capped
 from kiln.pipeline.errors import UserError
 
 EOT = "<|endoftext|>"
+MAX_TOKENIZER_BYTES = 1 << 30  # GPT-2's is 1.4 MB, the largest vocabularies' tens of MB
 
 
 # <|endoftext|> separates documents; <|pad|> fills batches; ChatML turn markers for SFT/DPO/chat.
@@ -51,9 +53,9 @@ def load_tokenizer(path: Path, ordinary: bool = False) -> Tokenizer:
     The fields kiln reads are checked first, so a damaged file is refused with the field named rather than
     with the Rust parser's column number (or not at all: the parser takes a file without a pre-tokenizer)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{path}: tokenizer not found (run `kiln tokenizer train` first)")
-    text = _check_spec(path, path.read_bytes())
+    text = _check_spec(path, read_capped(path, MAX_TOKENIZER_BYTES, "a tokenizer.json"))
     try:
         tok = Tokenizer.from_str(text)
     except (KeyboardInterrupt, SystemExit):

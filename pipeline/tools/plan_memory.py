@@ -21,6 +21,8 @@ from kiln.pipeline.progress import console
 from kiln.pipeline.runtime import pick_device, resolve_kernels
 from kiln.pipeline.train.memory import Shape, plan
 
+MAX_DEVICE_GB = 1_000_000  # a petabyte: beyond any one device, and far inside what the byte counts can hold
+
 
 def show(result: dict, config: ModelConfig) -> None:
     gb = 1e9
@@ -92,8 +94,8 @@ def plan_memory(model_config: ModelConfig, precision: str, kernels: str, checkpo
     if batch_size < 1 or not 1 <= seq_len <= model_config.max_seq_len:
         raise UserError(f"--batch-size {batch_size}, --seq-len {seq_len}: expected a positive batch and a length in "
                         f"1..{model_config.max_seq_len} (model.max_seq_len)")
-    if device_gb is not None and not device_gb > 0:
-        raise UserError(f"--device-gb {device_gb}: expected a positive number of GB")
+    if device_gb is not None and not 0 < device_gb <= MAX_DEVICE_GB:
+        raise UserError(f"--device-gb {device_gb}: expected a positive number of GB, at most {MAX_DEVICE_GB:,}")
     device = pick_device("auto")
     kernels = resolve_kernels(kernels, device)
     if measure and kernels != "torch":

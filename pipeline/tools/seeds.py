@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from kiln.pipeline.config import check_seed
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file, write_json
 from kiln.pipeline.progress import console, print_columns
@@ -94,6 +95,8 @@ def parse_seeds(text: str) -> list[int]:
     except ValueError:
         raise UserError(f"kiln seeds: --seeds {text!r}: expected whole numbers separated by commas, "
                         "e.g. 1,2,3") from None
+    for seed in seeds:
+        check_seed(seed, f"kiln seeds: --seeds {text!r}: seed")
     if len(seeds) < 2 or len(set(seeds)) != len(seeds):
         raise UserError(f"kiln seeds: --seeds {text!r}: expected at least two different seeds")
     return seeds
