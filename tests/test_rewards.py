@@ -7,7 +7,9 @@ the code under test.
 import gzip
 import json
 import math
+import time
 import uuid
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -383,3 +385,76 @@ def test_key_names_the_setting_in_every_message(user_module):
     with pytest.raises(UserError) as info:
         score(make_reward(f"{name}.py:boom", key=key), [("p", "c", "a")] * 2 + [("p", "boom", "a")], "eval speaker")
     assert str(info.value) == f"eval speaker: {key}.reward='{name}.py:boom': row 2 raised ValueError: bad input"
+
+
+# Rewards that attack the stage's own process (third hostile round): each is one line naming the reward and the
+# row, the worker is gone after it, and the stage's process goes on.
+HOSTILE_MODULE = '''
+import os, signal, sys, time
+
+def exits(prompt, completion, answer):
+    sys.exit(3)
+
+def hard_exit(prompt, completion, answer):
+    os._exit(7)
+
+def crash(prompt, completion, answer):
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+def stubborn(prompt, completion, answer):
+    for s in (signal.SIGALRM, signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    while True:
+        pass
+
+def forks(prompt, completion, answer):
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(120)
+        os._exit(0)
+    with open("child.pid", "w") as f:
+        f.write(str(pid))
+    print("a print goes to stderr, not into the replies")
+    return 1.0
+'''
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie waiting for its parent to reap it does not)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@pytest.mark.parametrize("fn, said", [
+    ("exits", "row 0 raised SystemExit: 3"),
+    ("hard_exit", "row 0: the reward's process exited with code 7"),
+    ("crash", "row 0: the reward's process was killed by SIGSEGV"),
+    ("stubborn", "row 0 did not return within 0.5 s (its prompt: 'p'); the limit is grpo.reward_timeout"),
+])
+def test_a_reward_that_attacks_its_process_is_one_line(tmp_path, monkeypatch, fn, said):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hostile.py").write_text(HOSTILE_MODULE, encoding="utf-8")
+    reward = make_reward(f"hostile.py:{fn}", timeout=0.5)
+    with pytest.raises(UserError) as info:
+        score(reward, [("p", "c", "a")], "rollouts")
+    assert str(info.value).startswith(f"rollouts: grpo.reward='hostile.py:{fn}': {said}"), str(info.value)
+    # the worker is gone, killed if it had to be (sys.exit is an exception it caught: it still serves)
+    assert (reward.process.proc.poll() is None) == (fn == "exits")
+    assert score(make_reward("exact"), [("p", "a", "a")], "after") == [1.0]  # and this process goes on
+
+
+def test_a_reward_s_forks_end_with_its_worker(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hostile.py").write_text(HOSTILE_MODULE, encoding="utf-8")
+    reward = make_reward("hostile.py:forks", timeout=5)
+    assert score(reward, [("p", "c", "a")] * 2, "rollouts") == [1.0, 1.0]
+    child = int((tmp_path / "child.pid").read_text())
+    assert alive(child)
+    reward.process.close()
+    deadline = time.monotonic() + 5
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)

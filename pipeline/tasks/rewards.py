@@ -5,9 +5,9 @@ deterministic and must never fail quietly: a reward that silently returns 0 for 
 exactly like a wrong answer and teaches the model the wrong thing. Hence the built-in rewards are pure string
 functions, and `score` refuses (with a one-line `UserError` naming the row) any reward that raises or returns
 something other than a finite real number within +-1e6 (GRPO divides by a group's spread: 1e308 overflows the
-advantages and then the loss). A reward of the user's own gets `reward_timeout` seconds a call: one that never
-returns stops the run naming it and the prompt (by SIGALRM, in the main thread: a call stuck inside C code that
-never checks for signals is cut only when it comes back to Python).
+advantages and then the loss). A reward of the user's own runs in a worker process (tasks/user_reward.py) and
+gets `reward_timeout` seconds a call: one that never returns, exits or crashes stops the run naming it and the
+row, and the worker is killed, whatever the function did to signals.
 
 `grpo.reward` picks the reward: `exact`, `numeric`, `contains`, `regex` (with `grpo.reward_pattern`), or
 `module:function` / `path/to/file.py:function` for a reward of your own. A generative eval task
@@ -16,25 +16,15 @@ never checks for signals is cut only when it comes back to Python).
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
-import inspect
 import math
-import numbers
 import re
-import signal
-import sys
-import threading
 import unicodedata
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from decimal import Decimal
-from pathlib import Path
 
 from kiln.pipeline.errors import UserError, shown
-from kiln.pipeline.stage_inputs import check_declared, check_declared_module
+from kiln.pipeline.tasks.user_reward import Reward, RewardProcess, judge
 
 CHOICES = "exact, numeric, regex, contains, or module:function (a module on sys.path or a .py file)"
 
@@ -51,46 +41,21 @@ NUMBER = re.compile(r"(?<![\w.])(?P<sign>[-+\u2212]?)[$\u20ac\u00a3\u00a5]?"
                     r"(?P<digits>(?:\d{1,3}(?:,\d{3})+(?!,?\d)|\d+)(?:\.\d+)?|\.\d+)")
 GSM8K_MARK = "####"
 
-Reward = Callable[[str, str, str], object]
 MAX_REWARD = 1e6  # the largest |reward| taken
 
 
 @dataclass(frozen=True)
 class NamedReward:
-    """A reward and the setting it came from, which every error about it quotes."""
+    """A reward and the setting it came from, which every error about it quotes: kiln's own (`fn`, called here)
+    or the user's (`process`, called in its worker within `timeout` seconds)."""
 
     label: str
-    fn: Reward
-    timeout: float | None = None  # seconds a call may take (a user's function); None: no limit (kiln's own)
+    fn: Reward | None = None
+    process: RewardProcess | None = None
+    timeout: float | None = None
 
-    def __call__(self, prompt: str, completion: str, answer: str) -> object:
-        with time_limit(self.timeout):
-            return self.fn(prompt, completion, answer)
-
-
-class RewardTimeout(BaseException):
-    """A reward call ran past its time limit. A BaseException, so a reward's own `except Exception` cannot
-    swallow it."""
-
-
-@contextmanager
-def time_limit(seconds: float | None) -> Iterator[None]:
-    """Raise RewardTimeout in the block once `seconds` have passed (a real-time timer's SIGALRM); no limit for
-    None, off the main thread (signals go to it alone) or where the platform has no timer."""
-    if seconds is None or threading.current_thread() is not threading.main_thread() or \
-            not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def expire(signum, frame):
-        raise RewardTimeout()
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    def outcome(self, row: tuple[str, str, str]) -> dict:
+        return self.process.judge(row) if self.process is not None else judge(self.fn, row)
 
 
 def normalize(text: str) -> str:
@@ -166,57 +131,6 @@ def regex_reward(pattern: str, key: str = "grpo") -> Reward:
         re.search(pattern.replace("{answer}", re.escape(answer)), completion) is not None)
 
 
-def load_function(spec: str, key: str = "grpo") -> Reward:
-    """`module:function` or `file.py:function`: a module on sys.path is imported by name; a target ending in
-    .py or holding a path separator is loaded from that file (relative to the working directory)."""
-    where = f"params: {key}.reward={spec!r}"
-    target, _, name = spec.rpartition(":")
-    if not target or not name.isidentifier():
-        raise UserError(f"{where}: expected module:function (a module on sys.path or a .py file, then a name)")
-    try:
-        if target.endswith(".py") or "/" in target or "\\" in target:
-            module = _load_file(Path(target), where, key)
-        else:
-            module = importlib.import_module(target)
-            check_declared_module(module, f"{key}.reward")
-    except UserError:
-        raise
-    except (Exception, SystemExit) as e:  # a module body may raise anything, sys.exit() included
-        raise UserError(f"{where}: cannot import {target!r}: {type(e).__name__}: {_one_line(e)}") from None
-    if not hasattr(module, name):
-        raise UserError(f"{where}: module {target!r} has no attribute {name!r}; expected a function "
-                        "(prompt, completion, answer) -> number")
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise UserError(f"{where}: {target}:{name} is a {type(fn).__name__}, not callable; expected a function "
-                        "(prompt, completion, answer) -> number")
-    try:
-        inspect.signature(fn).bind("", "", "")
-    except TypeError:
-        raise UserError(f"{where}: {target}:{name}{inspect.signature(fn)} cannot be called with three arguments; "
-                        "expected a function (prompt, completion, answer) -> number") from None
-    except ValueError:
-        pass  # some builtins have no signature to check; a wrong one fails at the first row, naming it
-    return fn
-
-
-def _load_file(path: Path, where: str, key: str) -> object:
-    if not path.is_file():
-        raise UserError(f"{where}: no such file {str(path)!r}")
-    check_declared(path, f"{key}.reward")
-    # A name of its own per file, registered in sys.modules because dataclasses and pickling look modules up there.
-    name = "kiln_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
 BUILTIN = {"exact": exact_reward, "numeric": numeric_reward, "contains": contains_reward}
 
 
@@ -237,7 +151,8 @@ def make_reward(spec: str, pattern: str | None = None, key: str = "grpo", timeou
         return NamedReward(f"{key}.reward='regex' ({key}.reward_pattern={pattern!r})", regex_reward(pattern, key))
     if spec in BUILTIN:
         return NamedReward(f"{key}.reward={spec!r}", BUILTIN[spec])
-    return NamedReward(f"{key}.reward={spec!r}", load_function(spec, key), timeout)
+    label = f"{key}.reward={spec!r}"
+    return NamedReward(label, process=RewardProcess(spec, key, timeout, label), timeout=timeout)
 
 
 def score(reward: NamedReward, rows: Sequence[tuple[str, str, str]], what: str) -> list[float]:
@@ -245,23 +160,22 @@ def score(reward: NamedReward, rows: Sequence[tuple[str, str, str]], what: str) 
     set, a rollout batch). A bool counts as 1.0/0.0, since a pass/fail predicate is a natural reward; any other
     non-real value (None, a string, a tensor), nan or inf, or an exception is a `UserError` naming the row."""
     rewards = []
-    for i, (prompt, completion, answer) in enumerate(rows):
+    for i, row in enumerate(rows):
         where = f"{what}: {reward.label}: row {i}"
-        try:
-            value = reward(prompt, completion, answer)
-        except RewardTimeout:
-            raise UserError(f"{where} did not return within {reward.timeout:g} s (its prompt: {shown(prompt)}); "
-                            f"the limit is {reward.label.split('.reward=')[0]}.reward_timeout") from None
-        except UserError as e:
-            raise UserError(f"{where}: {_one_line(e)}") from None
-        except Exception as e:
-            raise UserError(f"{where} raised {type(e).__name__}: {_one_line(e)}") from None
-        if not isinstance(value, (numbers.Real, Decimal)):
-            raise UserError(f"{where} returned {shown(value)} ({type(value).__name__}); expected a finite number")
-        try:
-            value = float(value)
-        except OverflowError:  # a Decimal or an int beyond float's range
-            value = math.inf
+        got = reward.outcome(row)
+        if "timeout" in got:
+            raise UserError(f"{where} did not return within {got['timeout']:g} s (its prompt: {shown(row[0])}); "
+                            f"the limit is {reward.label.split('.reward=')[0]}.reward_timeout")
+        if "died" in got:
+            raise UserError(f"{where}: the reward's process {got['died']} (a reward must return a number, not "
+                            "end its process)")
+        if "user_error" in got:
+            raise UserError(f"{where}: {got['user_error']}")
+        if "raised" in got:
+            raise UserError(f"{where} raised {got['raised']}: {got['message']}")
+        if "returned" in got:
+            raise UserError(f"{where} returned {got['returned']} ({got['type']}); expected a finite number")
+        value = got["value"]
         if not math.isfinite(value):
             raise UserError(f"{where} returned {value}; expected a finite number")
         if abs(value) > MAX_REWARD:
@@ -269,7 +183,3 @@ def score(reward: NamedReward, rows: Sequence[tuple[str, str, str]], what: str) 
                             "overflow the group advantages and the loss)")
         rewards.append(value)
     return rewards
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or "(no message)"
