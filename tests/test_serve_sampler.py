@@ -158,3 +158,20 @@ def test_the_noise_is_exponential_and_independent_across_keys_positions_and_toke
     centred = noise - noise.mean(1, keepdim=True)
     correlation = (centred @ centred.T) / (centred.norm(dim=1)[:, None] * centred.norm(dim=1)[None, :])
     assert (correlation - torch.eye(4)).abs().max() < 0.07
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-45, 1e-30])
+def test_a_top_p_that_underflows_float32_keeps_the_top_token(top_p):
+    """`top_p: 1e-300` (the server) and `--top-p 1e-300` (generate) gave empty completions: in float32 it is 0,
+    every token was dropped and nothing was left to sample. The top token always stays: the draw is the argmax."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 33, generator=g) * 2
+    got = batched_probs(logits, torch.ones(4), torch.full((4,), 33), torch.full((4,), top_p))
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, torch.nn.functional.one_hot(logits.argmax(-1), 33).float())
+    for i in range(4):
+        torch.testing.assert_close(got[i].double(), reference_probs(logits[i], 1.0, None, top_p))
+    params = [SamplingParams(4, 1.0, top_p=top_p)] * 4
+    on_device = {"temperature": torch.ones(4), "top_k": torch.full((4,), 33), "top_p": torch.full((4,), top_p),
+                 "sample_keys": torch.arange(4), "sample_positions": torch.zeros(4, dtype=torch.int64)}
+    assert torch.equal(sample(logits, params, on_device), logits.argmax(-1))
