@@ -45,11 +45,32 @@ MAX_PARAMS_BYTES = 1_000_000  # params.yaml is a few kB; anything near this is n
 MAX_VALUES = 100_000  # scalars and containers in the document, each alias counted for what it stands for
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping: YAML loaders keep the last silently, so a
+    second `train:` section dropped the first one's keys. Merge keys (`<<: *base`) still override as YAML says."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                repeated = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the base class says what is wrong with it
+                continue
+            if repeated:
+                raise yaml.YAMLError(f"key {shown(key)} given twice in one mapping (line {key_node.start_mark.line + 1}"
+                                     "); expected each key once")
+        return super().construct_mapping(node, deep)
+
+
 def parse_yaml(text: str):
-    """A YAML document's value by the safe loader, refused (yaml.YAMLError) when its aliases make it stand for more
-    than MAX_VALUES values: a "billion laughs" document is small and parses fast (an alias is a shared
-    reference), but anything that walks or prints it expands it to gigabytes."""
-    value = yaml.safe_load(text)
+    """A YAML document's value by the safe loader (each key once per mapping), refused (yaml.YAMLError) when its
+    aliases make it stand for more than MAX_VALUES values: a "billion laughs" document is small and parses fast
+    (an alias is a shared reference), but anything that walks or prints it expands it to gigabytes."""
+    value = yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
     sizes: dict[int, int] = {}
 
     def size(node) -> int:  # memoised on identity: each shared node is walked once

@@ -194,8 +194,8 @@ def test_any_bytes_as_params_file(tmp_path_factory, data):
     for cls in ALL_SECTIONS:
         try:
             assert isinstance(load_section(cls, path), cls)
-        except UserError:
-            pass
+        except UserError as e:  # one line naming the file, or the section's key
+            assert str(e).startswith((f"{path}: ", f"params: {cls.SECTION}.")) and "\n" not in str(e), str(e)
 
 
 SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8)
@@ -212,7 +212,9 @@ def test_any_values_for_a_section(cls, data):
     values = data.draw(st.dictionaries(st.sampled_from(keys) | st.text(max_size=5), VALUES, max_size=4))
     try:
         obj = build_section(cls, values)
-    except UserError:
+    except UserError as e:  # one line naming the key
+        assert str(e).startswith(f"params: {cls.SECTION}.") or str(e).startswith("params: unknown key "), str(e)
+        assert "\n" not in str(e), str(e)
         return
     for f in fields(obj):
         value = getattr(obj, f.name)
@@ -343,3 +345,20 @@ def test_a_mistyped_key_gets_a_suggestion(tmp_path):
     with pytest.raises(UserError) as far:  # nothing close: no guess
         build_section(SFTParams, {"zzz": 4})
     assert "did you mean" not in str(far.value)
+
+
+@pytest.mark.parametrize("text, key, line", [
+    ("train:\n  lr: 0.1\nmodel:\n  n_layer: 2\ntrain:\n  seed: 3\n", "train", 5),
+    ("train:\n  lr: 0.1\n  lr: 0.2\n", "lr", 3),
+])
+def test_a_key_given_twice_is_refused_naming_it(tmp_path, text, key, line):
+    """Duplicate keys were last-wins: a repeated `train:` section silently dropped the first one's keys."""
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError) as e:
+        load_section(TrainParams, path)
+    assert str(e.value) == f"{path}: not valid YAML (key '{key}' given twice in one mapping (line {line}); " \
+        "expected each key once)"
+    merged = tmp_path / "merged.yaml"  # a merge key overriding what it merges is YAML, not a repeat
+    merged.write_text("model: &base {n_layer: 2}\ntrain:\n  <<: {lr: 0.1, seed: 3}\n  seed: 4\n")
+    assert load_section(TrainParams, merged).seed == 4
