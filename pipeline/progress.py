@@ -22,8 +22,10 @@ from rich.table import Column
 from rich.text import Text
 
 # soft_wrap: a line is never broken by rich at its guess of a width (80 columns under DVC or a pipe, where a
-# field split across two lines cannot be read or grepped); a terminal wraps what does not fit.
-console = Console(stderr=True, soft_wrap=True)
+# field split across two lines cannot be read or grepped); a terminal wraps what does not fit. No markup, emoji
+# codes or highlighting unless a call asks: the lines quote user text (paths, task names, a "[sft]" in a --set
+# value, ":x:" in a document) that must print as it is.
+console = Console(stderr=True, soft_wrap=True, markup=False, emoji=False, highlight=False)
 
 
 FIRST_LINE_S = 3.0

@@ -77,3 +77,13 @@ def test_the_summary_is_an_aligned_table_with_averages_labelled(capsys):
         "  logps              -12.91322",  # every digit the metrics file has
         "  note               a [bold] word",
     ]
+
+
+def test_user_text_prints_as_it_is():
+    """rich markup ate user text: `[sft]` vanished from a hand run's closing line, `:x:` became an emoji. The
+    console reads neither unless a call asks (the error prefix does, its message escaped)."""
+    from kiln.pipeline.progress import console
+
+    with console.capture() as captured:
+        console.print("a hand run (--set tag=[sft] :x: [bold]b[/])")
+    assert captured.get() == "a hand run (--set tag=[sft] :x: [bold]b[/])\n"

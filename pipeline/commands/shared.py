@@ -174,7 +174,7 @@ def reports_errors(fn):
                 return fn(*args, **kwargs)
         except KilnError as e:
             # escape: a message quotes input, and "[/x]" in it would be read as rich markup
-            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             console.print("interrupted; no output was written", highlight=False)

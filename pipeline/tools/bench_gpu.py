@@ -255,7 +255,7 @@ def bench_gpu(size: str, steps: list[str] | None, out: Path, work: Path | None, 
     for step in plan(size, out.resolve(), work.resolve()):
         if step.name not in selected:
             continue
-        console.print(f"[bold]== {step.name}[/]", highlight=False)
+        console.print(f"[bold]== {step.name}[/]", markup=True)
         result = run_step(step, LIMITS[size][step.name], out / f"{step.name}.log", env,
                           meanwhile=lambda: _save(summary, out, pack))
         for source, name in step.collect.items():
