@@ -170,3 +170,32 @@ def test_kiln_chat_takes_a_message_of_several_lines():
     waiting = iter([True, True, False])
     assert read_message(lines("first", "second", "third", "fourth"), lambda: next(waiting)) == "first\nsecond\nthird"
     assert read_message(lines('"""', "never closed")) == "never closed"  # end of input ends it
+
+
+def test_kiln_chat_refuses_a_bad_turn_and_goes_on(tiny, tmp_path):
+    """One line that was not UTF-8 (called a lone surrogate) or longer than the context ended the session; now
+    that turn is refused in one line and the next one is answered."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from kiln.model.checkpoint import save_model
+    from kiln.model.config import ModelConfig
+    from kiln.model.gpt import GPT
+    from kiln.pipeline.outputs import sha256_file
+    from kiln.pipeline.text.bpe import load_tokenizer
+
+    config = ModelConfig(vocab_size=load_tokenizer(tiny.tokenizer).get_vocab_size(), n_layer=1, n_head=2,
+                         n_kv_head=1, d_model=16, max_seq_len=64)
+    torch.manual_seed(0)
+    save_model(GPT(config), config, tmp_path / "chat", {"tokenizer_sha256": sha256_file(tiny.tokenizer)})
+    turns = b"caf\xe9 au lait\n" + b"word " * 200 + b"\nhello\n"
+    result = subprocess.run([sys.executable, "-m", "kiln.pipeline.cli", "chat", "--model", str(tmp_path / "chat"),
+                             "--tokenizer", str(tiny.tokenizer), "--max-new-tokens", "3", "--device", "cpu"],
+                            input=turns, capture_output=True, timeout=120)
+    err = result.stderr.decode()
+    assert result.returncode == 0, err
+    assert "error: message: not valid UTF-8 (byte 0xe9 at character 3); not sent, type another" in err
+    assert "error: message: " in err and "tokens with the chat markers; the model's context is 64" in err
+    assert result.stdout.decode().count("kiln> ") == 1  # the one good turn was answered

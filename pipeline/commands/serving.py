@@ -9,7 +9,8 @@ from typing import Annotated
 import typer
 
 from kiln.pipeline import layout
-from kiln.pipeline.commands.shared import SamplingOpt, TokenizerOpt, reports_errors
+from kiln.pipeline.commands.shared import SamplingOpt, TokenizerOpt, reports_errors, show_error
+from kiln.pipeline.errors import UserError
 from kiln.pipeline.serve.request import TOOLS_TEMPERATURE, TOOLS_TOP_K, TOOLS_TOP_P
 
 app = typer.Typer()
@@ -62,6 +63,8 @@ def chat_command(
     session = ChatSession(TextModel(model, tokenizer, pick_device(device)),
                           Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed), system)
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach the turn's check, not a traceback
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         line = read_message(lambda: input("you> " if interactive else ""), pasted if interactive else None)
         if line is None:
@@ -73,8 +76,14 @@ def chat_command(
             continue
         if not line.strip():
             continue
-        typer.echo("kiln> ", nl=False)
-        for piece in session.reply(line):
+        pieces = session.reply(line)
+        try:  # a turn that cannot be answered (not UTF-8, longer than the context) is refused; the session goes on
+            first = next(pieces, "")
+        except UserError as e:
+            show_error(e, "; not sent, type another")
+            continue
+        typer.echo("kiln> " + first, nl=False)
+        for piece in pieces:
             typer.echo(piece, nl=False)
         typer.echo()
 

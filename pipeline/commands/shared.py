@@ -173,14 +173,19 @@ def reports_errors(fn):
             with replacing(bool(kwargs.get("force"))):
                 return fn(*args, **kwargs)
         except KilnError as e:
-            # escape: a message quotes input, and "[/x]" in it would be read as rich markup
-            console.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, soft_wrap=True)
+            show_error(e)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             console.print("interrupted; no output was written", highlight=False)
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def show_error(e: KilnError, after: str = "") -> None:
+    """The one error line: "error: <message>" (escaped: a message quotes input, and "[/x]" in it would be read as
+    rich markup)."""
+    console.print(f"[bold red]error:[/] {escape(str(e))}{escape(after)}", markup=True, soft_wrap=True)
 
 
 # Rates a stage reports over its whole run, unlike the progress line's "now" (since the last log line).

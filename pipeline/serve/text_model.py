@@ -80,8 +80,7 @@ class TextModel:
         """The continuation of each prompt, up to `<|endoftext|>` (not included) or max_new_tokens."""
         sampling.check()
         for prompt in prompts:
-            if bad := SURROGATE.search(prompt):
-                raise UserError(f"--prompt: not valid Unicode (lone surrogate at character {bad.start()})")
+            check_text(prompt, "--prompt")
         # A prompt starts a document, and in the shards every document follows <|endoftext|>.
         ids = [[self.eot, *self.tokenizer.encode(p).ids] for p in prompts]
         context, longest = self.model.config.max_seq_len, max(map(len, ids))
@@ -93,6 +92,16 @@ class TextModel:
                             f"max_seq_len={context}")
         requests = complete(self.model, [sampling.request(p, new, [self.eot], i) for i, p in enumerate(ids)])
         return [self.tokenizer.decode([t for t in r.output if t != self.eot]) for r in requests]
+
+
+def check_text(text: str, what: str) -> None:
+    """Refuse text that is not Unicode: bytes that were not UTF-8 (which Python's stdin and argv hand over as
+    surrogates \udc80-\udcff, by PEP 383), or a lone surrogate typed as such."""
+    if bad := SURROGATE.search(text):
+        char = ord(bad.group()[0])
+        if 0xDC80 <= char <= 0xDCFF:
+            raise UserError(f"{what}: not valid UTF-8 (byte 0x{char - 0xDC00:02x} at character {bad.start()})")
+        raise UserError(f"{what}: not valid Unicode (lone surrogate at character {bad.start()})")
 
 
 class ChatSession:
@@ -109,8 +118,7 @@ class ChatSession:
 
     def reply(self, text: str) -> Iterator[str]:
         """Stream the answer to `text` as pieces of text; the answer joins the history when it is complete."""
-        if bad := SURROGATE.search(text):
-            raise UserError(f"message: not valid Unicode (lone surrogate at character {bad.start()})")
+        check_text(text, "message")
         context = self.lm.model.config.max_seq_len
         turns = [*self.turns, {"role": "user", "content": text}]
         room = self.sampling.max_new_tokens or max(1, context // 4)
