@@ -52,10 +52,10 @@ def batched_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     kth = sorted_logits.gather(-1, (top_k.clamp(1, vocab) - 1)[:, None])
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    # top_p: drop a token once the tokens ranked above it already hold top_p; the top token always stays, also
-    # when top_p underflows to 0 in float32 (a top_p of 1e-300 once emptied every row: nothing left to sample)
-    drop = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p < 1)[:, None]
-    drop[:, 0] = False
+    # top_p: drop a token once the tokens ranked above it already hold top_p. The top token (0 above it) always
+    # stays, also when top_p underflows to 0 in float32: a top_p of 1e-300 once emptied every row
+    floor = torch.finfo(torch.float32).tiny
+    drop = (probs.cumsum(dim=-1) - probs >= top_p.clamp_min(floor)[:, None]) & (top_p < 1)[:, None]
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits).softmax(dim=-1)
 
