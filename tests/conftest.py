@@ -9,6 +9,8 @@ import json
 import os
 import random
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +111,18 @@ def one_dvc_at_a_time():
     with open(Path("/tmp") / f"kiln-dvc-{abs(hash(str(repo)))}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+DATA_STACK = ("dvc", "dvclive", "datasets", "tokenizers", "tiktoken", "pyarrow")
+
+
+def imports_without_the_data_stack(*modules: str) -> None:
+    """Import `modules` in a fresh interpreter where every package of `DATA_STACK` fails to import, as on the GPU
+    machine (torch and nothing of dvc, datasets or the tokenizers); fail naming what the import needed."""
+    blocked = "; ".join(f"sys.modules[{name!r}] = None" for name in DATA_STACK)
+    code = f"import sys; {blocked}; " + "; ".join(f"import {m}" for m in modules)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr.strip().splitlines()[-1]
 
 
 def fails_in_one_line(args: list[str], code: int, *names: str) -> str:

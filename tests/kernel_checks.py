@@ -4,7 +4,7 @@ NaN-poisoned allocations.
 Tests build their inputs on the CPU from a seeded generator (the same values on any machine) and move them to
 DEVICE: a CUDA GPU when there is one, so the kernels run natively, else the CPU, where they run in Triton's
 interpreter. Shapes of a real model are far too slow for the interpreter, so tests list them through
-`on_gpu`, which on a CPU-only machine yields no cases at all (nothing is collected, nothing skipped).
+`on_gpu`, which on a CPU-only machine marks them skipped, saying where they run (so a CPU run reports them).
 
 Kernels allocate their outputs with `torch.empty`/`torch.empty_like`; under `poisoned_allocations()` those
 come back filled with NaN, so an element a kernel forgot to write fails the comparison instead of passing
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -24,9 +25,15 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 
 
-def on_gpu(*cases) -> list:
-    """`cases` on a CUDA machine, none otherwise: append to a parametrize list for LLM-scale shapes."""
-    return list(cases) if torch.cuda.is_available() else []
+def on_gpu(*cases, single: bool = False) -> list:
+    """`cases` on a CUDA machine; on a CPU-only one the same cases marked skipped (the interpreter would take
+    hours): append to a parametrize list for LLM-scale shapes. A tuple case fills several names, unless `single`
+    (the parametrize has one name, whose values are tuples)."""
+    if torch.cuda.is_available():
+        return list(cases)
+    skip = pytest.mark.skip(reason="a GPU case (an LLM-scale shape or the cuda device): runs in make gpu-check")
+    return [pytest.param(*(case if isinstance(case, tuple) and not single else (case,)), marks=skip)
+            for case in cases]
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, name: str = "output",

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -14,7 +13,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 
-from conftest import write_params
+from conftest import imports_without_the_data_stack, write_params
 
 TINY = {"n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "max_seq_len": 24}
 ARGS = ["--vocab-size", "300", "--batch-sizes", "1,3", "--prompt-len", "5", "--new-tokens", "6", "--repeats", "1",
@@ -28,7 +27,9 @@ def params(tmp_path):
 
 def test_cli_times_every_batch_with_and_without_cache(tmp_path, params):
     out = tmp_path / "bench" / "generate.json"
+    start = time.perf_counter()
     result = CliRunner().invoke(app, ["bench", "generate", "--params", str(params), *ARGS, "--out", str(out)])
+    wall = time.perf_counter() - start
     assert result.exit_code == 0, result.output
     report = json.loads(out.read_text())
     assert report["model"]["n_kv_head"] == 1 and report["model_dir"] is None
@@ -36,10 +37,11 @@ def test_cli_times_every_batch_with_and_without_cache(tmp_path, params):
     rows = {(row["batch_size"], row["cache"]): row for row in report["results"]}
     assert list(rows) == [(1, True), (1, False), (3, True), (3, False)]
     for (batch, cache), row in rows.items():
-        assert row["prefill_tokens_per_s"] == pytest.approx(batch * 5 / (row["prefill_ms"] / 1e3), rel=1e-2)
-        assert row["decode_tokens_per_s"] == pytest.approx(batch / (row["decode_ms_per_token"] / 1e3), rel=1e-2)
-        uncached = rows[batch, False]["decode_tokens_per_s"]
-        assert row["decode_speedup_vs_no_cache"] == pytest.approx(row["decode_tokens_per_s"] / uncached, abs=0.01)
+        # the rates in the units they claim, held against this process's own clock: a prefill of batch x 5
+        # tokens and 6 decode steps each took place inside the command's wall time
+        assert 0 < batch * 5 / row["prefill_tokens_per_s"] <= wall and 0 < row["prefill_ms"] / 1e3 <= wall
+        assert 0 < 6 * batch / row["decode_tokens_per_s"] <= wall and 0 < 6 * row["decode_ms_per_token"] / 1e3 <= wall
+    assert all(rows[b, False]["decode_speedup_vs_no_cache"] == 1.0 for b in (1, 3))
     assert "batch 3, no cache" in result.output
 
 
@@ -67,9 +69,5 @@ def test_cli_bad_input_exits_2(tmp_path, params, args, named):
     assert named in result.output and not out.exists()
 
 
-def test_imports_without_the_data_stack(monkeypatch):
-    for name in [m for m in sys.modules if m.split(".")[0] in ("pipeline", "model")]:
-        monkeypatch.delitem(sys.modules, name)
-    for name in ("dvc", "dvclive", "datasets", "tokenizers", "tiktoken", "pyarrow"):
-        monkeypatch.setitem(sys.modules, name, None)
-    importlib.import_module("kiln.pipeline.tools.bench_generate")
+def test_imports_without_the_data_stack():
+    imports_without_the_data_stack("kiln.pipeline.tools.bench_generate")

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
 import timeit
 
 import pytest
@@ -16,7 +14,7 @@ from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
 from kiln.pipeline.errors import UserError
 
-from conftest import write_params
+from conftest import imports_without_the_data_stack, write_params
 
 TINY = {"n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 32, "max_seq_len": 32}
 ARGS = ["--vocab-size", "300", "--seq-len", "16", "--batch-size", "2", "--steps", "2", "--warmup", "1",
@@ -84,15 +82,11 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, params, args, named):
     assert not out.exists()
 
 
-def test_imports_without_the_data_stack(monkeypatch):
-    """A GPU machine may have torch and nothing of dvc, datasets or the tokenizers: the module must load there."""
-    for name in [m for m in sys.modules if m.split(".")[0] in ("pipeline", "model")]:
-        monkeypatch.delitem(sys.modules, name)  # re-imported below, restored afterwards
-    for name in ("dvc", "dvclive", "datasets", "tokenizers", "tiktoken", "pyarrow"):
-        monkeypatch.setitem(sys.modules, name, None)  # any import of it now fails
-    for module in ("kiln.pipeline.tools.bench_train", "kiln.pipeline.tools.bench_kernels", "kiln.pipeline.tools.bench_generate", "kiln.pipeline.tools.bench_gpu",
-                   "kiln.pipeline.cli"):
-        importlib.import_module(module)
+def test_imports_without_the_data_stack():
+    """A GPU machine may have torch and nothing of dvc, datasets or the tokenizers: the modules must load there."""
+    imports_without_the_data_stack("kiln.pipeline.tools.bench_train", "kiln.pipeline.tools.bench_kernels",
+                                   "kiln.pipeline.tools.bench_generate", "kiln.pipeline.tools.bench_gpu",
+                                   "kiln.pipeline.cli")
 
 
 def test_profile_writes_a_trace_per_variant_and_the_top_operators(tmp_path, params):

@@ -123,7 +123,8 @@ def test_killed_run_resumes_to_the_same_model(tiny, project):
     # time after the checkpoint; on a busy machine either can be the longer (measured 0.364 against 0.358).
     assert 0 < final["generate_share"] <= timings["generate_share"] * 1.05
     kl = (project / "resumed/metrics/grpo/plots/metrics/kl.tsv").read_text().splitlines()[1:]  # logged with beta > 0
-    assert [int(line.split("\t")[0]) for line in kl] == [5, 6] and all(float(line.split("\t")[1]) >= 0 for line in kl)
+    # k3 is >= 0 by construction; > 0 says the policy moved away from its reference and the estimate saw it
+    assert [int(line.split("\t")[0]) for line in kl] == [5, 6] and all(float(line.split("\t")[1]) > 0 for line in kl)
 
 
 @pytest.mark.parametrize(("reward", "said"), [("rewards.py:broken", "raised KeyError: 'no such field'"),

@@ -10,13 +10,15 @@ from pathlib import Path
 import torch
 
 from kiln.pipeline.runtime import SINGLE, World, autocast
-from kiln.pipeline.text.bpe import load_tokenizer, token_bytes
 from kiln.pipeline.text.loader import ShardSet, TokenBatches
 from kiln.pipeline.train import distributed
 
 
 def byte_lengths(tokenizer_path: Path) -> torch.Tensor:
     """UTF-8 bytes each token stands for; special tokens count 0 and are left out of bits-per-byte."""
+    # here, not at the top: the benchmarks import the training loop on a GPU machine without `tokenizers`
+    from kiln.pipeline.text.bpe import load_tokenizer, token_bytes
+
     tok = load_tokenizer(tokenizer_path)
     specials = set(tok.get_added_tokens_decoder())
     return torch.tensor([0 if i in specials else len(token_bytes(tok, i)) for i in range(tok.get_vocab_size())])
