@@ -149,7 +149,8 @@ def build_section(cls: type[S], values: dict) -> S:
     kwargs = {}
     for key, value in values.items():
         if key not in names:
-            raise UserError(f"params: unknown key {cls.SECTION}.{key}{did_you_mean(key, names, cls.SECTION + '.')} "
+            shown_key = key if isinstance(key, str) and key.isidentifier() else shown(key)  # one line, whatever it is
+            raise UserError(f"params: unknown key {cls.SECTION}.{shown_key}{did_you_mean(key, names, cls.SECTION + '.')} "
                             f"(expected one of: {', '.join(names)})")
         kwargs[key] = coerce(f"{cls.SECTION}.{key}", value, hints[key])
     obj = cls(**kwargs)

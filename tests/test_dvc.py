@@ -147,7 +147,8 @@ def test_repro_noop_clean_tree_and_hand_runs(project):
     # of the DAG's as it was, so DVC sees nothing to do.
     dag = {name: tree_bytes(project / name) for name in ("data", "metrics")}
     hand = run(project, "kiln", "pretrain", "--set", "train.max_steps=2")
-    folder = project / hand.split("what it wrote is under ")[1].split("/,")[0]
+    folder = project / hand.split("writing under ")[1].split("/ ")[0]
+    assert f"the hand run wrote checkpoints/, metrics/, model/ under {folder.relative_to(project)}/" in hand
     assert folder.parent == project / "runs" and (folder / "model/model.safetensors").is_file()
     assert json.loads((folder / "metrics/pretrain.json").read_text())["pretrain"]["steps"] == 2
     assert (folder / "checkpoints/pretrain").is_dir() and (folder / "metrics/timings/pretrain.json").is_file()

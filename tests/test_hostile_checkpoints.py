@@ -59,7 +59,7 @@ def checkpoint(project: Path) -> Path:
 
 
 def train_args(tiny) -> list[str]:
-    return ["train", "--shards", str(tiny.shards), "--tokenizer", str(tiny.tokenizer), "--out", "base",
+    return ["train", "--shards", str(tiny.shards), "--tokenizer", str(tiny.tokenizer), "--out", "run",
             "--checkpoints", "ckpt"]
 
 

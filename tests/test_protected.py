@@ -139,7 +139,7 @@ def test_a_folder_holding_user_files_is_refused_before_any_work(project):
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
     result = CliRunner().invoke(app, ["data", "prepare", "--set", "source=nothing.txt", "--out", str(mine)])
-    assert result.exit_code == 2 and "holds 'notes.txt', which kiln prepare does not write there" in result.output
+    assert result.exit_code == 2 and "holds 'notes.txt', which no kiln hand run writes there" in result.output
     assert "nothing.txt" not in result.output  # refused before the source was looked at
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
     forced = CliRunner().invoke(app, ["data", "prepare", "--set", "source=nothing.txt", "--out", str(mine),

@@ -8,7 +8,7 @@ import yaml
 
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.tasks.chat_data import read_rows
-from kiln.pipeline.tasks.rewards import make_reward
+from kiln.pipeline.tasks.rewards import make_reward, score
 from kiln.pipeline.tasks.tasks import TaskSpec, load_task
 
 
@@ -36,7 +36,7 @@ def dag(tmp_path, monkeypatch):
 
 
 def test_files_under_the_stages_deps_are_read(dag):
-    assert make_reward("tasks/grpo/mine.py:score")("", "an a", "a") == 1.0
+    assert score(make_reward("tasks/grpo/mine.py:score"), [("", "an a", "a")], "t") == [1.0]
     assert list(read_rows("tasks/grpo/rows.jsonl", "train", "grpo.data"))[0]["answer"] == "a"
     assert list(read_rows("extra.jsonl", "train", "grpo.data"))  # a file dvc.yaml lists by name
 
@@ -62,10 +62,10 @@ def test_evaluate_takes_anything_under_tasks_and_a_hand_run_anything(dag, monkey
                                         r"evaluate stage's deps in dvc.yaml.*expected it under tasks/ "):
         load_task(TaskSpec(name="t", data="elsewhere/rows.jsonl"), "eval.tasks[0]")
     monkeypatch.delenv("DVC_STAGE")
-    assert make_reward("elsewhere/mine.py:score")("", "a", "a") == 1.0
+    assert score(make_reward("elsewhere/mine.py:score"), [("", "a", "a")], "t") == [1.0]
     assert len(load_task(TaskSpec(name="t", data="elsewhere/rows.jsonl"), "eval.tasks[0]").items) == 1
 
 
 def test_a_stage_kiln_cannot_find_in_dvc_yaml_is_not_checked(dag, monkeypatch):
     monkeypatch.setenv("DVC_STAGE", "other/dvc.yaml:train")
-    assert make_reward("elsewhere/mine.py:score")("", "a", "a") == 1.0
+    assert score(make_reward("elsewhere/mine.py:score"), [("", "a", "a")], "t") == [1.0]

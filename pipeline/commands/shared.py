@@ -108,8 +108,8 @@ def hand_runs(stage: str, output: str, out: str = "out", one_file: bool = False)
                 root = kwargs[out] if named else run_folder(stage, why, kwargs.get("params"))
                 kwargs[out] = root / output
             check_output(root, "--out" if named else "the hand run's folder")
-            holds = (output, f"{output}.*", "metrics", "metrics.*", "checkpoints")
-            _check_run_folder(root, holds, bool(kwargs.get("force")), stage)
+            if not (named and one_file):  # a named file's folder may hold anything: only the file is replaced
+                _check_run_folder(root, bool(kwargs.get("force")), stage)
             main = os.environ.get("RANK", "0") == "0"
             if main:
                 console.print(f"{stage}: a hand run ({'; '.join(why)}), writing under {root}/ (the same command "
@@ -121,7 +121,7 @@ def hand_runs(stage: str, output: str, out: str = "out", one_file: bool = False)
                 result = fn(**kwargs)
             if main:  # said last, after the stage's own lines: what is there now, read back
                 wrote = sorted(p.name + ("/" if p.is_dir() else "") for p in Path(root).iterdir()
-                               if any(fnmatch.fnmatch(p.name, h) for h in holds[::2]))
+                               if p.name in RUN_FOLDER)
                 console.print(f"{stage}: the hand run wrote {', '.join(wrote) or 'nothing'} under {root}/",
                               highlight=False, markup=False, soft_wrap=True)
             return result
@@ -131,15 +131,23 @@ def hand_runs(stage: str, output: str, out: str = "out", one_file: bool = False)
     return wrap
 
 
-def _check_run_folder(root: Path, holds: tuple[str, ...], force: bool, stage: str) -> None:
-    """A hand run's existing folder holds only what a run of `stage` writes there, unless --force."""
+# What hand runs write into their folder: each stage's output (one folder can take a chain of them, the corpus
+# of `kiln data prepare --out run` read by `kiln tokenizer train --corpus run/corpus --out run`), metrics/ and
+# checkpoints/, and the writer's temp, leftover and lock files beside them (model/atomic.py, outputs.exclusive)
+RUN_FOLDER = ("corpus", "tokenizer", "shards", "scaling", "size.json", "model", "metrics", "checkpoints")
+RUN_FOLDER_HOLDS = tuple(f"{name}{end}" for name in RUN_FOLDER for end in ("", ".lock", ".tmp-*", ".new-*", ".old-*"))
+
+
+def _check_run_folder(root: Path, force: bool, stage: str) -> None:
+    """A hand run's existing folder holds only what hand runs write there, unless --force."""
     if force or not root.is_dir():
         return
-    foreign = sorted(p.name for p in root.iterdir() if not any(fnmatch.fnmatch(p.name, h) for h in holds))
+    foreign = sorted(p.name for p in root.iterdir() if not any(fnmatch.fnmatch(p.name, h) for h in RUN_FOLDER_HOLDS))
     if foreign:
         more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise UserError(f"--out {root}: holds {foreign[0]!r}{more}, which kiln {stage} does not write there; choose "
-                        "another --out, or pass --force to write beside them (they are left alone)")
+        raise UserError(f"--out {root}: holds {foreign[0]!r}{more}, which no kiln hand run writes there; choose "
+                        f"another --out for this {stage} run, or pass --force to write beside them (they are left "
+                        "alone)")
 
 
 def _same(value, default) -> bool:
