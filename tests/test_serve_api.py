@@ -214,3 +214,104 @@ def test_a_body_that_is_not_json_is_a_400_in_openai_shape(server):
     assert "not valid JSON" in response.json()["error"]["message"]
     response = httpx.post(f"{base}/v1/completions", content=json.dumps([1, 2]))
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+# --- log-probabilities: what lm-evaluation-harness and RL tools read --------------------------------------------
+
+def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """(len(ids), vocab) float64 log-softmax of a plain forward over ids: row i is the next token's after ids[i]."""
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0].double().log_softmax(-1)
+
+
+def test_echo_scores_a_prompt_as_lm_eval_reads_it(tiny, server):
+    """lm-eval's `local-completions` sends context + continuation as token ids with echo, logprobs 1 and
+    max_tokens 1, and sums token_logprobs[len(context):-1]: the continuation's log-likelihood. max_tokens 0 (with
+    echo) scores only. The first prompt token has no value (null, as OpenAI's); every other is the model's."""
+    _, client, model = server
+    tok = tokenizer(tiny)
+    eot = tok.token_to_id(EOT)
+    context, continuation = tok.encode("the king of").ids, tok.encode(" the queen").ids
+    ids = context + continuation
+    ref = reference_logprobs(model, [eot, *ids])
+    want = [ref[j, ids[j]].item() for j in range(len(ids))]  # ids[j] sits at position j + 1, after eot
+    scored = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=0)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == tok.decode(ids) and scored.usage.completion_tokens == 0
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
+    assert "".join(lp.tokens) == tok.decode(ids) and lp.text_offset[0] == 0
+    one = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = one.choices[0].logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1
+    assert sum(lp.token_logprobs[len(context):-1]) == pytest.approx(sum(want[len(context):]), abs=1e-4)
+    # the generated token is greedy here: its value is the best of its alternatives (lm-eval's is_greedy)
+    assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-6)
+    assert lp.token_logprobs[-1] == pytest.approx(ref[-1].max().item(), abs=1e-4)
+
+
+def test_generated_tokens_report_their_logprobs_whole_and_streamed(tiny, server):
+    _, client, model = server
+    tok = tokenizer(tiny)
+    eot = tok.token_to_id(EOT)
+    done = client.completions.create(model="tiny", prompt="speak", max_tokens=6, temperature=0, logprobs=3)
+    lp = done.choices[0].logprobs
+    prompt = [eot, *tok.encode("speak").ids]
+    out = generate(model, [prompt], 6, temperature=0.0, stop_ids=[eot])[0]
+    ref = reference_logprobs(model, prompt + out)
+    assert lp.token_logprobs == pytest.approx([ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out)],
+                                              abs=1e-4)
+    # three alternatives and the token itself, keyed by text (byte pieces that decode alike share a key)
+    assert all(1 <= len(top) <= 4 and max(top.values()) == pytest.approx(v, abs=1e-6)
+               for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    streamed = list(client.completions.create(model="tiny", prompt="speak", max_tokens=6, temperature=0, logprobs=3,
+                                              stream=True))
+    assert sum((c.choices[0].logprobs.token_logprobs for c in streamed if c.choices[0].logprobs), []) == \
+        pytest.approx(lp.token_logprobs, abs=1e-5)  # another request, other step shapes: float32 rounding apart
+
+
+def test_several_prompts_are_a_choice_block_each(tiny, server):
+    _, client, model = server
+    done = client.completions.create(model="tiny", prompt=["the king of", "speak"], max_tokens=5, temperature=0,
+                                     n=2)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    assert [c.text for c in done.choices] == [greedy_text(tiny, model, "the king of", 5)] * 2 + \
+        [greedy_text(tiny, model, "speak", 5)] * 2
+    tok = tokenizer(tiny)
+    assert done.usage.prompt_tokens == 2 + len(tok.encode("the king of").ids) + len(tok.encode("speak").ids)
+
+
+def test_chat_logprobs_whole_and_streamed(tiny, server):
+    _, client, model = server
+    messages = [{"role": "user", "content": "speak, queen"}]
+    done = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    content = done.choices[0].logprobs.content
+    assert b"".join(bytes(c.bytes) for c in content).decode() == done.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.logprob == pytest.approx(c.top_logprobs[0].logprob, abs=1e-6)
+               for c in content)  # greedy: each token is its best alternative
+    chat = ChatFormat(tokenizer(tiny))
+    prompt = chat.prompt(messages)
+    out = generate(model, [prompt], 8, temperature=0.0, stop_ids=[chat.im_end, chat.eot])[0]
+    ref = reference_logprobs(model, prompt + out)
+    assert [c.logprob for c in content] == pytest.approx(
+        [ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out) if t not in (chat.im_end, chat.eot)], abs=1e-4)
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    assert [c.logprob for ch in chunks if ch.choices and ch.choices[0].logprobs
+            for c in ch.choices[0].logprobs.content] == pytest.approx([c.logprob for c in content], abs=1e-5)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 scores a prompt only with echo
+    ({"prompt": [[1, 2], "x", 3]}, "prompt[2]"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 99}, "top_logprobs"),
+])
+def test_bad_logprob_options_are_400s_naming_the_field(server, body, param):
+    base, _, _ = server
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    response = httpx.post(f"{base}{path}", json={"model": "tiny", **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

@@ -18,10 +18,19 @@ class SamplingParams:
     top_p: float | None = None
     seed: int | None = None
     stop_ids: frozenset[int] = frozenset()
+    # log-probabilities to report (the model's log-softmax at temperature 1 over the whole vocabulary), with this
+    # many likeliest alternatives each: of every generated token (`logprobs`), of every prompt token after the
+    # first (`prompt_logprobs`: the prompt is then computed whole, never taken from the prefix cache). None: none.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # a set: every sampled token is looked up in it (GRPO's and the bench's hold hundreds)
         object.__setattr__(self, "stop_ids", frozenset(self.stop_ids))
+
+
+# A token's log-probability and its likeliest alternatives, (token id, log-probability) best first
+Logprob = tuple[float, list[tuple[int, float]]]
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +69,10 @@ class Request:
     # prompt has been computed they fork onto its blocks and draw their first tokens from its last prompt
     # position's logits, so the prompt is computed once for all of them.
     forks: list[Request] = field(default_factory=list)
+    # with `sampling.logprobs`: one per output token; with `sampling.prompt_logprobs`: one per prompt position but
+    # the last, position p's for token p + 1
+    logprobs: list[Logprob] = field(default_factory=list)
+    prompt_logprobs: list[Logprob] = field(default_factory=list)
     # the runner's: the sampler's noise key (its seed, or a random one for an unseeded request), set at its first
     # draw (an attribute: a dictionary keyed on requests cost a lookup per request every step)
     noise_key: int | None = None

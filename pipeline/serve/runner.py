@@ -28,6 +28,97 @@ from kiln.pipeline.serve.scheduler import ScheduledSequence, StepResult
 from kiln.pipeline.serve.speculative import accept, accept_greedy
 
 
+class LogprobsAsked:
+    """The log-probabilities a step's requests ask for (`SamplingParams.logprobs`, `prompt_logprobs`): the model's
+    log-softmax at temperature 1 over the whole vocabulary, with the k likeliest alternatives, computed on the
+    device in the step that has the logits, read back with its tokens. Their rows and targets cross to the
+    device with the step's other indices (`indices`, before the forward)."""
+
+    def __init__(self, plan: list[ScheduledSequence], segments: list[Segment], last: list[int],
+                 sampled: list[Request]):
+        # sampled rows (indices into the step's sampled requests) whose token's log-probability is asked for
+        self.tokens = [(j, r.sampling.logprobs) for j, r in enumerate(sampled) if r.sampling.logprobs is not None]
+        # prompt positions: (plan index, logits rows, target prompt tokens, k), for the positions the chunk
+        # computes whose next token is still the prompt's (the last one's next is sampled)
+        self.prompt = []
+        for i, (seq, segment) in enumerate(zip(plan, segments)):
+            r, k = seq.request, seq.request.sampling.prompt_logprobs
+            m = min(seq.count, len(r.prompt) - 1 - r.computed)
+            if k is not None and m > 0:
+                first = last[i] - segment.logits + 1
+                self.prompt.append((i, list(range(first, first + m)), r.prompt[r.computed + 1:r.computed + 1 + m], k))
+        self.size = len(plan)
+        self.k_tokens = max((k for _, k in self.tokens), default=0)
+        self.k_prompt = max((p[3] for p in self.prompt), default=0)
+
+    def indices(self) -> dict[str, np.ndarray]:
+        out = {}
+        if self.tokens:
+            out["logprob_rows"] = np.array([j for j, _ in self.tokens], dtype=np.int64)
+        if self.prompt:
+            out["prompt_rows"] = np.array([row for p in self.prompt for row in p[1]], dtype=np.int64)
+            out["prompt_targets"] = np.array([t for p in self.prompt for t in p[2]], dtype=np.int64)
+        return out
+
+    def compute(self, logits: torch.Tensor, new: torch.Tensor | None,
+                on_device: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The values to read back, flat float64: per part, each row's log-probability, then the k best values and
+        their ids."""
+        out = []
+        if self.tokens:
+            rows = on_device["logprob_rows"]
+            chosen = logits[on_device["sample_rows"]] if "sample_rows" in on_device else logits
+            out += _logprobs(chosen[rows], new[rows], self.k_tokens)
+        if self.prompt:
+            out += _logprobs(logits[on_device["prompt_rows"]], on_device["prompt_targets"], self.k_prompt)
+        return out
+
+    def unpack(self, read: list[float], rows: list[int], fork_rows: list) -> tuple:
+        """(logprobs per plan sequence, per fork, prompt logprobs per plan sequence) from the read-back values,
+        None where nothing was asked."""
+        if not self.tokens and not self.prompt:
+            return None, None, None
+        at = 0
+
+        def entries(n: int, k: int, ks: list[int]) -> list:
+            nonlocal at
+            values = read[at:at + n]
+            best = read[at + n:at + n + n * k]
+            ids = read[at + n + n * k:at + n + 2 * n * k]
+            at += n + 2 * n * k
+            return [(values[r], [(int(ids[r * k + c]), best[r * k + c]) for c in range(ks[r])]) for r in range(n)]
+
+        by_sampled = {}
+        if self.tokens:
+            got = entries(len(self.tokens), self.k_tokens, [k for _, k in self.tokens])
+            by_sampled = {j: entry for (j, _), entry in zip(self.tokens, got)}
+        plan_size = self.size
+        logprobs = [None] * plan_size
+        fork_logprobs = [[] for _ in range(plan_size)]
+        for j, i in enumerate(rows):
+            if j in by_sampled:
+                logprobs[i] = [by_sampled[j]]
+        for n, (i, _) in enumerate(fork_rows):
+            fork_logprobs[i].append(by_sampled.get(len(rows) + n))
+        prompt_logprobs = [None] * plan_size
+        if self.prompt:
+            counts = [len(p[2]) for p in self.prompt]
+            got = entries(sum(counts), self.k_prompt, [p[3] for p in self.prompt for _ in p[2]])
+            for (i, *_), part in zip(self.prompt, np.split(np.arange(sum(counts)), np.cumsum(counts)[:-1])):
+                prompt_logprobs[i] = [got[r] for r in part]
+        return logprobs, fork_logprobs, prompt_logprobs
+
+
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[torch.Tensor]:
+    """Each row's log-softmax at its target, then its k best values and their ids, flat float64."""
+    lp = logits.float().log_softmax(dim=-1)
+    out = [lp.gather(1, targets[:, None])[:, 0].double()]
+    best = lp.topk(min(k, lp.size(-1)), dim=-1) if k else None
+    if best is not None:
+        out += [best.values.double().reshape(-1), best.indices.double().reshape(-1)]
+    return out
+
+
 class ModelRunner:
     """Runs `model` (and a `draft`, for speculative decoding) over `cache` (and `draft_cache`)."""
 
@@ -58,7 +149,10 @@ class ModelRunner:
     def execute(self, plan: list[ScheduledSequence]) -> StepResult:
         if any(seq.lookahead for seq in plan):
             return self._speculative(plan)
-        segments = [Segment(seq.request.table, seq.request.computed, seq.count) for seq in plan]
+        # a prompt whose log-probabilities are asked for gets logits for every position of its chunk
+        segments = [Segment(seq.request.table, seq.request.computed, seq.count,
+                            seq.count if seq.request.sampling.prompt_logprobs is not None else 1) for seq in plan]
+        last = [end - 1 for end in itertools.accumulate(s.logits for s in segments)]  # each one's last logits row
         ids = np.fromiter(itertools.chain.from_iterable(
             seq.request.token_slice(seq.request.computed, seq.request.computed + seq.count) for seq in plan), np.int64)
         rows = [i for i, seq in enumerate(plan) if seq.samples]
@@ -68,14 +162,17 @@ class ModelRunner:
         params = [r.sampling for r in sampled]
         any_sampled = any(p.temperature > 0 for p in params)
         extra = {"ids": ids}
-        if len(rows) < len(plan) or fork_rows:
-            extra["sample_rows"] = np.array(rows + [i for i, _ in fork_rows], dtype=np.int64)
+        sample_at = [last[i] for i in rows] + [last[i] for i, _ in fork_rows]
+        if sample_at != list(range(len(plan))):
+            extra["sample_rows"] = np.array(sample_at, dtype=np.int64)
         if any_sampled:  # an all-greedy step needs no sampling settings on the device
             extra |= {"temperature": np.array([p.temperature for p in params], dtype=np.float32),
                       "top_k": np.array([p.top_k or self.vocab_size for p in params], dtype=np.int64),
                       "top_p": np.array([1.0 if p.top_p is None else p.top_p for p in params], dtype=np.float32),
                       "sample_keys": np.array([self._key(r) for r in sampled], dtype=np.int64),
                       "sample_positions": np.array([r.length for r in sampled], dtype=np.int64)}
+        asked = LogprobsAsked(plan, segments, last, sampled)
+        extra |= asked.indices()
         bucket = self.graphs.bucket(len(plan)) if self.graphs and len(ids) == len(plan) else None
         if bucket:
             extra["ids"] = np.pad(ids, (0, bucket - len(ids)))
@@ -87,19 +184,29 @@ class ModelRunner:
             logits = self.model(on_device["ids"][None], cache=self.cache)[0]
         tokens: list[list[int]] = [[] for _ in plan]
         forked: list[list[int]] = [[] for _ in plan]
+        new = None
         if rows:
-            new = sample(logits[on_device["sample_rows"]] if "sample_rows" in on_device else logits, params,
-                         on_device)
+            chosen = logits[on_device["sample_rows"]] if "sample_rows" in on_device else logits
+            new = sample(chosen, params, on_device)
+        values = asked.compute(logits, new, on_device)
         if self.timing:
             self.model_seconds += self._clock() - started
-        if rows:
-            self.reads += 1
-            new = new.tolist()  # the step's one read back
-            for i, token in zip(rows, new):
-                tokens[i] = [token]
-            for (i, _), token in zip(fork_rows, new[len(rows):]):
-                forked[i].append(token)
-        return StepResult(tokens, [0] * len(plan), forked if fork_rows else None)
+        if new is None and not values:
+            return StepResult(tokens, [0] * len(plan))
+        self.reads += 1
+        if values:  # the step's one read back: the tokens and the log-probabilities asked for (ids exact in float64)
+            read = torch.cat([new.double() if new is not None else logits.new_zeros(0, dtype=torch.float64),
+                              *values]).tolist()
+            new_tokens = [int(t) for t in read[:len(sampled)]]
+        else:
+            read, new_tokens = [], new.tolist()  # the step's one read back
+        for i, token in zip(rows, new_tokens):
+            tokens[i] = [token]
+        for (i, _), token in zip(fork_rows, new_tokens[len(rows):]):
+            forked[i].append(token)
+        logprobs, fork_logprobs, prompt_logprobs = asked.unpack(read[len(sampled):], rows, fork_rows)
+        return StepResult(tokens, [0] * len(plan), forked if fork_rows else None, logprobs, fork_logprobs,
+                          prompt_logprobs)
 
     def _clock(self) -> float:
         if self.timing and self.device.type == "cuda":

@@ -32,7 +32,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from kiln.pipeline.serve.blocks import BlockPool
-from kiln.pipeline.serve.request import Request, RequestStatus
+from kiln.pipeline.serve.request import Logprob, Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -54,11 +54,17 @@ class ScheduledSequence:
 class StepResult:
     """What the runner gives back for a step's plan, in its order: each sequence's new tokens (none for a prefill
     chunk short of the end), how many draft tokens it verified, and the first tokens of its forks (a request
-    whose prompt ended this step: `Request.forks`, in their order; None when no sequence forks)."""
+    whose prompt ended this step: `Request.forks`, in their order; None when no sequence forks). With
+    log-probabilities asked for: each new token's (`logprobs`, in step with `tokens`), each fork's first
+    token's (`fork_logprobs`), and the prompt positions' this step computed (`prompt_logprobs`, from the chunk's
+    first position); None where none was asked."""
 
     tokens: list[list[int]]
     drafted: list[int]
     forked: list[list[int]] | None = None
+    logprobs: list[list[Logprob] | None] | None = None
+    fork_logprobs: list[list[Logprob | None]] | None = None
+    prompt_logprobs: list[list[Logprob] | None] | None = None
 
 
 class Scheduler:
@@ -101,6 +107,8 @@ class Scheduler:
                              f"context is {self.max_seq_len} tokens")
         if self.pool.blocks_for(len(request.prompt) + s.max_tokens) > self.pool.num_blocks:
             raise ValueError(f"prompt + max_tokens need more than the cache's {self.pool.num_blocks} blocks")
+        if self.speculate and (s.logprobs is not None or s.prompt_logprobs is not None):
+            raise ValueError("logprobs: not reported with speculative decoding (a draft model)")
 
     def abort(self, request: Request) -> None:
         """Stop a request now (a client that went away): its blocks go back at once. A fork not started yet
@@ -166,10 +174,15 @@ class Scheduler:
         """Apply a step's tokens; return (request, new token) for each token that came out (finished ones too)."""
         events = []
         forked = result.forked or [[] for _ in plan]
-        for seq, new, drafted, first in zip(plan, result.tokens, result.drafted, forked, strict=True):
+        nothing = [None] * len(plan)
+        for seq, new, drafted, first, new_lp, first_lp, prompt_lp in zip(
+                plan, result.tokens, result.drafted, forked, result.logprobs or nothing,
+                result.fork_logprobs or nothing, result.prompt_logprobs or nothing, strict=True):
             request, before = seq.request, seq.request.computed
             if seq.count > 1 or request.computed < len(request.prompt):
                 self.prefill_tokens += seq.count
+            if prompt_lp:  # by position: a prompt computed again (after a preemption) rewrites its own entries
+                request.prompt_logprobs[before:before + len(prompt_lp)] = prompt_lp
             if not seq.samples:
                 request.computed += seq.count  # a prefill chunk short of the end: no token yet
                 self._commit(request, before)
@@ -178,8 +191,8 @@ class Scheduler:
             self.accepted += len(new) - 1
             last = request.length - 1  # the position fed this step; the drafts were fed after it
             if request.forks:  # before the request can finish and let its blocks go
-                self._fork(request, first, events)
-            self._finish(request, new, events)
+                self._fork(request, first, events, first_lp)
+            self._finish(request, new, events, new_lp)
             # Every new token but the last is a kept draft, whose keys and values the target computed; the last
             # is fed next step. The draft computed its cache up to the draft before the last it proposed.
             request.computed = request.length - 1
@@ -191,17 +204,20 @@ class Scheduler:
             self._commit(request, before)
         return events
 
-    def _finish(self, request: Request, tokens: list[int], events: list) -> None:
+    def _finish(self, request: Request, tokens: list[int], events: list, logprobs: list | None = None) -> None:
         """Append `tokens` until a stop id or max_tokens; release the request when it is done."""
-        if self._append(request, tokens, events):
+        if self._append(request, tokens, events, logprobs):
             self.running.remove(request)
             self.pool.release(request.table)
 
-    def _append(self, request: Request, tokens: list[int], events: list) -> bool:
-        """Append `tokens` until a stop id or max_tokens; whether that finished the request."""
+    def _append(self, request: Request, tokens: list[int], events: list, logprobs: list | None = None) -> bool:
+        """Append `tokens` (and their `logprobs`, if any) until a stop id or max_tokens; whether that finished
+        the request."""
         s = request.sampling
-        for token in tokens:
+        for i, token in enumerate(tokens):
             request.output.append(token)
+            if logprobs is not None:
+                request.logprobs.append(logprobs[i])
             events.append((request, token))
             if token in s.stop_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -211,18 +227,20 @@ class Scheduler:
                 return True
         return False
 
-    def _fork(self, parent: Request, tokens: list[int], events: list) -> None:
+    def _fork(self, parent: Request, tokens: list[int], events: list, logprobs: list | None = None) -> None:
         """Start `parent`'s forks, its prompt now computed: each shares the prompt's full blocks, takes a copy of
         the partly filled last one (queued in `copies` for the cache) and its first token from the parent's last
         prompt position (`tokens`, drawn by the runner with the fork's own sampling). A fork the pool has no
         block for waits at the front of the queue with that token, as a preempted request does, and computes
         the prompt itself."""
         forks, parent.forks = parent.forks, []
-        for fork, token in zip(forks, tokens, strict=True):
+        for i, (fork, token) in enumerate(zip(forks, tokens, strict=True)):
             del self.parents[fork]
+            fork.prompt_logprobs = list(parent.prompt_logprobs)  # the same prompt: the same values
+            first = None if logprobs is None or logprobs[i] is None else [logprobs[i]]
             got = self.pool.fork(parent.table, len(parent.prompt))
             if got is None:
-                if not self._append(fork, [token], events):
+                if not self._append(fork, [token], events, first):
                     self.waiting.appendleft(fork)
                 continue
             fork.table, copy = got
@@ -231,7 +249,7 @@ class Scheduler:
             fork.computed, fork.draft_computed = len(fork.prompt), 0  # a draft model computes its own cache
             fork.status = RequestStatus.RUNNING
             self.running.append(fork)
-            self._finish(fork, [token], events)
+            self._finish(fork, [token], events, first)
         self.running.sort(key=lambda r: r.order)
 
     def _preempt(self) -> Request:
@@ -256,10 +274,12 @@ class Scheduler:
         while self.waiting:
             request = self.waiting.popleft()
             tokens = request.tokens
-            if self.prefix_caching and self._prefix_in_flight(tokens, in_flight):
+            # a prompt whose log-probabilities are asked for is computed whole: no cached prefix to wait for or take
+            sharing = self.prefix_caching and request.sampling.prompt_logprobs is None
+            if sharing and self._prefix_in_flight(tokens, in_flight):
                 passed_over.append(request)
                 continue
-            got = self.pool.allocate(tokens if self.prefix_caching else [], reserve=len(tokens))
+            got = self.pool.allocate(tokens if sharing else [], reserve=len(tokens))
             if got is None:
                 self.waiting.appendleft(request)
                 break

@@ -17,9 +17,15 @@ naming the field, prompts are tokenized on a thread (and long outputs decoded on
 stalls the others, and a client that leaves mid-body costs one log line. With `--api-key` every /v1 route wants
 `Authorization: Bearer <key>` (401 otherwise), as vLLM's and OpenAI's servers do.
 
+Log-probabilities (`logprobs: k` and `echo` on /v1/completions, `logprobs: true` with `top_logprobs: k` on
+chat) are the model's log-softmax at temperature 1 over the whole vocabulary, whatever the sampling settings,
+computed by the engine in the step that has the logits (serve/runner.py). An echoed prompt's first token has
+none (null, as OpenAI's); `max_tokens: 0` with echo scores the prompt only: how lm-evaluation-harness's
+`local-completions` model reads a served model's log-likelihoods (token_logprobs[len(context):-1]).
+
 Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 for a body that is not JSON
 or has a bad value (naming the field), a prompt longer than the context, or an option kiln does not support
-(echo, logprobs, best_of); 401 without the API key; 404 for an unknown model; 413 for a body too large.
+(best_of); 401 without the API key; 404 for an unknown model; 413 for a body too large.
 """
 
 from __future__ import annotations
@@ -41,16 +47,17 @@ from kiln.pipeline.errors import shown
 from kiln.pipeline.serve.engine import Engine
 from kiln.pipeline.serve.graphs import GRAPH_BATCH
 from kiln.pipeline.serve.request import Request, RequestStatus, SamplingParams
-from kiln.pipeline.text.bpe import encode_ids
+from kiln.pipeline.text.bpe import encode_ids, token_bytes
 
 MAX_CHOICES = 128  # `n`: choices of one request, each an engine request
 MAX_BODY_BYTES = 1_000_000  # a request body's default limit (`--max-request-bytes`): 413 beyond it
 MAX_STOP_CHARS = 256  # a stop string's length: each is looked for in the text after every token
 DECODE_ON_LOOP = 256  # outputs up to this many tokens are decoded on the event loop, longer ones on a thread
 INT64 = 2**63  # integer fields beyond int64 are refused (numpy and torch take nothing wider)
+MAX_LOGPROBS = 20  # alternatives a token's log-probabilities may list (`logprobs`, `top_logprobs`), as vLLM's
+MAX_PROMPTS = 128  # prompts of one /v1/completions request (a list: a choice block each)
 # OpenAI options kiln does not implement, and the values of each that ask for nothing (clients send defaults)
-UNSUPPORTED = {"echo": (None, False), "best_of": (None, False, 1), "logprobs": (None, False),
-               "top_logprobs": (None, False)}
+UNSUPPORTED = {"best_of": (None, False, 1)}
 
 
 class BadRequest(Exception):
@@ -138,6 +145,10 @@ class Job:
     ids: list[int] = field(default_factory=list)  # generated so far, as this side received them
     text: str = ""  # released so far
     finish_reason: str | None = None
+    echo: bool = False  # the prompt's text (and log-probabilities) come first in the choice
+    hidden: bool = False  # `max_tokens: 0` with echo: the one token the engine generates is not the answer's
+    reported: int = 0  # generated tokens whose log-probabilities a stream has sent
+    fork: bool = False  # a further choice of a prompt another job already computes
 
     def advance(self, last: bool = False) -> str:
         """The new text to release for the tokens so far; sets finish_reason "stop" when a stop string appears.
@@ -170,11 +181,15 @@ class Service:
         self.context = engine.model.config.max_seq_len
         self.worker = EngineThread(engine)
         self.created = int(time.time())
+        self.specials = set(tokenizer.get_added_tokens_decoder())
+        self.token_names: dict[int, tuple[str, bytes]] = {}
 
-    def sampling(self, body: dict, prompt_tokens: int, stop_ids: tuple[int, ...],
-                 default_max: int | None) -> list[SamplingParams]:
+    def sampling(self, body: dict, prompt_tokens: int, stop_ids: tuple[int, ...], default_max: int | None,
+                 logprobs: int | None = None, prompt_logprobs: int | None = None,
+                 score_only: bool = False) -> list[SamplingParams]:
         """One SamplingParams per choice (`n`): with a seed, choice i draws with seed + i, so the choices differ
-        and each is reproducible."""
+        and each is reproducible. `score_only` (echo): `max_tokens` may be 0, and the request then generates the
+        one token the engine must (its caller hides it)."""
         n = number(body.get("n", 1), "n", int, low=1, high=MAX_CHOICES)
         for key, harmless in UNSUPPORTED.items():
             if body.get(key) not in harmless:
@@ -185,7 +200,9 @@ class Service:
                              f"{self.context} tokens", "prompt" if "prompt" in body else "messages",
                              code="context_length_exceeded")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = number(max_tokens, "max_tokens", int, low=1) if max_tokens is not None else (default_max or room)
+        max_tokens = number(max_tokens, "max_tokens", int, low=0 if score_only else 1) if max_tokens is not None \
+            else (default_max or room)
+        max_tokens = max(max_tokens, 1)  # 0 (score only): one token, generated and hidden
         if max_tokens > room:
             raise BadRequest(f"max_tokens={max_tokens}: the prompt's {prompt_tokens} tokens leave room for {room} "
                              f"in this model's {self.context}-token context", "max_tokens",
@@ -199,9 +216,42 @@ class Service:
         if top_k is not None and top_k != -1:
             # beyond the vocabulary cuts nothing
             top_k = min(number(top_k, "top_k", int, low=1), self.tokenizer.get_vocab_size())
+        if (logprobs is not None or prompt_logprobs is not None) and self.engine.runner.draft is not None:
+            raise BadRequest("logprobs: not reported by a server decoding speculatively (--draft)", "logprobs")
         return [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p < 1 else None,
                                top_k=None if top_k in (None, -1) else top_k, seed=None if seed is None else seed + i,
-                               stop_ids=stop_ids) for i in range(n)]
+                               stop_ids=stop_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                for i in range(n)]
+
+    def completion_logprobs(self, body: dict) -> tuple[int | None, bool]:
+        """/v1/completions' `logprobs` (how many alternatives per token, 0 to MAX_LOGPROBS, or none) and `echo`."""
+        echo = body.get("echo", False)
+        if not isinstance(echo, bool) and echo is not None:
+            raise BadRequest("echo: expected true or false", "echo")
+        k = body.get("logprobs")
+        if k is not None and k is not False:
+            k = number(k, "logprobs", int, low=0, high=MAX_LOGPROBS)
+        return (None if k in (None, False) else k), bool(echo)
+
+    def chat_logprobs(self, body: dict) -> int | None:
+        """/v1/chat/completions' `logprobs: true` with `top_logprobs` alternatives (0 to MAX_LOGPROBS)."""
+        wanted, k = body.get("logprobs", False), body.get("top_logprobs")
+        if not isinstance(wanted, bool) and wanted is not None:
+            raise BadRequest("logprobs: expected true or false", "logprobs")
+        if k is not None:
+            k = number(k, "top_logprobs", int, low=0, high=MAX_LOGPROBS)
+            if not wanted:
+                raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
+        return (k or 0) if wanted else None
+
+    def token(self, token_id: int) -> tuple[str, bytes]:
+        """A token's text and raw bytes, as log-probabilities name it (a piece of a character decodes with
+        U+FFFD; its bytes are exact)."""
+        if token_id not in self.token_names:
+            raw = token_bytes(self.tokenizer, token_id) if token_id not in self.specials else \
+                self.tokenizer.id_to_token(token_id).encode()
+            self.token_names[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return self.token_names[token_id]
 
     def stops(self, body: dict) -> list[str]:
         stop = body.get("stop")
@@ -214,17 +264,28 @@ class Service:
                              "them", "stop")
         return stops
 
-    def completion_prompt(self, body: dict) -> list[int]:
+    def completion_prompts(self, body: dict) -> list[list[int]]:
+        """The prompts of /v1/completions, each as ids after <|endoftext|> (a document's start): a string, a list
+        of token ids, or a list of either (a choice block each)."""
         prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            if not all(0 <= t < self.tokenizer.get_vocab_size() for t in prompt):
-                raise BadRequest("prompt: token ids out of the vocabulary", "prompt")
-            return [self.eot, *prompt]
-        if not isinstance(prompt, str):
-            raise BadRequest("prompt: expected a string (or one string, or a list of token ids)", "prompt")
-        return [self.eot, *encode_ids(self.tokenizer, prompt)]
+        single = isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        prompts = [prompt] if single else prompt
+        if not isinstance(prompts, list) or not 0 < len(prompts) <= MAX_PROMPTS:
+            raise BadRequest(f"prompt: expected a string, a list of token ids, or a list of 1 to {MAX_PROMPTS} of "
+                             "either", "prompt")
+        out = []
+        for i, p in enumerate(prompts):
+            where = "prompt" if single else f"prompt[{i}]"
+            if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                if not all(0 <= t < self.tokenizer.get_vocab_size() for t in p):
+                    raise BadRequest(f"{where}: token ids out of the vocabulary", where)
+                out.append([self.eot, *p])
+            elif isinstance(p, str):
+                out.append([self.eot, *encode_ids(self.tokenizer, p)])
+            else:
+                raise BadRequest(f"{where}: expected a string or a non-empty list of token ids", where)
+        return out
 
     def chat_prompt(self, body: dict) -> list[int]:
         if self.chat is None:
@@ -246,11 +307,13 @@ class Service:
             turns.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
         return self.chat.prompt(turns)
 
-    def start_jobs(self, ids: list[int], samplings: list[SamplingParams], stops: list[str], decode) -> list[Job]:
+    def start_jobs(self, ids: list[int], samplings: list[SamplingParams], stops: list[str], decode,
+                   echo: bool = False, hidden: bool = False) -> list[Job]:
         """One job per choice, all on the same prompt: the first choice's request, the others its forks, so the
         engine computes the prompt once."""
         loop = asyncio.get_running_loop()
-        jobs = [Job(Request(ids, sampling, id=uuid.uuid4().hex), stops, decode) for sampling in samplings]
+        jobs = [Job(Request(ids, sampling, id=uuid.uuid4().hex), stops, decode, echo=echo, hidden=hidden,
+                    fork=i > 0) for i, sampling in enumerate(samplings)]
 
         def listener(job: Job):
             return lambda request, token: loop.call_soon_threadsafe(job.queue.put_nowait, (request, token))
@@ -277,9 +340,9 @@ class Service:
                     job.finish_reason = job.finish_reason or ("length" if request.finish_reason in (None, "length")
                                                               else "stop")
                     return
-                if job.finish_reason is None:  # else a stop string ended it; the abort is on its way
+                if job.finish_reason is None and not job.hidden:  # else a stop string ended it (abort on its way)
                     job.ids.append(token)
-            if job.finish_reason is not None:
+            if job.finish_reason is not None or job.hidden:
                 continue
             piece = await self.advance(job)
             if job.finish_reason is not None:
@@ -438,18 +501,25 @@ def add_completion_routes(app, service: Service) -> None:
     @app.post("/v1/completions", dependencies=[key_check(service)])
     async def completions(http: HTTPRequest):
         body = await parse_body(service, http)
-        ids = await asyncio.to_thread(service.completion_prompt, body)  # a long prompt never stalls the others
-        sampling = service.sampling(body, len(ids), (service.eot,), default_max=16)
+        prompts = await asyncio.to_thread(service.completion_prompts, body)  # a long prompt never stalls the others
+        k, echo = service.completion_logprobs(body)
+        stops = service.stops(body)
+        # every prompt checked before any starts
+        samplings = [service.sampling(body, len(ids), (service.eot,), default_max=16, logprobs=k,
+                                      prompt_logprobs=k if echo else None, score_only=echo) for ids in prompts]
+        hidden = echo and body.get("max_completion_tokens", body.get("max_tokens")) == 0
         decode = lambda out: service.tokenizer.decode([t for t in out if t != service.eot])  # noqa: E731
-        return await respond(service, http, body,
-                             service.start_jobs(ids, sampling, service.stops(body), decode), chat=False)
+        jobs = [job for ids, sampling in zip(prompts, samplings)
+                for job in service.start_jobs(ids, sampling, stops, decode, echo, hidden)]
+        return await respond(service, http, body, jobs, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[key_check(service)])
     async def chat_completions(http: HTTPRequest):
         body = await parse_body(service, http)
         ids = await asyncio.to_thread(service.chat_prompt, body)
         chat = service.chat
-        sampling = service.sampling(body, len(ids), (chat.im_end, chat.eot), default_max=None)
+        sampling = service.sampling(body, len(ids), (chat.im_end, chat.eot), default_max=None,
+                                    logprobs=service.chat_logprobs(body))
         jobs = service.start_jobs(ids, sampling, service.stops(body), chat.parse_reply)
         return await respond(service, http, body, jobs, chat=True)
 
@@ -546,19 +616,21 @@ class Reply:
         self.service, self.jobs, self.chat = service, jobs, chat
         self.created, self.id = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + jobs[0].request.id
         self.object = "chat.completion" if chat else "text_completion"
-        self.prompt_tokens = len(jobs[0].request.prompt)  # one prompt, whatever the number of choices
+        # each prompt once, whatever the number of choices (a prompt's first job is its request, the rest forks)
+        self.prompt_tokens = sum(len(job.request.prompt) for job in jobs if not job.fork)
 
     def usage(self) -> dict:
         completion = sum(len(job.ids) for job in self.jobs)
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
-    def chunk(self, index: int, piece: str | None, finish: str | None, role: bool = False) -> dict:
+    def chunk(self, index: int, piece: str | None, finish: str | None, role: bool = False,
+              logprobs: dict | None = None) -> dict:
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": piece} if piece else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": index, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
         return {"id": self.id, "object": self.object + (".chunk" if self.chat else ""), "created": self.created,
                 "model": self.service.name, "choices": [choice]}
 
@@ -592,7 +664,7 @@ class Reply:
         """The finished completion as one JSON response."""
         from fastapi.responses import JSONResponse
 
-        texts = [""] * len(self.jobs)
+        texts = [self.echoed(job) for job in self.jobs]
         try:
             async for index, piece in self.pieces():
                 texts[index] += piece or ""
@@ -600,7 +672,8 @@ class Reply:
             self.stop_unfinished()
         choices = []
         for index, (job, text) in enumerate(zip(self.jobs, texts)):
-            choice = {"index": index, "logprobs": None, "finish_reason": job.finish_reason}
+            entries = self.prompt_entries(job) + self.new_entries(job)
+            choice = {"index": index, "logprobs": self.logprobs(job, entries, 0), "finish_reason": job.finish_reason}
             choices.append(choice | ({"message": {"role": "assistant", "content": text}} if self.chat else
                                      {"text": text}))
         return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
@@ -617,15 +690,70 @@ class Reply:
             if self.chat:
                 for index in range(len(self.jobs)):
                     yield sse(self.chunk(index, None, None, role=True))
+            offsets = [0] * len(self.jobs)
+            for index, job in enumerate(self.jobs):
+                if job.echo:  # the prompt first, with its log-probabilities
+                    offsets[index] = len(text := self.echoed(job))
+                    yield sse(self.chunk(index, text, None, logprobs=self.logprobs(job, self.prompt_entries(job), 0)))
             async for index, piece in self.pieces():
-                finish = self.jobs[index].finish_reason if piece is None else None
-                yield sse(self.chunk(index, piece, finish))
+                job = self.jobs[index]
+                finish = job.finish_reason if piece is None else None
+                logprobs = self.logprobs(job, self.new_entries(job), offsets[index])
+                offsets[index] += len(piece or "")
+                yield sse(self.chunk(index, piece, finish, logprobs=logprobs))
             if include_usage:
                 yield sse({"id": self.id, "object": self.object + (".chunk" if self.chat else ""),
                            "created": self.created, "model": self.service.name, "choices": [], "usage": self.usage()})
             yield sse("[DONE]")
         finally:  # the client went away (the generator is closed) or the jobs ended: either way, stop them
             self.stop_unfinished()
+
+    def echoed(self, job: Job) -> str:
+        """The prompt's text, when the choice echoes it (completions' `echo`), else ""."""
+        return self.service.tokenizer.decode(job.request.prompt[1:]) if job.echo else ""
+
+    def prompt_entries(self, job: Job) -> list:
+        """(token, log-probability entry) of an echoed prompt's tokens, after kiln's <|endoftext|> start: the
+        first has none (OpenAI's null), token p's is the engine's entry of position p - 1."""
+        if not job.echo or job.request.sampling.prompt_logprobs is None:
+            return []
+        prompt, entries = job.request.prompt, job.request.prompt_logprobs
+        return [(prompt[p], None if p == 1 else entries[p - 1]) for p in range(1, len(prompt))]
+
+    def new_entries(self, job: Job) -> list:
+        """(token, entry) of the generated tokens not reported yet; a chat leaves out the stop token that ended
+        its answer (its text is not in the message)."""
+        if job.request.sampling.logprobs is None:
+            return []
+        ids, start = job.ids, job.reported
+        job.reported = len(ids)
+        stops = job.request.sampling.stop_ids if self.chat else ()
+        return [(t, job.request.logprobs[i]) for i, t in enumerate(ids[start:], start) if t not in stops]
+
+    def logprobs(self, job: Job, entries: list, offset: int) -> dict | None:
+        """The choice's `logprobs` in the route's shape: chat's {"content": [{token, logprob, bytes,
+        top_logprobs}]}, completions' {tokens, token_logprobs, top_logprobs, text_offset}; None when not
+        asked for."""
+        sampling = job.request.sampling
+        if sampling.logprobs is None and sampling.prompt_logprobs is None:
+            return None
+        name = self.service.token
+        if self.chat:
+            def item(token: int, value: float) -> dict:
+                text, raw = name(token)
+                return {"token": text, "logprob": value, "bytes": list(raw)}
+            return {"content": [item(t, e[0]) | {"top_logprobs": [item(a, v) for a, v in e[1]]} for t, e in entries]}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token, entry in entries:
+            text = name(token)[0]
+            out["tokens"].append(text)
+            out["text_offset"].append(offset)
+            offset += len(text)
+            out["token_logprobs"].append(None if entry is None else entry[0])
+            # the alternatives, and the token itself beside them (as vLLM lists it)
+            out["top_logprobs"].append(None if entry is None else
+                                       {name(a)[0]: v for a, v in [*entry[1], (token, entry[0])]})
+        return out
 
     def stop_unfinished(self) -> None:
         for job in self.jobs:
