@@ -34,10 +34,9 @@ class LogprobsAsked:
     device in the step that has the logits, read back with its tokens. Their rows and targets cross to the
     device with the step's other indices (`indices`, before the forward)."""
 
-    def __init__(self, plan: list[ScheduledSequence], segments: list[Segment], last: list[int],
-                 sampled: list[Request]):
+    def __init__(self, plan: list[ScheduledSequence], segments: list[Segment], last, params: list):
         # sampled rows (indices into the step's sampled requests) whose token's log-probability is asked for
-        self.tokens = [(j, r.sampling.logprobs) for j, r in enumerate(sampled) if r.sampling.logprobs is not None]
+        self.tokens = [(j, p.logprobs) for j, p in enumerate(params) if p.logprobs is not None]
         # prompt positions: (plan index, logits rows, target prompt tokens, k), for the positions the chunk
         # computes whose next token is still the prompt's (the last one's next is sampled)
         self.prompt = []
@@ -109,6 +108,9 @@ class LogprobsAsked:
         return logprobs, fork_logprobs, prompt_logprobs
 
 
+NOTHING_ASKED = LogprobsAsked([], [], [], [])  # a step without log-probabilities (most): no work at all
+
+
 def _logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[torch.Tensor]:
     """Each row's log-softmax at its target, then its k best values and their ids, flat float64."""
     lp = logits.float().log_softmax(dim=-1)
@@ -149,10 +151,11 @@ class ModelRunner:
     def execute(self, plan: list[ScheduledSequence]) -> StepResult:
         if any(seq.lookahead for seq in plan):
             return self._speculative(plan)
+        segments = [Segment(seq.request.table, seq.request.computed, seq.count) for seq in plan]
         # a prompt whose log-probabilities are asked for gets logits for every position of its chunk
-        segments = [Segment(seq.request.table, seq.request.computed, seq.count,
-                            seq.count if seq.request.sampling.prompt_logprobs is not None else 1) for seq in plan]
-        last = [end - 1 for end in itertools.accumulate(s.logits for s in segments)]  # each one's last logits row
+        asking = [i for i, seq in enumerate(plan) if seq.request.sampling.prompt_logprobs is not None]
+        for i in asking:
+            segments[i] = segments[i]._replace(logits=segments[i].count)
         ids = np.fromiter(itertools.chain.from_iterable(
             seq.request.token_slice(seq.request.computed, seq.request.computed + seq.count) for seq in plan), np.int64)
         rows = [i for i, seq in enumerate(plan) if seq.samples]
@@ -162,16 +165,18 @@ class ModelRunner:
         params = [r.sampling for r in sampled]
         any_sampled = any(p.temperature > 0 for p in params)
         extra = {"ids": ids}
-        sample_at = [last[i] for i in rows] + [last[i] for i, _ in fork_rows]
-        if sample_at != list(range(len(plan))):
-            extra["sample_rows"] = np.array(sample_at, dtype=np.int64)
+        wide = len(ids) if any(s.logits > 1 for s in segments) else 0  # logits rows beyond one a segment
+        last = [end - 1 for end in itertools.accumulate(s.logits for s in segments)] if wide else range(len(plan))
+        if len(rows) < len(plan) or fork_rows or wide:  # the logits rows the sampler reads, when not all in order
+            extra["sample_rows"] = np.array([last[i] for i in rows] + [last[i] for i, _ in fork_rows], dtype=np.int64)
         if any_sampled:  # an all-greedy step needs no sampling settings on the device
             extra |= {"temperature": np.array([p.temperature for p in params], dtype=np.float32),
                       "top_k": np.array([p.top_k or self.vocab_size for p in params], dtype=np.int64),
                       "top_p": np.array([1.0 if p.top_p is None else p.top_p for p in params], dtype=np.float32),
                       "sample_keys": np.array([self._key(r) for r in sampled], dtype=np.int64),
                       "sample_positions": np.array([r.length for r in sampled], dtype=np.int64)}
-        asked = LogprobsAsked(plan, segments, last, sampled)
+        asked = LogprobsAsked(plan, segments, last, params) if asking or any(
+            p.logprobs is not None for p in params) else NOTHING_ASKED
         extra |= asked.indices()
         bucket = self.graphs.bucket(len(plan)) if self.graphs and len(ids) == len(plan) else None
         if bucket:
