@@ -152,9 +152,8 @@ def add_completion_routes(app, service: Service) -> None:
         samplings = [service.sampling(body, len(ids), (service.eot,), default_max=16, logprobs=k,
                                       prompt_logprobs=k if echo else None, score_only=echo) for ids in prompts]
         hidden = echo and body.get("max_completion_tokens", body.get("max_tokens")) == 0
-        decode = lambda out: service.tokenizer.decode([t for t in out if t != service.eot])  # noqa: E731
         jobs = [job for ids, sampling in zip(prompts, samplings)
-                for job in service.start_jobs(ids, sampling, stops, decode, echo, hidden)]
+                for job in service.start_jobs(ids, sampling, stops, echo=echo, hidden=hidden)]
         return await respond(service, http, body, jobs, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[key_check(service)])
@@ -164,7 +163,7 @@ def add_completion_routes(app, service: Service) -> None:
         chat = service.chat
         sampling = service.sampling(body, len(ids), (chat.im_end, chat.eot), default_max=None,
                                     logprobs=service.chat_logprobs(body))
-        jobs = service.start_jobs(ids, sampling, service.stops(body), chat.parse_reply)
+        jobs = service.start_jobs(ids, sampling, service.stops(body), chat=True)
         return await respond(service, http, body, jobs, chat=True)
 
 

@@ -3,7 +3,8 @@ reading a request body into prompts and sampling settings, and starting a choice
 
 Text: a completion's prompt starts a document, as every pretraining document follows `<|endoftext|>`; a chat
 is rendered with the model's ChatML template (tasks/chat_format.py, what SFT taught). Prompts are tokenized on
-a thread (and long outputs decoded on one), so one request never stalls the others.
+a thread, so one long prompt never stalls the others; a choice's text is decoded a token at a time
+(detokenizer.py), the same cost for every token however long the output.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from kiln.pipeline.serve.protocol import (
 )
 from kiln.pipeline.serve.request import Request, RequestStatus, SamplingParams
 from kiln.pipeline.text.bpe import encode_ids, token_bytes
-
-DECODE_ON_LOOP = 256  # outputs up to this many tokens are decoded on the event loop, longer ones on a thread
 
 
 class Service:
@@ -168,13 +167,16 @@ class Service:
             turns.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
         return self.chat.prompt(turns)
 
-    def start_jobs(self, ids: list[int], samplings: list[SamplingParams], stops: list[str], decode,
+    def start_jobs(self, ids: list[int], samplings: list[SamplingParams], stops: list[str], chat: bool = False,
                    echo: bool = False, hidden: bool = False) -> list[Job]:
         """One job per choice, all on the same prompt: the first choice's request, the others its forks, so the
         engine computes the prompt once."""
         loop = asyncio.get_running_loop()
-        jobs = [Job(Request(ids, sampling, id=uuid.uuid4().hex), stops, decode, echo=echo, hidden=hidden,
-                    fork=i > 0) for i, sampling in enumerate(samplings)]
+        # a chat's answer ends at <|im_end|> and keeps special tokens' text (ChatFormat.parse_reply); a completion's
+        # special tokens decode to nothing
+        ends = frozenset((self.chat.im_end, self.chat.eot)) if chat else frozenset((self.eot,))
+        jobs = [Job(Request(ids, sampling, id=uuid.uuid4().hex), stops, self.tokenizer, ends, keep_special=chat,
+                    echo=echo, hidden=hidden, fork=i > 0) for i, sampling in enumerate(samplings)]
 
         def listener(job: Job):
             return lambda request, token: loop.call_soon_threadsafe(job.queue.put_nowait, (request, token))
@@ -184,8 +186,7 @@ class Service:
 
     async def tokens(self, job: Job):
         """The job's new text pieces as tokens arrive, until it finishes; sets job.finish_reason. Tokens that
-        arrived together are decoded together, on a thread once the output is long (each decode reads the whole
-        output), so no stream's text holds up the event loop."""
+        arrived together are released together."""
         while True:
             arrived = [await job.queue.get()]
             while not job.queue.empty():
@@ -196,23 +197,18 @@ class Service:
                 if token is None:
                     if request.status is RequestStatus.FINISHED_REFUSED:
                         raise BadRequest(request.error)
-                    if job.finish_reason is None and (piece := await self.advance(job, last=True)):
+                    if job.finish_reason is None and (piece := job.advance(last=True)):
                         yield piece
                     job.finish_reason = job.finish_reason or ("length" if request.finish_reason in (None, "length")
                                                               else "stop")
                     return
                 if job.finish_reason is None and not job.hidden:  # else a stop string ended it (abort on its way)
-                    job.ids.append(token)
+                    job.feed(token)
             if job.finish_reason is not None or job.hidden:
                 continue
-            piece = await self.advance(job)
+            piece = job.advance()
             if job.finish_reason is not None:
                 self.worker.abort(job.request)
             if piece:
                 yield piece
 
-    @staticmethod
-    async def advance(job: Job, last: bool = False) -> str:
-        if len(job.ids) <= DECODE_ON_LOOP:
-            return job.advance(last)
-        return await asyncio.to_thread(job.advance, last)
