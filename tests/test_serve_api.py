@@ -315,3 +315,35 @@ def test_bad_logprob_options_are_400s_naming_the_field(server, body, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
     response = httpx.post(f"{base}{path}", json={"model": "tiny", **body})
     assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_metrics_parse_as_prometheus_and_count_what_was_served(server):
+    """/metrics in Prometheus text format (parsed with prometheus-client's own parser): vLLM's names under kiln's
+    prefix, counting the requests, tokens and latencies of what this test sends."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    base, client, _ = server
+
+    def scrape() -> dict:
+        text = httpx.get(f"{base}/metrics").text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    before = scrape()
+    done = client.completions.create(model="tiny", prompt="the king", max_tokens=5, temperature=0)
+    httpx.get(f"{base}/nowhere/{'x' * 50}")  # an unknown path is counted as "other", not as a label of its own
+    after = scrape()
+
+    def grew(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert grew("kiln:generation_tokens_total") == done.usage.completion_tokens
+    assert grew("kiln:request_success_total", finished_reason=done.choices[0].finish_reason) == 1
+    assert grew("kiln:time_to_first_token_seconds_count") == 1
+    assert grew("kiln:inter_token_latency_seconds_count") == done.usage.completion_tokens - 1
+    assert grew("kiln:http_requests_total", path="/v1/completions", status="200") == 1
+    assert grew("kiln:http_requests_total", path="other", status="404") == 1
+    assert grew("kiln:prompt_tokens_total") == done.usage.prompt_tokens  # a fresh prompt: computed whole
+    assert after[("kiln:num_requests_running", ())] == 0 and 0 <= after[("kiln:kv_cache_usage_perc", ())] <= 1
+    assert not any("nowhere" in str(key) for key in after)

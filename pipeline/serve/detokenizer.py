@@ -12,6 +12,7 @@ out as the full decode has them.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
@@ -39,6 +40,8 @@ class Job:
     hidden: bool = False  # `max_tokens: 0` with echo: the one token the engine generates is not the answer's
     reported: int = 0  # generated tokens whose log-probabilities a stream has sent
     fork: bool = False  # a further choice of a prompt another job already computes
+    started: float = field(default_factory=time.perf_counter)  # for its latencies (/metrics)
+    last_token: float | None = None
     pending: str = ""  # decoded, not released yet: held back, or not looked at yet
     ended: bool = False  # an `ends` token came: no more text
     stream: DecodeStream | None = None

@@ -25,12 +25,16 @@ from kiln.pipeline.serve.responses import model_card, respond
 from kiln.pipeline.serve.service import Service
 
 
-class RequestLog:
-    """ASGI middleware: one line per request once its response is sent (or the client left): method, path, status,
-    prompt + completion tokens when it generated, milliseconds. Pure ASGI, so a stream is timed to its last chunk."""
+ROUTES = frozenset(("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"))
 
-    def __init__(self, app, log: logging.Logger):
-        self.app, self.log = app, log
+
+class RequestLog:
+    """ASGI middleware: each request counted on /metrics by route and status, and with a `log`, one line per
+    request once its response is sent (or the client left): method, path, status, prompt + completion tokens
+    when it generated, milliseconds. Pure ASGI, so a stream is timed to its last chunk."""
+
+    def __init__(self, app, metrics, log: logging.Logger | None):
+        self.app, self.metrics, self.log = app, metrics, log
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -44,6 +48,12 @@ class RequestLog:
         try:
             await self.app(scope, receive, sending)
         finally:
+            # any other path counts as "other": a client must not grow the label set without bound
+            path = scope["path"]
+            route = "/v1/models" if path.startswith("/v1/models/") else path if path in ROUTES else "other"
+            self.metrics.http_requests.labels(route, str(status[0])).inc()
+            if self.log is None:
+                return
             usage = scope.get("kiln", {}).get("usage")
             tokens = ""
             if usage is not None:
@@ -55,8 +65,8 @@ class RequestLog:
 
 
 def create_app(service: Service, log_requests: bool = False):
-    """The FastAPI app: /health, /v1/models, /v1/completions, /v1/chat/completions; `log_requests`: a line per
-    request on the `kiln.serve` logger."""
+    """The FastAPI app: /health, /metrics, /v1/models, /v1/completions, /v1/chat/completions; `log_requests`: a
+    line per request on the `kiln.serve` logger."""
     from fastapi import FastAPI
 
     @contextlib.asynccontextmanager
@@ -68,8 +78,8 @@ def create_app(service: Service, log_requests: bool = False):
     add_error_handlers(app)
     add_model_routes(app, service)
     add_completion_routes(app, service)
-    if log_requests:
-        app.add_middleware(RequestLog, log=logging.getLogger("kiln.serve"))
+    app.add_middleware(RequestLog, metrics=service.metrics,
+                       log=logging.getLogger("kiln.serve") if log_requests else None)
     return app
 
 
@@ -118,7 +128,7 @@ def add_error_handlers(app) -> None:
 
 
 def add_model_routes(app, service: Service) -> None:
-    """GET /health, /v1/models and /v1/models/{name}."""
+    """GET /health, /metrics, /v1/models and /v1/models/{name}."""
 
     @app.get("/health")
     async def health():
@@ -126,6 +136,13 @@ def add_model_routes(app, service: Service) -> None:
         return {"status": "ok", "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                 "kv_blocks_in_use": engine.pool.in_use(), "kv_blocks": engine.pool.num_blocks,
                 "aborted": engine.scheduler.aborted, "prefill_tokens": engine.scheduler.prefill_tokens}
+
+    @app.get("/metrics")
+    async def metrics():  # Prometheus text format; open, as /health is (counts, no content)
+        from fastapi.responses import Response
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(service.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[key_check(service)])
     async def models():

@@ -46,7 +46,8 @@ def check_cache_fits(configs, kv_blocks: int, block_size: int, like) -> None:
 def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: str, kv_blocks: int | None,
           block_size: int, max_batch_tokens: int, name: str | None = None, draft_dir: Path | None = None,
           speculate: int = 4, enforce_eager: bool = False, api_key: str | None = None,
-          max_body: int | None = None, quiet: bool = False) -> None:
+          max_body: int | None = None, quiet: bool = False, max_connections: int = 2048,
+          keep_alive: float = 5.0) -> None:
     """Load the model, build the engine and run the HTTP server until interrupted."""
     import uvicorn
 
@@ -59,9 +60,11 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     max_body = MAX_BODY_BYTES if max_body is None else max_body
     for option, value in (("--block-size", block_size), ("--max-batch-tokens", max_batch_tokens),
                           ("--kv-blocks", kv_blocks if kv_blocks is not None else 1), ("--speculate", speculate),
-                          ("--max-request-bytes", max_body)):
+                          ("--max-request-bytes", max_body), ("--max-connections", max_connections)):
         if value < 1:
             raise UserError(f"{option}={value}: expected a positive integer")
+    if not 0 < keep_alive <= 3600:
+        raise UserError(f"--keep-alive={keep_alive}: expected seconds in (0, 3600]")
     if not 0 <= port < 65536:
         raise UserError(f"--port={port}: expected 0..65535")
     lm = TextModel(model_dir, tokenizer_path, pick_device(device))
@@ -102,7 +105,8 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
         handler.setFormatter(logging.Formatter("%(asctime)s kiln serve: %(message)s", "%H:%M:%S"))
         logging.getLogger("kiln.serve").addHandler(handler)
         logging.getLogger("kiln.serve").setLevel(logging.INFO)
-    uvicorn.run(create_app(service, log_requests=not quiet), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(service, log_requests=not quiet), host=host, port=port, log_level="warning",
+                limit_concurrency=max_connections, timeout_keep_alive=keep_alive)
 
 
 def loopback(host: str) -> bool:

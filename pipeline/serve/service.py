@@ -16,6 +16,7 @@ import uuid
 from kiln.pipeline.serve.detokenizer import Job
 from kiln.pipeline.serve.engine import Engine
 from kiln.pipeline.serve.engine_thread import EngineThread
+from kiln.pipeline.serve.metrics import ServeMetrics
 from kiln.pipeline.serve.protocol import (
     INT64,
     MAX_BODY_BYTES,
@@ -40,6 +41,7 @@ class Service:
         self.api_key, self.max_body = api_key, max_body
         self.context = engine.model.config.max_seq_len
         self.worker = EngineThread(engine)
+        self.metrics = ServeMetrics(engine)
         self.created = int(time.time())
         self.specials = set(tokenizer.get_added_tokens_decoder())
         self.token_names: dict[int, tuple[str, bytes]] = {}
@@ -201,9 +203,11 @@ class Service:
                         yield piece
                     job.finish_reason = job.finish_reason or ("length" if request.finish_reason in (None, "length")
                                                               else "stop")
+                    self.metrics.request_success.labels(job.finish_reason).inc()
                     return
                 if job.finish_reason is None and not job.hidden:  # else a stop string ended it (abort on its way)
                     job.feed(token)
+                    job.last_token = self.metrics.token(job.started, job.last_token)
             if job.finish_reason is not None or job.hidden:
                 continue
             piece = job.advance()
