@@ -303,6 +303,10 @@ def test_chat_logprobs_whole_and_streamed(tiny, server):
 
 
 @pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "temperature": "1"}, "temperature"),  # strict: no text for a number
+    ({"prompt": "x", "n": True}, "n"),
+    ({"prompt": "x", "stream_options": 1}, "stream_options"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 scores a prompt only with echo
@@ -347,3 +351,24 @@ def test_metrics_parse_as_prometheus_and_count_what_was_served(server):
     assert grew("kiln:prompt_tokens_total") == done.usage.prompt_tokens  # a fresh prompt: computed whole
     assert after[("kiln:num_requests_running", ())] == 0 and 0 <= after[("kiln:kv_cache_usage_perc", ())] <= 1
     assert not any("nowhere" in str(key) for key in after)
+
+
+def test_openapi_lists_both_routes_with_their_fields(server):
+    """/openapi.json (FastAPI's, from the request models): both routes, each with the fields the server reads and
+    their bounds; unknown fields in a request are ignored, as OpenAI's API does; /docs only with --docs."""
+    base, _, _ = server
+    spec = httpx.get(f"{base}/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, name in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatCompletionRequest")):
+        body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{name}"}
+    completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
+    assert {"prompt", "echo", "logprobs", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
+            "stream"} <= set(completion)
+    assert {"messages", "logprobs", "top_logprobs", "max_completion_tokens"} <= set(chat)
+    assert completion["temperature"]["maximum"] == 2.0 and completion["n"]["maximum"] == 128
+    assert schemas["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant"]
+    assert httpx.get(f"{base}/docs").status_code == 404
+    response = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1,
+                                                           "user": "u", "frobnicate": {"a": 1}})
+    assert response.status_code == 200, response.text

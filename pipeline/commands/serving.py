@@ -117,13 +117,15 @@ def serve_command(
                                                             "ms).")] = False,
         max_connections: Annotated[int, typer.Option(help="Open connections at once; beyond it new ones get a "
                                                           "503 (uvicorn's limit_concurrency).")] = 2048,
-        keep_alive: Annotated[float, typer.Option(help="Seconds an idle keep-alive connection stays open.")] = 5.0):
+        keep_alive: Annotated[float, typer.Option(help="Seconds an idle keep-alive connection stays open.")] = 5.0,
+        docs: Annotated[bool, typer.Option("--docs", help="Also serve the interactive API page at /docs "
+                                                          "(/openapi.json is always there).")] = False):
     """Serve a model over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on a continuous-batching engine with a paged KV cache."""
     from kiln.pipeline.serve.server import serve
 
     serve(model, tokenizer, host, port, device, kv_blocks, block_size, max_batch_tokens, name, draft, speculate,
-          enforce_eager, api_key, max_request_bytes, quiet, max_connections, keep_alive)
+          enforce_eager, api_key, max_request_bytes, quiet, max_connections, keep_alive, docs)
 
 
 QUOTES = '"""'

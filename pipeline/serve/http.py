@@ -20,7 +20,14 @@ import time
 from starlette.requests import Request as HTTPRequest  # FastAPI reads handler annotations from module globals
 
 from kiln.pipeline.errors import shown
-from kiln.pipeline.serve.protocol import BadRequest, error_body, unpaired_surrogate
+from kiln.pipeline.serve.protocol import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    error_body,
+    unpaired_surrogate,
+    validated,
+)
 from kiln.pipeline.serve.responses import model_card, respond
 from kiln.pipeline.serve.service import Service
 
@@ -64,9 +71,9 @@ class RequestLog:
                           1000 * (time.perf_counter() - started), f" ({note})" if note else "")
 
 
-def create_app(service: Service, log_requests: bool = False):
-    """The FastAPI app: /health, /metrics, /v1/models, /v1/completions, /v1/chat/completions; `log_requests`: a
-    line per request on the `kiln.serve` logger."""
+def create_app(service: Service, log_requests: bool = False, docs: bool = False):
+    """The FastAPI app: /health, /metrics, /v1/models, /v1/completions, /v1/chat/completions, /openapi.json (and
+    with `docs`, the interactive /docs page); `log_requests`: a line per request on the `kiln.serve` logger."""
     from fastapi import FastAPI
 
     @contextlib.asynccontextmanager
@@ -74,10 +81,11 @@ def create_app(service: Service, log_requests: bool = False):
         service.worker.start()
         yield
 
-    app = FastAPI(title="kiln serve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="kiln serve", docs_url="/docs" if docs else None, redoc_url=None, lifespan=lifespan)
     add_error_handlers(app)
     add_model_routes(app, service)
     add_completion_routes(app, service)
+    use_models(app, (CompletionRequest, ChatCompletionRequest))
     app.add_middleware(RequestLog, metrics=service.metrics,
                        log=logging.getLogger("kiln.serve") if log_requests else None)
     return app
@@ -159,9 +167,9 @@ def add_model_routes(app, service: Service) -> None:
 def add_completion_routes(app, service: Service) -> None:
     """POST /v1/completions and /v1/chat/completions: parse the body, start the job, answer whole or streamed."""
 
-    @app.post("/v1/completions", dependencies=[key_check(service)])
+    @app.post("/v1/completions", dependencies=[key_check(service)], openapi_extra=schema_of(CompletionRequest))
     async def completions(http: HTTPRequest):
-        body = await parse_body(service, http)
+        body = validated(CompletionRequest, await parse_body(service, http))
         prompts = await asyncio.to_thread(service.completion_prompts, body)  # a long prompt never stalls the others
         k, echo = service.completion_logprobs(body)
         stops = service.stops(body)
@@ -173,9 +181,10 @@ def add_completion_routes(app, service: Service) -> None:
                 for job in service.start_jobs(ids, sampling, stops, echo=echo, hidden=hidden)]
         return await respond(service, http, body, jobs, chat=False)
 
-    @app.post("/v1/chat/completions", dependencies=[key_check(service)])
+    @app.post("/v1/chat/completions", dependencies=[key_check(service)],
+              openapi_extra=schema_of(ChatCompletionRequest))
     async def chat_completions(http: HTTPRequest):
-        body = await parse_body(service, http)
+        body = validated(ChatCompletionRequest, await parse_body(service, http))
         ids = await asyncio.to_thread(service.chat_prompt, body)
         chat = service.chat
         sampling = service.sampling(body, len(ids), (chat.im_end, chat.eot), default_max=None,
@@ -210,9 +219,35 @@ class Disconnected(Exception):
     """The client went away before its request was whole: nothing to answer, nothing to log but a line."""
 
 
+def schema_of(kind) -> dict:
+    """The route's request body for /openapi.json: the model's JSON schema (its nested models under
+    components, where `use_models` puts them). The body itself is read by `parse_body`, not by FastAPI, so that
+    its size and nesting are bounded before it is parsed."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "$ref": f"#/components/schemas/{kind.__name__}"}}}}}
+
+
+def use_models(app, kinds) -> None:
+    """Put the request models' schemas (and the models they nest) in the app's OpenAPI components."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi():
+        if app.openapi_schema is None:
+            spec = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+            for kind in kinds:
+                schema = kind.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[kind.__name__] = schema
+            app.openapi_schema = spec
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 async def parse_body(service: Service, http: HTTPRequest) -> dict:
-    """The request's JSON object, checked as far as both routes share it: the model is this one, `stream` a bool,
-    every string valid Unicode."""
+    """The request's JSON object, checked as far as both routes share it (the model is this one, every string
+    valid Unicode) before its route's model validates the rest (protocol.py)."""
     raw = await read_body(service, http)
     try:
         body = json.loads(raw)
@@ -229,7 +264,4 @@ async def parse_body(service: Service, http: HTTPRequest) -> dict:
             raise BadRequest("model: expected the name of a model (GET /v1/models lists them)", "model")
         raise BadRequest(f"model {body['model']!r} does not exist (this server has {service.name!r})", "model",
                          404, "model_not_found")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("stream: expected true or false", "stream")
     return body

@@ -11,7 +11,6 @@ import time
 from starlette.requests import Request as HTTPRequest  # FastAPI reads handler annotations from module globals
 
 from kiln.pipeline.serve.detokenizer import Job
-from kiln.pipeline.serve.protocol import BadRequest
 from kiln.pipeline.serve.service import Service
 
 
@@ -23,10 +22,6 @@ async def respond(service: Service, http: HTTPRequest, body: dict, jobs: list[Jo
     """The jobs' completion (`chat`: chat completion), one choice each, as one JSON object or, if the body asks to
     `stream`, as server-sent events; its usage is left on the request for the log line (`RequestLog`)."""
     options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        for job in jobs:
-            service.worker.abort(job.request)
-        raise BadRequest("stream_options: expected an object such as {\"include_usage\": true}", "stream_options")
     reply = Reply(service, jobs, chat)
     http.scope.setdefault("kiln", {})["usage"] = reply.usage
     if not body.get("stream"):

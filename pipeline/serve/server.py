@@ -47,7 +47,7 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
           block_size: int, max_batch_tokens: int, name: str | None = None, draft_dir: Path | None = None,
           speculate: int = 4, enforce_eager: bool = False, api_key: str | None = None,
           max_body: int | None = None, quiet: bool = False, max_connections: int = 2048,
-          keep_alive: float = 5.0) -> None:
+          keep_alive: float = 5.0, docs: bool = False) -> None:
     """Load the model, build the engine and run the HTTP server until interrupted."""
     import uvicorn
 
@@ -105,7 +105,7 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
         handler.setFormatter(logging.Formatter("%(asctime)s kiln serve: %(message)s", "%H:%M:%S"))
         logging.getLogger("kiln.serve").addHandler(handler)
         logging.getLogger("kiln.serve").setLevel(logging.INFO)
-    uvicorn.run(create_app(service, log_requests=not quiet), host=host, port=port, log_level="warning",
+    uvicorn.run(create_app(service, log_requests=not quiet, docs=docs), host=host, port=port, log_level="warning",
                 limit_concurrency=max_connections, timeout_keep_alive=keep_alive)
 
 

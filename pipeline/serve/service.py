@@ -18,15 +18,11 @@ from kiln.pipeline.serve.engine import Engine
 from kiln.pipeline.serve.engine_thread import EngineThread
 from kiln.pipeline.serve.metrics import ServeMetrics
 from kiln.pipeline.serve.protocol import (
-    INT64,
     MAX_BODY_BYTES,
-    MAX_CHOICES,
-    MAX_LOGPROBS,
     MAX_PROMPTS,
     MAX_STOP_CHARS,
     UNSUPPORTED,
     BadRequest,
-    number,
 )
 from kiln.pipeline.serve.request import Request, RequestStatus, SamplingParams
 from kiln.pipeline.text.bpe import encode_ids, token_bytes
@@ -49,10 +45,11 @@ class Service:
     def sampling(self, body: dict, prompt_tokens: int, stop_ids: tuple[int, ...], default_max: int | None,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
                  score_only: bool = False) -> list[SamplingParams]:
-        """One SamplingParams per choice (`n`): with a seed, choice i draws with seed + i, so the choices differ
-        and each is reproducible. `score_only` (echo): `max_tokens` may be 0, and the request then generates the
-        one token the engine must (its caller hides it)."""
-        n = number(body.get("n", 1), "n", int, low=1, high=MAX_CHOICES)
+        """One SamplingParams per choice (`n`) of a validated `body` (protocol.py: types and bounds): with a seed,
+        choice i draws with seed + i, so the choices differ and each is reproducible. `score_only` (echo):
+        `max_tokens` may be 0, and the request then generates the one token the engine must (its caller hides
+        it)."""
+        n = body.get("n", 1)
         for key, harmless in UNSUPPORTED.items():
             if body.get(key) not in harmless:
                 raise BadRequest(f"{key}: not supported by kiln serve", key)
@@ -62,22 +59,19 @@ class Service:
                              f"{self.context} tokens", "prompt" if "prompt" in body else "messages",
                              code="context_length_exceeded")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = number(max_tokens, "max_tokens", int, low=0 if score_only else 1) if max_tokens is not None \
-            else (default_max or room)
-        max_tokens = max(max_tokens, 1)  # 0 (score only): one token, generated and hidden
+        if max_tokens == 0 and not score_only:
+            raise BadRequest("max_tokens=0: expected at least 1 (0 scores a prompt only, with echo)", "max_tokens")
+        max_tokens = max(max_tokens, 1) if max_tokens is not None else (default_max or room)  # 0: one, hidden
         if max_tokens > room:
             raise BadRequest(f"max_tokens={max_tokens}: the prompt's {prompt_tokens} tokens leave room for {room} "
                              f"in this model's {self.context}-token context", "max_tokens",
                              code="context_length_exceeded")
-        temperature = number(body.get("temperature", 1.0), "temperature", float, low=0.0, high=2.0)
-        top_p = number(body.get("top_p", 1.0), "top_p", float, low=0.0, high=1.0, open_low=True)
-        seed = body.get("seed")
-        if seed is not None:  # choice i draws with seed + i: all within what torch's generators take
-            seed = number(seed, "seed", int, low=-INT64, high=INT64 - 1)
+        temperature, top_p, seed = body.get("temperature", 1.0), body.get("top_p", 1.0), body.get("seed")
         top_k = body.get("top_k")  # vLLM's extension, accepted through extra_body
         if top_k is not None and top_k != -1:
-            # beyond the vocabulary cuts nothing
-            top_k = min(number(top_k, "top_k", int, low=1), self.tokenizer.get_vocab_size())
+            if top_k < 1:
+                raise BadRequest(f"top_k={top_k}: expected -1 (none) or at least 1", "top_k")
+            top_k = min(top_k, self.tokenizer.get_vocab_size())  # beyond the vocabulary cuts nothing
         if (logprobs is not None or prompt_logprobs is not None) and self.engine.runner.draft is not None:
             raise BadRequest("logprobs: not reported by a server decoding speculatively (--draft)", "logprobs")
         return [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p < 1 else None,
@@ -86,24 +80,14 @@ class Service:
                 for i in range(n)]
 
     def completion_logprobs(self, body: dict) -> tuple[int | None, bool]:
-        """/v1/completions' `logprobs` (how many alternatives per token, 0 to MAX_LOGPROBS, or none) and `echo`."""
-        echo = body.get("echo", False)
-        if not isinstance(echo, bool) and echo is not None:
-            raise BadRequest("echo: expected true or false", "echo")
-        k = body.get("logprobs")
-        if k is not None and k is not False:
-            k = number(k, "logprobs", int, low=0, high=MAX_LOGPROBS)
-        return (None if k in (None, False) else k), bool(echo)
+        """/v1/completions' `logprobs` (how many alternatives per token, or none) and `echo`."""
+        return body.get("logprobs"), body.get("echo", False)
 
     def chat_logprobs(self, body: dict) -> int | None:
-        """/v1/chat/completions' `logprobs: true` with `top_logprobs` alternatives (0 to MAX_LOGPROBS)."""
+        """/v1/chat/completions' `logprobs: true` with `top_logprobs` alternatives."""
         wanted, k = body.get("logprobs", False), body.get("top_logprobs")
-        if not isinstance(wanted, bool) and wanted is not None:
-            raise BadRequest("logprobs: expected true or false", "logprobs")
-        if k is not None:
-            k = number(k, "top_logprobs", int, low=0, high=MAX_LOGPROBS)
-            if not wanted:
-                raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
+        if k is not None and not wanted:
+            raise BadRequest("top_logprobs: needs logprobs: true", "top_logprobs")
         return (k or 0) if wanted else None
 
     def token(self, token_id: int) -> tuple[str, bytes]:
@@ -120,8 +104,7 @@ class Service:
         if stop is None:
             return []
         stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops) \
-                or len(stops) > 4:
+        if not all(0 < len(s) <= MAX_STOP_CHARS for s in stops) or len(stops) > 4:
             raise BadRequest(f"stop: expected a string of 1 to {MAX_STOP_CHARS} characters or a list of up to 4 of "
                              "them", "stop")
         return stops
@@ -152,20 +135,9 @@ class Service:
     def chat_prompt(self, body: dict) -> list[int]:
         if self.chat is None:
             raise BadRequest(f"model {self.name!r}: its tokenizer has no chat tokens; use /v1/completions", "model")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise BadRequest("messages: expected a non-empty list of {role, content}", "messages")
         turns = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-                raise BadRequest(f"messages[{i}].role: expected system, user or assistant", f"messages[{i}].role")
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: text only
-                if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                    raise BadRequest(f"messages[{i}].content: only text parts are supported", f"messages[{i}]")
-                content = "".join(p.get("text", "") for p in content)
-            if not isinstance(content, str):
-                raise BadRequest(f"messages[{i}].content: expected a string", f"messages[{i}].content")
+        for m in body["messages"]:  # roles and content parts checked by protocol.ChatMessage
+            content = m["content"] if isinstance(m["content"], str) else "".join(p.get("text", "") for p in m["content"])
             turns.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
         return self.chat.prompt(turns)
 
