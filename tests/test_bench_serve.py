@@ -9,7 +9,8 @@ import torch
 from kiln.model.checkpoint import save_model
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
-from kiln.pipeline.tools.bench_serve import bench_serve, workload
+from kiln.pipeline.tools.bench_serve import bench_serve
+from kiln.pipeline.tools.serve_workload import workload
 
 
 def test_every_variant_serves_the_whole_workload(tmp_path):
@@ -57,3 +58,18 @@ def test_output_lengths_are_long_tailed_or_uniform_and_fit_the_context():
     assert 4 <= min(uniform.outputs) and max(uniform.outputs) <= 64
     # geometric, mean 256 / 8 = 32 where the prompt leaves room: about 1 in e^3 = 5 % of answers run past 3x it
     assert 30 < sum(geometric.outputs) / 4000 < 34 and 0.03 < sum(n > 96 for n in geometric.outputs) / 4000 < 0.07
+
+
+def test_http_clients_get_what_the_engine_gives(tiny, tmp_path):
+    """`kiln bench serve --http N`: N streaming clients through a real `kiln serve` and the same requests on the
+    engine called directly: no errors, the same tokens generated (greedy), a first token for every stream."""
+    from kiln.pipeline.text.bpe import load_tokenizer
+    from kiln.pipeline.tools.bench_http import run_http
+
+    vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
+    config = ModelConfig(vocab_size=vocab, n_layer=1, n_head=2, n_kv_head=1, d_model=32, max_seq_len=48)
+    torch.manual_seed(0)
+    http, direct = run_http(GPT(config).eval(), None, tiny.tokenizer, clients=12, seed=0)
+    assert http["errors"] == 0 and http["requests"] == direct["requests"] == 12, http
+    assert http["output_tokens"] == direct["output_tokens"] > 0
+    assert http["ttft_p99_ms"] > 0 and http["http_vs_engine"] > 0

@@ -60,8 +60,8 @@ def workdir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_params(tmp_path / "params.yaml", {"sft": LOOP, "dpo": LOOP, "train": {"device": "cpu"}})
     for stage in ("sft", "dpo"):
-        (tmp_path / "models" / stage).mkdir(parents=True)
-        (tmp_path / "models" / stage / "model.safetensors").write_bytes(b"the previous model")
+        (tmp_path / "models" / stage / "model").mkdir(parents=True)  # a hand run's folder and its earlier model
+        (tmp_path / "models" / stage / "model" / "model.safetensors").write_bytes(b"the previous model")
     return tmp_path
 
 

@@ -28,8 +28,8 @@ def workdir(tiny, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     shutil.copytree(tiny.shards, tmp_path / "shards")
     write_params(tmp_path / "params.yaml", {"model": MODEL, "train": TRAIN})
-    (tmp_path / "base").mkdir()
-    (tmp_path / "base" / "model.safetensors").write_bytes(b"the previous model")
+    (tmp_path / "base" / "model").mkdir(parents=True)  # a hand run's folder (--out base) and its earlier model
+    (tmp_path / "base" / "model" / "model.safetensors").write_bytes(b"the previous model")
     return tmp_path
 
 

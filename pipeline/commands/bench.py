@@ -158,6 +158,10 @@ def bench_serve(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 speculate: Annotated[int, typer.Option(help="Tokens the draft proposes per step.")] = 4,
                 seed: Annotated[int, typer.Option(help="Workload and random weights.")] = 0,
                 device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+                http: Annotated[int, typer.Option(help="Also this many concurrent streaming clients through a real "
+                                                       "`kiln serve` (the openai package's async client), "
+                                                       "against the engine called directly (0: not run).")] = 0,
+                tokenizer: TokenizerOpt = layout.TOKENIZER,
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                 layout.BENCH / "serve.json"):
     """Output tokens/s, time to first token and inter-token latency of the serving engine against static
@@ -168,7 +172,7 @@ def bench_serve(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 
     config = load_section(ModelParams, params, set_).config(vocab_size)
     run(config, model, draft, requests, rate, batch, block_size, max_batch_tokens, seed, device, out, output_lengths,
-        speculate)
+        speculate, http, tokenizer)
 
 
 @app.command("adapters")

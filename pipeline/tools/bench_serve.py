@@ -33,7 +33,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -50,41 +49,11 @@ from kiln.pipeline.progress import console
 from kiln.pipeline.serve.engine import Engine
 from kiln.pipeline.serve.graphs import GRAPH_BATCH
 from kiln.pipeline.serve.request import Request, SamplingParams, fork_groups
+from kiln.pipeline.tools.bench_http import run_http
 from kiln.pipeline.tools.machine import machine
+from kiln.pipeline.tools.serve_workload import OUTPUT_LENGTHS, Workload, percentile, workload
 
 ROLLOUT_PROMPTS, ROLLOUT_GROUP = 64, 8  # the GRPO-shaped row: prompts x completions of each
-
-
-@dataclass
-class Workload:
-    arrivals: list[float]  # seconds after the start
-    prompts: list[list[int]]
-    outputs: list[int]  # tokens each request generates
-
-
-OUTPUT_LENGTHS = ("geometric", "uniform")
-
-
-def workload(n: int, rate: float, config: ModelConfig, seed: int, shared: int = 0,
-             output_lengths: str = "geometric") -> Workload:
-    """`n` requests at Poisson arrivals; `shared` > 0 opens every prompt with the same `shared` tokens."""
-    rng = np.random.default_rng(seed)
-    context = config.max_seq_len
-    system = rng.integers(config.vocab_size, size=shared).tolist()
-    prompts, outputs = [], []
-    for _ in range(n):
-        length = int(rng.integers(8, max(9, context // 2 + 1)))
-        prompts.append(system + rng.integers(config.vocab_size, size=length).tolist())
-        room = context + 1 - len(prompts[-1])
-        drawn = rng.geometric(1 / max(2, context // 8)) if output_lengths == "geometric" else \
-            rng.integers(4, max(5, context // 4 + 1))
-        outputs.append(int(min(room, drawn)))
-    arrivals = np.cumsum(rng.exponential(1 / rate, size=n)).tolist() if rate > 0 else [0.0] * n
-    return Workload(arrivals, prompts, outputs)
-
-
-def percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def summarise(name: str, load: Workload, times: list[list[float]], start: float, extra: dict) -> dict:
@@ -248,9 +217,10 @@ def run_transformers(model: GPT, load: Workload) -> dict:
 
 def bench_serve(config: ModelConfig, model_dir: Path | None, draft_dir: Path | None, requests: int, rate: float,
                 batch: int, block_size: int, budget: int, seed: int, device_name: str, out: Path,
-                output_lengths: str = "geometric", speculate: int = 4) -> dict:
+                output_lengths: str = "geometric", speculate: int = 4, http: int = 0,
+                tokenizer: Path | None = None) -> dict:
     if requests < 1 or batch < 1 or block_size < 1 or budget < 1 or speculate < 1 or not rate >= 0 or \
-            math.isinf(rate):
+            math.isinf(rate) or http < 0:
         raise UserError(f"--requests {requests}, --batch {batch}, --block-size {block_size}, --max-batch-tokens "
                         f"{budget}, --speculate {speculate}, --rate {rate}: expected positive integers and a "
                         "finite rate >= 0")
@@ -318,6 +288,8 @@ def bench_serve(config: ModelConfig, model_dir: Path | None, draft_dir: Path | N
                 .tolist() for _ in range(ROLLOUT_PROMPTS)]
     stops = tuple(range(max(1, c.vocab_size // 16)))
     rows += run_rollouts(model, passages, ROLLOUT_GROUP, new_tokens, stops, seed)
+    if http:  # through the real server: N streaming clients at once, against the engine called directly
+        rows += run_http(model, model_dir, tokenizer, http, seed)
     missing = []
     try:
         rows.append(run_transformers(model, alone))
@@ -359,6 +331,7 @@ def show(result: dict) -> None:
         notes = [f"{k}={r[k]}" for k in ("speedup_vs_static", "speedup_vs_generator", "steps", "prefill_tokens",
                                          "prefill_drop", "shared_whole_block_share", "kv_blocks_over_need",
                                          "preemptions", "acceptance_rate", "speedup_vs_batch_1", "host_us_per_step",
+                                         "errors", "http_vs_engine",
                                          "copies_per_step") if k in r]
         table.add_row(r["variant"], f"{r['output_tokens_per_s']:,.1f}",
                       f"{r.get('ttft_p50_ms', float('nan'))}/{r.get('ttft_p99_ms', '-')}",
