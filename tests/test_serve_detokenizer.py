@@ -32,11 +32,20 @@ def stream(tok, ids: list[int], stops: list[str], ends: frozenset, keep_special:
 
 
 def whole(tok, ids: list[int], stops: list[str], ends: frozenset, keep_special: bool) -> tuple[str, str | None]:
-    """The reference: decode everything up to an end token, cut at the earliest stop string."""
-    end = next((i for i, t in enumerate(ids) if t in ends), len(ids))
-    text = tok.decode(ids[:end], skip_special_tokens=not keep_special)
-    cut = min((at for s in stops if (at := text.find(s)) >= 0), default=-1)
-    return (text[:cut], "stop") if cut >= 0 else (text, None)
+    """The reference, as the server once computed it: after each token, decode everything up to it (an end token
+    ends the text) and cut at the earliest stop string found, so the first stop to complete ends the choice (a
+    longer stop that would have begun earlier is not waited for: OpenAI's and vLLM's rule); a prefix that ends
+    inside a character is not looked at."""
+    ids = ids[:next((i for i, t in enumerate(ids) if t in ends), len(ids))]
+    text = ""
+    for k in range(1, len(ids) + 1):
+        text = tok.decode(ids[:k], skip_special_tokens=not keep_special)
+        if k < len(ids) and text.endswith("\ufffd"):
+            continue
+        cut = min((at for s in stops if (at := text.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            return text[:cut], "stop"
+    return text, None
 
 
 @settings(max_examples=300, deadline=None)
