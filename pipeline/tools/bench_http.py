@@ -4,8 +4,10 @@ The model (trained, or the bench's random one) is served by `kiln serve` in a pr
 N clients of the `openai` package's async client stream completions of the bench's workload at once (prompts
 as token ids, greedy, each to its drawn length or <|endoftext|>), and the same requests then run on an engine
 called directly in this process, with the server's defaults (blocks for 16 full contexts, blocks of 16 tokens,
-steps of 256 tokens). The row reports errors, time to first token, output tokens/s, and the HTTP side's share
-of what the engine alone does.
+steps of 256 tokens). The row reports errors, time to first token, output tokens/s, the HTTP side's share of
+what the engine alone does, and the CPU seconds the server and the clients spent beside the engine's: on a
+machine of few cores the clients compete with the server, and the server's CPU against the engine's is its
+own overhead.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -54,21 +57,38 @@ def run_http(model: GPT, model_dir: Path | None, tokenizer: Path, clients: int, 
             model_dir = Path(scratch) / "model"
             save_model(model, c, model_dir, {})
         device = next(model.parameters()).device
-        with served(model_dir, tokenizer, device) as base:
+        with served(model_dir, tokenizer, device) as (base, pid):
             client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
+            server_cpu, client_cpu = cpu_seconds(pid), time.process_time()
             http = asyncio.run(stream_all(client, model_dir.name, load))
+            # on a machine of few cores the clients' parsing competes with the server: say what each spent
+            http["client_cpu_s"] = round(time.process_time() - client_cpu, 3)
+            if server_cpu is not None:
+                http["server_cpu_s"] = round(cpu_seconds(pid) - server_cpu, 3)
     engine = Engine(model, SERVER_CONTEXTS * math.ceil(c.max_seq_len / SERVER_BLOCK_SIZE), SERVER_BLOCK_SIZE,
                     SERVER_STEP_TOKENS)
     requests = [Request([eot, *p], SamplingParams(n, stop_ids=(eot,))) for p, n in zip(load.prompts, load.outputs)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         engine.run(requests)
     seconds = time.perf_counter() - start
     tokens = sum(len(r.output) for r in requests)
     direct = {"variant": f"engine called directly, {clients} requests", "requests": clients, "output_tokens": tokens,
-              "output_tokens_per_s": round(tokens / seconds, 1), "seconds": round(seconds, 3)}
+              "output_tokens_per_s": round(tokens / seconds, 1), "seconds": round(seconds, 3),
+              "cpu_s": round(time.process_time() - cpu, 3)}
     http["http_vs_engine"] = round(http["output_tokens_per_s"] / direct["output_tokens_per_s"], 3)
+    if "server_cpu_s" in http:  # the server's own cost for the same tokens, the clients' aside
+        http["server_cpu_vs_engine"] = round(http["server_cpu_s"] / max(direct["cpu_s"], 1e-9), 3)
     return [http, direct]
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """A process's user + system CPU seconds so far (Linux's /proc), or None where there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def stream_all(client, name: str, load) -> dict:
@@ -100,7 +120,7 @@ async def stream_all(client, name: str, load) -> dict:
 
 @contextlib.contextmanager
 def served(model_dir: Path, tokenizer: Path, device):
-    """`kiln serve` on a free port of 127.0.0.1, quiet, until the block ends: its base URL."""
+    """`kiln serve` on a free port of 127.0.0.1, quiet, until the block ends: its base URL and process id."""
     import urllib.request
 
     with socket.socket() as s:
@@ -120,7 +140,7 @@ def served(model_dir: Path, tokenizer: Path, device):
             time.sleep(0.1)
         else:
             raise UserError("--http: kiln serve did not answer /health within a minute")
-        yield base
+        yield base, process.pid
     finally:
         process.terminate()
         process.wait(timeout=60)

@@ -331,7 +331,7 @@ def show(result: dict) -> None:
         notes = [f"{k}={r[k]}" for k in ("speedup_vs_static", "speedup_vs_generator", "steps", "prefill_tokens",
                                          "prefill_drop", "shared_whole_block_share", "kv_blocks_over_need",
                                          "preemptions", "acceptance_rate", "speedup_vs_batch_1", "host_us_per_step",
-                                         "errors", "http_vs_engine",
+                                         "errors", "http_vs_engine", "server_cpu_vs_engine",
                                          "copies_per_step") if k in r]
         table.add_row(r["variant"], f"{r['output_tokens_per_s']:,.1f}",
                       f"{r.get('ttft_p50_ms', float('nan'))}/{r.get('ttft_p99_ms', '-')}",
