@@ -408,8 +408,9 @@ class GPT(nn.Module):
         return self.lm_head(self.norm(x[:, cache.logit_rows]))[..., :self.config.vocab_size]
 
     def _token_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float, stats: bool):
-        weight = self.lm_head.weight[:self.config.vocab_size]  # the padding rows are never scored
-        return token_logprobs(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), temperature, stats)
+        # the whole padded weight, told which rows are classes (the padding is never scored): aligned GEMMs
+        return token_logprobs(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1), temperature,
+                              stats, vocab_size=self.config.vocab_size)
 
     def _fused_loss(self, h: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
         """LM head + cross-entropy in token chunks: the (B·T, vocab) logits are never materialised."""

@@ -44,8 +44,10 @@ def chunk_rows(n_tokens: int, vocab: int) -> int:
 
 
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-           stats: bool) -> tuple[torch.Tensor, ...]:
-    logits = hidden @ weight.T
+           stats: bool, vocab_size: int) -> tuple[torch.Tensor, ...]:
+    # the GEMM over every row of the (padded) weight, so its output rows stay 16-byte aligned for cuBLAS; the
+    # padding columns are cut from the logits after it (a view), never softmaxed
+    logits = (hidden @ weight.T)[:, :vocab_size]
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
     scored = targets != IGNORE
     picked = logp.gather(-1, targets.clamp(min=0)[:, None])[:, 0] * scored
@@ -56,9 +58,12 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, te
 
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   stats: bool = False, chunk_size: int | None = None) -> torch.Tensor | TokenStats:
+                   stats: bool = False, chunk_size: int | None = None,
+                   vocab_size: int | None = None) -> torch.Tensor | TokenStats:
     """hidden (N, D), weight (V, D), targets (N,): log p(target) (N,) in float32 (or wider), or with `stats` the
-    TokenStats (logp, entropy, hit), computed `chunk_size` tokens at a time (default `chunk_rows`)."""
+    TokenStats (logp, entropy, hit), computed `chunk_size` tokens at a time (default `chunk_rows`). `vocab_size`:
+    the classes are the weight's first rows only (the rest is padding, which keeps the GEMM aligned)."""
+    vocab_size = weight.shape[0] if vocab_size is None else vocab_size
     n = hidden.shape[0]
     kept = None
     if not torch.compiler.is_compiling():
@@ -73,7 +78,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     parts = []
     for start in range(0, rows, size):
-        args = (hidden[start:start + size], weight, targets[start:start + size], temperature, stats)
+        args = (hidden[start:start + size], weight, targets[start:start + size], temperature, stats, vocab_size)
         parts.append(checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
     if not parts:
         empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))

@@ -119,3 +119,21 @@ def test_problems_names_each_kind_of_misalignment():
     assert problems(base.flatten()[1:4033].view(63, 64)) == ["starts 2 bytes into its storage"]
     assert problems(torch.zeros(4, 63, dtype=torch.bfloat16)) == ["leading dimension 63 x 2 bytes"]
     assert problems(base[::2, ::2]) == ["strides (128, 2): neither rows nor columns contiguous"]
+
+
+@pytest.mark.parametrize("stats", [True, False])
+def test_per_token_scoring_runs_the_head_on_the_padded_weight(stats):
+    """Post-training's per-token log-probabilities (DPO's and GRPO's scores, evaluation's choices; model/logprobs.py)
+    once took the head's weight sliced to the real vocabulary too: (tokens, 1,003) logits, rows 2,006 bytes apart,
+    forward and backward."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=1003, n_layer=1, n_head=4, n_kv_head=2, d_model=64, max_seq_len=24)
+    model = GPT(config).set_kernels("torch")
+    x, y = torch.randint(0, 1003, (2, 2, 24))
+    y[0, :5] = -100
+    with Operands() as mode:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x, y, stats=True).logp if stats else model(x, y, reduction="none")
+        out.sum().backward()
+    assert any(s[1][-1] == 1024 or s[1][0] == 1024 for s in mode.seen)  # the padded weight's rows
+    assert mode.misaligned() == []
