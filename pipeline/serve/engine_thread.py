@@ -18,19 +18,23 @@ from kiln.pipeline.serve.request import Request, RequestStatus
 class EngineThread:
     """The engine, stepped on a thread of its own; `submit` and `abort` may be called from any thread."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, deliver=None):
         self.engine = engine
         self.inbox: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="kiln-engine", daemon=True)
         self.failure: BaseException | None = None
+        # how a step's notifications reach their listeners: `deliver([(on_token, request, token), ...])` is called
+        # once a step on the engine thread (the server hands the whole list to its event loop in one call, not a
+        # wakeup per token); by default each listener is called right here
+        self.deliver = deliver or call_each
 
     def start(self) -> None:
         self.thread.start()
 
     def submit(self, request: Request, on_token, forks: list[tuple[Request, object]] = ()) -> None:
         """Queue `request`, and `forks` (more samples of its prompt, each with its own listener) as its forks;
-        `on_token(request, token)` is called on the engine thread for each new token, and once more with token
-        None when it has finished (or was refused: `request.status` says which)."""
+        `on_token(request, token)` is called (by `deliver`) for each new token, and once more with token None
+        when it has finished (or was refused: `request.status` says which)."""
         request.forks = [fork for fork, _ in forks]
         self.inbox.put(("add", request, [(request, on_token), *forks]))
 
@@ -46,6 +50,7 @@ class EngineThread:
                     commands.append(self.inbox.get_nowait())
                 except queue.Empty:
                     break
+            out = []  # (listener, request, token) of this round, delivered together
             for kind, request, group in commands:
                 if kind == "add":
                     try:
@@ -53,26 +58,32 @@ class EngineThread:
                     except ValueError as e:
                         for member, on_token in group:
                             member.status, member.error = RequestStatus.FINISHED_REFUSED, str(e)
-                            on_token(member, None)
+                            out.append((on_token, member, None))
                         continue
                     listeners.update((id(member), on_token) for member, on_token in group)
                 elif id(request) in listeners:
                     self.engine.abort(request)
-                    listeners.pop(id(request))(request, None)
+                    out.append((listeners.pop(id(request)), request, None))
             if not self.engine.has_work():
+                self.deliver(out)
                 continue
             try:
                 events = self.engine.step()
             except BaseException as e:  # a bug: every waiting client hears of it rather than hanging
                 self.failure = e
-                for key, on_token in list(listeners.items()):
-                    on_token(None, None)
-                    listeners.pop(key)
+                self.deliver(out + [(on_token, None, None) for on_token in listeners.values()])
+                listeners.clear()
                 raise
             for request, token in events:
                 on_token = listeners.get(id(request))
                 if on_token is None:
                     continue
-                on_token(request, token)
+                out.append((on_token, request, token))
                 if request.finish_reason:
-                    listeners.pop(id(request))(request, None)
+                    out.append((listeners.pop(id(request)), request, None))
+            self.deliver(out)
+
+
+def call_each(notifications: list) -> None:
+    for on_token, request, token in notifications:
+        on_token(request, token)

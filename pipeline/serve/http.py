@@ -78,6 +78,7 @@ def create_app(service: Service, log_requests: bool = False, docs: bool = False)
 
     @contextlib.asynccontextmanager
     async def lifespan(_):
+        service.bind(asyncio.get_running_loop())
         service.worker.start()
         yield
 

@@ -15,7 +15,7 @@ import uuid
 
 from kiln.pipeline.serve.detokenizer import Job
 from kiln.pipeline.serve.engine import Engine
-from kiln.pipeline.serve.engine_thread import EngineThread
+from kiln.pipeline.serve.engine_thread import EngineThread, call_each
 from kiln.pipeline.serve.metrics import ServeMetrics
 from kiln.pipeline.serve.protocol import (
     MAX_BODY_BYTES,
@@ -141,19 +141,22 @@ class Service:
             turns.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
         return self.chat.prompt(turns)
 
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Deliver the engine's notifications on `loop`: one callback a step for every token of every stream."""
+        self.worker.deliver = lambda notifications: loop.call_soon_threadsafe(call_each, notifications)
+
     def start_jobs(self, ids: list[int], samplings: list[SamplingParams], stops: list[str], chat: bool = False,
                    echo: bool = False, hidden: bool = False) -> list[Job]:
         """One job per choice, all on the same prompt: the first choice's request, the others its forks, so the
         engine computes the prompt once."""
-        loop = asyncio.get_running_loop()
         # a chat's answer ends at <|im_end|> and keeps special tokens' text (ChatFormat.parse_reply); a completion's
         # special tokens decode to nothing
         ends = frozenset((self.chat.im_end, self.chat.eot)) if chat else frozenset((self.eot,))
         jobs = [Job(Request(ids, sampling, id=uuid.uuid4().hex), stops, self.tokenizer, ends, keep_special=chat,
                     echo=echo, hidden=hidden, fork=i > 0) for i, sampling in enumerate(samplings)]
 
-        def listener(job: Job):
-            return lambda request, token: loop.call_soon_threadsafe(job.queue.put_nowait, (request, token))
+        def listener(job: Job):  # called on the event loop (`bind`), a step's tokens at once
+            return lambda request, token: job.queue.put_nowait((request, token))
 
         self.worker.submit(jobs[0].request, listener(jobs[0]), [(job.request, listener(job)) for job in jobs[1:]])
         return jobs
