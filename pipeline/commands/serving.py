@@ -14,6 +14,9 @@ from kiln.pipeline.errors import UserError
 from kiln.pipeline.serve.request import TOOLS_TEMPERATURE, TOOLS_TOP_K, TOOLS_TOP_P
 
 app = typer.Typer()
+QuantizeOpt = Annotated[str | None, typer.Option(help="Quantize the blocks' linear layers with TorchAO after loading: "
+                                                      "int8 (weight-only, any device), int4 (weight-only, CUDA), "
+                                                      "fp8 (weights and activations, compute capability 8.9+).")]
 
 
 @app.command("generate")
@@ -28,12 +31,12 @@ def generate_command(
         top_k: SamplingOpt("Sample among the k likeliest tokens.", TOOLS_TOP_K, int) = None,
         top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.", TOOLS_TOP_P) = None,
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
-        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
+        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto", quantize: QuantizeOpt = None):
     """Continue each --prompt with a trained model, stopping at <|endoftext|>."""
     from kiln.pipeline.runtime import pick_device
     from kiln.pipeline.serve.text_model import Sampling, TextModel
 
-    lm = TextModel(model, tokenizer, pick_device(device))
+    lm = TextModel(model, tokenizer, pick_device(device), quantize)
     outs = lm.complete(prompt, Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed))
     for text, out in zip(prompt, outs, strict=True):
         typer.echo(text + out)
@@ -53,14 +56,14 @@ def chat_command(
         top_k: SamplingOpt("Sample among the k likeliest tokens.", TOOLS_TOP_K, int) = None,
         top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.", TOOLS_TOP_P) = None,
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
-        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto"):
+        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto", quantize: QuantizeOpt = None):
     """Talk to a chat model: each line you type is a user turn, the answer streams back (/reset starts over,
     /quit or end of input stops). A message of several lines: paste it (lines that arrive together are one turn),
     or put it between two lines of three double quotes."""
     from kiln.pipeline.runtime import pick_device
     from kiln.pipeline.serve.text_model import ChatSession, Sampling, TextModel
 
-    session = ChatSession(TextModel(model, tokenizer, pick_device(device)),
+    session = ChatSession(TextModel(model, tokenizer, pick_device(device), quantize),
                           Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed), system)
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach the turn's check, not a traceback
@@ -119,13 +122,14 @@ def serve_command(
                                                           "503 (uvicorn's limit_concurrency).")] = 2048,
         keep_alive: Annotated[float, typer.Option(help="Seconds an idle keep-alive connection stays open.")] = 5.0,
         docs: Annotated[bool, typer.Option("--docs", help="Also serve the interactive API page at /docs "
-                                                          "(/openapi.json is always there).")] = False):
+                                                          "(/openapi.json is always there).")] = False,
+        quantize: QuantizeOpt = None):
     """Serve a model over the OpenAI HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health,
     /metrics) on a continuous-batching engine with a paged KV cache."""
     from kiln.pipeline.serve.server import serve
 
     serve(model, tokenizer, host, port, device, kv_blocks, block_size, max_batch_tokens, name, draft, speculate,
-          enforce_eager, api_key, max_request_bytes, quiet, max_connections, keep_alive, docs)
+          enforce_eager, api_key, max_request_bytes, quiet, max_connections, keep_alive, docs, quantize)
 
 
 QUOTES = '"""'

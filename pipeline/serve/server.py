@@ -47,7 +47,7 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
           block_size: int, max_batch_tokens: int, name: str | None = None, draft_dir: Path | None = None,
           speculate: int = 4, enforce_eager: bool = False, api_key: str | None = None,
           max_body: int | None = None, quiet: bool = False, max_connections: int = 2048,
-          keep_alive: float = 5.0, docs: bool = False) -> None:
+          keep_alive: float = 5.0, docs: bool = False, quantize: str | None = None) -> None:
     """Load the model, build the engine and run the HTTP server until interrupted."""
     import uvicorn
 
@@ -67,7 +67,7 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
         raise UserError(f"--keep-alive={keep_alive}: expected seconds in (0, 3600]")
     if not 0 <= port < 65536:
         raise UserError(f"--port={port}: expected 0..65535")
-    lm = TextModel(model_dir, tokenizer_path, pick_device(device))
+    lm = TextModel(model_dir, tokenizer_path, pick_device(device), quantize)
     lm.model.eval()
     context = lm.model.config.max_seq_len
     if block_size > context:
@@ -92,7 +92,8 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
         raise UserError("--api-key: expected a non-empty key")
     service = Service(name or Path(model_dir).name, engine, lm.tokenizer, chat, lm.eot, api_key, max_body)
     megabytes = kv_blocks * engine.cache.bytes_per_block() / 1e6
-    console.print(f"kiln serve: model {service.name!r} ({context}-token context) on {engine.cache.device}, KV cache "
+    console.print(f"kiln serve: model {service.name!r} ({context}-token context"
+                  + (f", {quantize} weights" if quantize else "") + f") on {engine.cache.device}, KV cache "
                   f"{kv_blocks:,} blocks of {block_size} tokens ({megabytes:.1f} MB), steps of up to "
                   f"{max_batch_tokens} tokens" + (f", {speculate} tokens drafted by {draft_dir}" if draft else "")
                   + (", decode steps as CUDA graphs" if engine.runner.graphs else "")

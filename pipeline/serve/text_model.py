@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 
 from kiln.model.checkpoint import load_model
+from kiln.model.quantize import check_quantize
+from kiln.model.quantize import quantize as quantize_model
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.serve.engine import Engine, complete
@@ -59,9 +61,12 @@ class Sampling:
 
 
 class TextModel:
-    """A loaded model and its tokenizer, checked to belong together."""
+    """A loaded model and its tokenizer, checked to belong together; with `quantize` (model/quantize.py), its
+    blocks' linear layers quantized by TorchAO after loading."""
 
-    def __init__(self, model_dir: Path, tokenizer_path: Path, device: torch.device | str = "cpu"):
+    def __init__(self, model_dir: Path, tokenizer_path: Path, device: torch.device | str = "cpu",
+                 quantize: str | None = None):
+        check_quantize(quantize, device)
         try:
             self.model, meta = load_model(model_dir, device)
         except ValueError as e:
@@ -73,6 +78,7 @@ class TextModel:
             raise UserError(f"{tokenizer_path}: not the tokenizer {model_dir} was trained with "
                             f"(sha256 {got[:12]}..., the model expects {want[:12]}...)")
         self.meta = meta  # config.json beside the model config: tokenizer_sha256, chat_format, init, ...
+        quantize_model(self.model, quantize)
         self.tokenizer = load_tokenizer(tokenizer_path, ordinary=True)
         self.eot = self.tokenizer.token_to_id(EOT)
 
