@@ -39,7 +39,6 @@ class Service:
         self.worker = EngineThread(engine)
         self.metrics = ServeMetrics(engine)
         self.created = int(time.time())
-        self.specials = set(tokenizer.get_added_tokens_decoder())
         self.token_names: dict[int, tuple[str, bytes]] = {}
 
     def sampling(self, body: dict, prompt_tokens: int, stop_ids: tuple[int, ...], default_max: int | None,
@@ -94,8 +93,7 @@ class Service:
         """A token's text and raw bytes, as log-probabilities name it (a piece of a character decodes with
         U+FFFD; its bytes are exact)."""
         if token_id not in self.token_names:
-            raw = token_bytes(self.tokenizer, token_id) if token_id not in self.specials else \
-                self.tokenizer.id_to_token(token_id).encode()
+            raw = token_bytes(self.tokenizer, token_id)  # once per token id: the answer is kept
             self.token_names[token_id] = (raw.decode("utf-8", errors="replace"), raw)
         return self.token_names[token_id]
 
