@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -33,10 +34,39 @@ def prompts(n: int, seed: int, shared: list[int] | None = None) -> list[list[int
     return [(shared or []) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(n)]
 
 
+def check_rows(engine: Engine) -> None:
+    """The runner's per-slot rows (serve/input_batch.py) are exactly the running requests' block tables and
+    sampling settings, each in a slot of its own, and every other slot is free."""
+    batch, running = engine.runner.batch, list(engine.scheduler.running)
+    slots = [r.slot for r in running]
+    assert min(slots, default=0) >= 0 and len(set(slots)) == len(slots)
+    assert sorted(slots + batch.free) == list(range(batch.capacity))
+    for r in running:
+        s = r.sampling
+        assert batch.tables[r.slot, :len(r.table)].tolist() == r.table and batch.table_len[r.slot] == len(r.table)
+        assert (batch.temperature[r.slot], batch.top_k[r.slot]) == (np.float32(s.temperature), s.top_k or VOCAB)
+        assert batch.top_p[r.slot] == np.float32(1.0 if s.top_p is None else s.top_p)
+        assert batch.keys[r.slot] == r.noise_key
+
+
+def checking_rows(engine: Engine) -> Engine:
+    """`engine` with its rows checked before every step's plan runs, when they must be right."""
+    execute = engine.runner.execute
+
+    def checked(plan):
+        check_rows(engine)
+        return execute(plan)
+
+    engine.runner.execute = checked
+    return engine
+
+
 def run_arriving(engine: Engine, requests: list[Request], seed: int) -> None:
-    """Requests join at random steps while others run; check the block books after every step."""
+    """Requests join at random steps while others run; check the block books after every step and the
+    runner's per-slot rows before every step."""
     rng = random.Random(seed)
     pending = list(requests)
+    checking_rows(engine)
     while pending or engine.has_work():
         while pending and (not engine.has_work() or rng.random() < 0.3):
             engine.add(pending.pop(0))
@@ -247,12 +277,12 @@ def test_a_request_waiting_for_a_shared_prefix_holds_back_no_one():
     first = engine.scheduler.schedule()
     assert [(s.request, s.count) for s in first] == [(group[0], 32), (short, 2)]
     assert list(engine.scheduler.waiting) == group[1:]  # still waiting, in their order
-    engine.scheduler.update(first, engine.runner.execute(first))
+    engine.execute(first)
     # the prompt is cached now: the siblings share its first 7 blocks and feed only the last block's 4 tokens
     # (a block they will write into is not shared)
     second = engine.scheduler.schedule()
     assert {(id(s.request), s.count) for s in second} >= {(id(group[1]), 4), (id(group[2]), 4)}
-    engine.scheduler.update(second, engine.runner.execute(second))
+    engine.execute(second)
     while engine.has_work():
         engine.step()
     assert [r.output for r in group] == [generate(model, [prompt], 2, temperature=0.0)[0]] * 3
@@ -269,7 +299,7 @@ def test_groups_of_samples_prefill_every_prompt_in_the_first_step():
     requests = [engine.add(Request(p, SamplingParams(max_tokens=4))) for p in texts for _ in range(4)]
     plan = engine.scheduler.schedule()
     assert [s.request for s in plan] == [requests[0]]  # the rest share the first's system prompt, or wait
-    engine.scheduler.update(plan, engine.runner.execute(plan))
+    engine.execute(plan)
     plan = engine.scheduler.schedule()
     assert {id(s.request) for s in plan} >= {id(requests[g * 4]) for g in range(1, 4)}
 
@@ -378,3 +408,45 @@ def test_an_engine_kept_across_weight_updates_samples_as_a_fresh_one():
     engine.step()
     with pytest.raises(RuntimeError, match="in use"):
         engine.reset_prefix_cache()
+
+
+@pytest.mark.parametrize("blocks", [200, 14])
+def test_per_slot_rows_follow_forks_preemption_and_aborts(blocks):
+    """Sampled groups (a request and its forks, seeded) and lone requests, some aborted mid-run, in a roomy pool
+    and in one so small that requests are preempted and recomputed: before every step the runner's rows are the
+    running requests' tables and settings, and every request draws what it draws alone (a row's draws depend on
+    its seed and position only, so a stale row would show)."""
+    model = tiny()
+    texts = prompts(6, seed=4)
+
+    def make() -> list[Request]:
+        made = [Request(p, SamplingParams(max_tokens=10, temperature=0.9, top_k=20 if i % 2 else None,
+                                          top_p=0.8 if i % 3 else None, seed=100 + i)) for i, p in enumerate(texts)]
+        for k, head in enumerate(made[:2]):  # two groups of three samples
+            head.forks = [Request(head.prompt, SamplingParams(max_tokens=8, temperature=0.7, seed=200 + 3 * k + j))
+                          for j in range(2)]
+        return made
+
+    alone = [r for head in make() for r in (head, *head.forks)]
+    expected = [Engine(model, num_blocks=200, block_size=4).run([Request(r.prompt, r.sampling)])[0].output
+                for r in alone]
+    heads = make()
+    engine = checking_rows(Engine(model, num_blocks=blocks, block_size=4, max_batch_tokens=16))
+    for head in heads:
+        engine.add(head)
+    everyone = [r for head in heads for r in (head, *head.forks)]
+    aborted = everyone[5]
+    steps = 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+        if steps == 4:
+            engine.abort(aborted)
+    engine.execute([])  # the last step's releases reach the rows as a next step's would
+    assert not engine.scheduler.running and len(engine.runner.batch.free) == engine.runner.batch.capacity
+    assert (engine.scheduler.preemptions > 0) == (blocks == 14)
+    for r, want in zip(everyone, expected):
+        if r is aborted:
+            assert r.finish_reason == "abort" and r.output == want[:len(r.output)]
+        else:
+            assert r.output == want

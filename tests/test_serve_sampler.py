@@ -56,13 +56,18 @@ def test_top_k_keeps_the_ties_of_its_kth_token():
 
 
 def settings(params: list[SamplingParams], vocab: int, keys: list[int] | None = None,
-             position: int = 0) -> dict[str, torch.Tensor]:
-    """The rows' settings as the runner sends them to the device; row i's key keys[i] (default i)."""
-    return {"temperature": torch.tensor([p.temperature for p in params]),
-            "top_k": torch.tensor([p.top_k or vocab for p in params]),
-            "top_p": torch.tensor([1.0 if p.top_p is None else p.top_p for p in params]),
-            "sample_keys": torch.tensor(keys if keys is not None else range(len(params)), dtype=torch.int64),
-            "sample_positions": torch.full((len(params),), position, dtype=torch.int64)}
+             position: int = 0) -> dict[str, np.ndarray]:
+    """The rows' settings as the runner keeps them on the host; row i's key keys[i] (default i)."""
+    return {"temperature": np.array([p.temperature for p in params], dtype=np.float32),
+            "top_k": np.array([p.top_k or vocab for p in params], dtype=np.int64),
+            "top_p": np.array([1.0 if p.top_p is None else p.top_p for p in params], dtype=np.float32),
+            "sample_keys": np.array(keys if keys is not None else range(len(params)), dtype=np.int64),
+            "sample_positions": np.full(len(params), position, dtype=np.int64)}
+
+
+def drawn(logits: torch.Tensor, host: dict[str, np.ndarray]) -> torch.Tensor:
+    """`sample` as the runner calls it: the host's settings, and the same arrays as tensors on the device."""
+    return sample(logits, host, {name: torch.from_numpy(a) for name, a in host.items()})
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(8, 0.95), (None, None)])
@@ -73,7 +78,7 @@ def test_draws_follow_the_distribution_and_greedy_rows_take_the_argmax(top_k, to
     want = reference_probs(row, 0.8, top_k, top_p)
     params = [SamplingParams(1, 0.8, top_k, top_p)] * n + [SamplingParams(1)]  # the last row greedy
     logits = row.expand(n + 1, vocab).clone()
-    tokens = sample(logits, params, settings(params, vocab))  # n keys: n independent draws
+    tokens = drawn(logits, settings(params, vocab))  # n keys: n independent draws
     assert tokens[-1].item() == row.argmax().item()
     counts = np.bincount(tokens[:-1].numpy(), minlength=vocab)
     support = want.numpy() > 0
@@ -94,7 +99,7 @@ def test_a_row_draws_the_same_whatever_shares_its_batch():
         logits = torch.cat([row, torch.randn(batch - 1, 30)])
         params = [SamplingParams(1, 1.0)] * batch
         keys = [7] + torch.randint(-2**62, 2**62, (batch - 1,)).tolist()
-        return sample(logits, params, settings(params, 30, keys, position))[0].item()
+        return drawn(logits, settings(params, 30, keys, position))[0].item()
 
     assert len({draw(b, s) for b, s in [(1, 0), (4, 1), (9, 2)]}) == 1
     assert len({draw(1, 0, position) for position in range(40)}) > 3  # a new position, a new draw
@@ -102,7 +107,7 @@ def test_a_row_draws_the_same_whatever_shares_its_batch():
 
 def test_an_all_greedy_step_is_the_argmax():
     logits = torch.randn(5, 11)
-    assert sample(logits, [SamplingParams(1)] * 5, {}).tolist() == logits.argmax(-1).tolist()
+    assert sample(logits, None, {}).tolist() == logits.argmax(-1).tolist()
 
 
 def splitmix64_finalizer(x: int) -> int:
@@ -171,7 +176,4 @@ def test_a_top_p_that_underflows_float32_keeps_the_top_token(top_p):
     torch.testing.assert_close(got, torch.nn.functional.one_hot(logits.argmax(-1), 33).float())
     for i in range(4):
         torch.testing.assert_close(got[i].double(), reference_probs(logits[i], 1.0, None, top_p))
-    params = [SamplingParams(4, 1.0, top_p=top_p)] * 4
-    on_device = {"temperature": torch.ones(4), "top_k": torch.full((4,), 33), "top_p": torch.full((4,), top_p),
-                 "sample_keys": torch.arange(4), "sample_positions": torch.zeros(4, dtype=torch.int64)}
-    assert torch.equal(sample(logits, params, on_device), logits.argmax(-1))
+    assert torch.equal(drawn(logits, settings([SamplingParams(4, 1.0, top_p=top_p)] * 4, 33)), logits.argmax(-1))

@@ -21,7 +21,7 @@ from kiln.pipeline.serve.graphs import GRAPH_BATCH
 from kiln.pipeline.serve.kv_cache import PagedKVCache
 from kiln.pipeline.serve.request import Request
 from kiln.pipeline.serve.runner import ModelRunner
-from kiln.pipeline.serve.scheduler import Scheduler
+from kiln.pipeline.serve.scheduler import ScheduledSequence, Scheduler
 
 
 class Engine:
@@ -87,7 +87,11 @@ class Engine:
 
     def step(self) -> list[tuple[Request, int]]:
         """Run one step; return (request, new token) for each request that got a token (finished ones too)."""
-        plan = self.scheduler.schedule()
+        return self.execute(self.scheduler.schedule())
+
+    def execute(self, plan: list[ScheduledSequence]) -> list[tuple[Request, int]]:
+        """Run a plan the scheduler has just made (a step's second half) and apply its tokens."""
+        self.runner.apply(*self.scheduler.take_changes())  # the plan's per-slot rows, and slots freed
         if not plan:
             return []
         events = self.scheduler.update(plan, self.runner.execute(plan))

@@ -18,7 +18,6 @@ request is read where it lies. Every index a step needs crosses to the device in
 
 from __future__ import annotations
 
-import itertools
 from typing import NamedTuple
 
 import numpy as np
@@ -70,96 +69,124 @@ class PagedKVCache:
         """Copy whole blocks, every layer's keys and values, source to destination: the partly filled last
         blocks that forked requests take over (`BlockPool.fork`)."""
         source, copy = (torch.tensor(column, device=self.device) for column in zip(*pairs))
-        self.k[:, copy] = self.k[:, source]
-        self.v[:, copy] = self.v[:, source]
+        # index_select and index_copy_ rather than indexing: several times faster on a CPU (a GRPO step forks
+        # hundreds of samples)
+        self.k.index_copy_(1, copy, self.k.index_select(1, source))
+        self.v.index_copy_(1, copy, self.v.index_select(1, source))
 
     def begin(self, segments: list[Segment], extra: dict[str, np.ndarray] | None = None,
-              pad_to: int = 0) -> dict[str, torch.Tensor]:
+              pad_to: int = 0, tables: np.ndarray | None = None) -> dict[str, torch.Tensor]:
         """Set the step's segments: the model's next forward runs their new tokens, in this order. Every index
         the step needs, with the caller's `extra` arrays (token ids, sampling settings), crosses to the device
         in one copy; the extra arrays come back as device tensors. `pad_to` (decodes only): the arrays hold
         that many rows, the ones past the segments decoding one token into the scratch block, and the block
-        tables `max_blocks` columns, the fixed shapes a CUDA graph replays (the caller pads its ids)."""
+        tables `max_blocks` columns, the fixed shapes a CUDA graph replays (the caller pads its ids).
+        `tables`: the segments' block tables as rows of an array (zero-padded), when the caller keeps them so
+        (serve/input_batch.py); otherwise they are read from the segments."""
         for s in segments:
             if s.count < 1 or not 1 <= s.logits <= s.count or len(s.table) * self.block_size < s.start + s.count:
                 raise ValueError(f"segment at {s.start} + {s.count} tokens does not fit its {len(s.table)} blocks")
-        if pad_to and (pad_to < len(segments) or any(s.count > 1 for s in segments)):
+        n = len(segments)
+        starts = np.fromiter((s.start for s in segments), np.int64, n)
+        counts = np.fromiter((s.count for s in segments), np.int64, n)
+        if tables is None:
+            width = max((len(s.table) for s in segments), default=0)
+            tables = np.array([s.table + [0] * (width - len(s.table)) for s in segments],
+                              dtype=np.int64).reshape(n, width)
+        decodes = np.flatnonzero(counts == 1)
+        if len(decodes) == n:  # decodes only, the common step
+            return self.begin_decodes(starts, tables, extra, pad_to)
+        if pad_to:
             raise ValueError(f"pad_to={pad_to}: expected decodes only, at most that many")
         self.segments = segments
-        self.offsets = [0, *itertools.accumulate(s.count for s in segments)]  # where each starts in the flat batch
-        decodes = [i for i, s in enumerate(segments) if s.count == 1]
-        self.prefills = [i for i, s in enumerate(segments) if s.count > 1]
-        width = max((len(segments[i].table) for i in decodes), default=0)
-        tables = np.array([segments[i].table + [0] * (width - len(segments[i].table)) for i in decodes],
-                          dtype=np.int64).reshape(len(decodes), width)
-        self.batched = False
-        if not self.prefills:
-            # decodes only, the common step: every row is its own segment's one token, and gets logits
-            starts = np.fromiter((s.start for s in segments), np.int64, len(segments))
-            if pad_to:
-                starts = np.pad(starts, (0, pad_to - len(segments)))
-                tables = np.pad(tables, ((0, pad_to - len(segments)), (0, self.max_blocks - width)),
-                                constant_values=self.scratch)
-            host = {"positions": starts, "decode_tables": tables, "decode_lens": starts + 1,
-                    "slots": tables[np.arange(len(starts)), starts // self.block_size] * self.block_size
-                    + starts % self.block_size}
-            contexts = []
-        else:
-            contexts = [self._slots(segments[i].table, 0, segments[i].start + segments[i].count)
-                        for i in self.prefills]
-            host = {
-                "positions": np.concatenate([np.arange(s.start, s.start + s.count) for s in segments]),
-                "slots": np.concatenate([self._slots(s.table, s.start, s.start + s.count) for s in segments]),
-                "decode_rows": np.array([self.offsets[i] for i in decodes], dtype=np.int64),
-                "decode_tables": tables,
-                "decode_lens": np.array([segments[i].start + 1 for i in decodes], dtype=np.int64),
-                # each segment's last new tokens: the model returns logits for these rows only
-                "logit_rows": np.array([row for i, s in enumerate(segments)
-                                        for row in range(self.offsets[i + 1] - s.logits, self.offsets[i + 1])],
-                                       dtype=np.int64),
-            }
-            host |= self._prefill_indices(segments, contexts)
-        extra = extra or {}
-        if set(extra) & set(host):
-            raise ValueError(f"extra arrays {sorted(set(extra) & set(host))}: names the cache uses")
-        on_device = self.transfer.upload(host | extra)
-        self.decode_rows = None  # None: every row is a decode
-        for name in host:
-            setattr(self, name, on_device[name])
-        if not self.prefills:  # every row gets logits: made on the device, nothing to send
-            self.logit_rows = torch.arange(len(host["positions"]), device=self.device)
-        # the torch path's decode contexts, found at the first layer (device work: the forward's, not the host's)
-        self.decode_context, self.longest_decode = None, max((segments[i].start + 1 for i in decodes), default=0)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        self.offsets = offsets.tolist()  # where each segment starts in the flat batch
+        self.prefills = np.flatnonzero(counts > 1).tolist()
+        # every new token's segment and position, then its pool slot, without a Python pass per token
+        owner = np.repeat(np.arange(n), counts)
+        positions = np.arange(offsets[-1]) - offsets[owner] + starts[owner]
+        # each segment's last `logits` new tokens: the model returns logits for these rows only
+        logits = np.fromiter((s.logits for s in segments), np.int64, n)
+        firsts = np.cumsum(logits) - logits
+        host = {
+            "positions": positions,
+            "slots": self._slot_of(tables[owner], positions),
+            "decode_rows": offsets[decodes],
+            "decode_tables": tables[decodes],
+            "decode_lens": starts[decodes] + 1,
+            "logit_rows": np.repeat(offsets[1:] - logits - firsts, logits) + np.arange(logits.sum()),
+        }
+        prefills = np.array(self.prefills, dtype=np.int64)
+        ends = starts[prefills] + counts[prefills]
+        host |= self._prefill_indices(tables[prefills], starts[prefills], counts[prefills], offsets[prefills])
+        on_device = self._upload(host, extra)
+        self.decode_rows = on_device["decode_rows"]
         # the causal masks, shared by every layer: query i of a prefill is token start + i and sees every key up
         # to and including itself
         self.prefill_slots, self.prefill_masks = [], []
         if self.batched:
             width = self.prefill_context.size(1)
             self.prefill_mask = (torch.arange(width, device=self.device) <= self.prefill_positions[:, :, None])[:, None]
-        elif contexts:
-            self.prefill_slots = self.context_slots.split([len(c) for c in contexts])
+        else:
+            self.prefill_slots = self.context_slots.split(ends.tolist())
             self.prefill_masks = [self.positions[self.offsets[i]:self.offsets[i + 1], None] >= torch.arange(
-                len(c), device=self.device)[None, :] for i, c in zip(self.prefills, contexts)]
-        return {name: on_device[name] for name in extra}
+                end, device=self.device)[None, :] for i, end in zip(self.prefills, ends.tolist())]
+        self.longest_decode = int(starts[decodes].max()) + 1 if len(decodes) else 0
+        return {name: on_device[name] for name in extra or {}}
 
-    def _prefill_indices(self, segments: list[Segment], contexts: list[np.ndarray]) -> dict[str, np.ndarray]:
-        """How the prefills attend. Several of them, padded to one batch, run one attention call per layer
-        instead of one each (the many short chunks of requests that share a cached prompt, GRPO's groups): each
-        row's context slots (padded with its first, which the causal mask hides), its queries' rows in the flat
-        batch and their positions (padded with its first), and which padded queries are real. When padding would
-        more than double the work (one long chunk among short ones), each prefill runs on its own."""
-        counts = [segments[i].count for i in self.prefills]
-        queries, width = max(counts), max(map(len, contexts))
-        P = len(self.prefills)
-        self.batched = P > 1 and P * queries <= 2 * sum(counts) + 64 and P * width <= 2 * sum(map(len, contexts)) + 256
+    def begin_decodes(self, starts: np.ndarray, tables: np.ndarray, extra: dict[str, np.ndarray] | None = None,
+                      pad_to: int = 0) -> dict[str, torch.Tensor]:
+        """`begin` for a step of decodes only (one token each, every row gets logits): row i feeds position
+        starts[i] of the sequence whose block table is tables[i] (zero-padded), with no Segment per row."""
+        n = len(starts)
+        if n and starts.max() >= tables.shape[1] * self.block_size:
+            raise ValueError(f"a decode at position {starts.max()} does not fit {tables.shape[1]} blocks")
+        if pad_to and pad_to < n:
+            raise ValueError(f"pad_to={pad_to}: expected decodes only, at most that many")
+        self.segments, self.prefills, self.batched = [], [], False
+        if pad_to:
+            starts = np.pad(starts, (0, pad_to - n))
+            tables = np.pad(tables, ((0, pad_to - n), (0, self.max_blocks - tables.shape[1])),
+                            constant_values=self.scratch)
+        host = {"positions": starts, "decode_tables": tables, "decode_lens": starts + 1,
+                "slots": self._slot_of(tables, starts)}
+        on_device = self._upload(host, extra)
+        self.decode_rows = None  # None: every row is a decode
+        self.logit_rows = torch.arange(len(starts), device=self.device)  # made on the device: nothing to send
+        self.longest_decode = int(starts[:n].max()) + 1 if n else 0
+        return {name: on_device[name] for name in extra or {}}
+
+    def _upload(self, host: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
+        """The step's indices and the caller's arrays to the device in one copy; the indices kept as attributes."""
+        extra = extra or {}
+        if set(extra) & set(host):
+            raise ValueError(f"extra arrays {sorted(set(extra) & set(host))}: names the cache uses")
+        on_device = self.transfer.upload(host | extra)
+        for name in host:
+            setattr(self, name, on_device[name])
+        self.decode_context = None  # the torch path's decode contexts, found at the first layer (device work)
+        return on_device
+
+    def _prefill_indices(self, tables: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+                         firsts: np.ndarray) -> dict[str, np.ndarray]:
+        """How the prefills (their block tables, first positions, token counts and first rows in the flat batch)
+        attend. Several of them, padded to one batch, run one attention call per layer instead of one each (the
+        many short chunks of requests that share a cached prompt, GRPO's groups): each row's context slots
+        (padded with its first, which the causal mask hides), its queries' rows in the flat batch and their
+        positions (padded with its first), and which padded queries are real. When padding would more than
+        double the work (one long chunk among short ones), each prefill runs on its own."""
+        P, ends = len(counts), starts + counts
+        queries, width = int(counts.max()), int(ends.max())
+        self.batched = P > 1 and P * queries <= 2 * counts.sum() + 64 and P * width <= 2 * ends.sum() + 256
+        # each prefill's context, positions 0..end - 1, as pool slots; past its end, position 0's
+        grid = np.arange(width)[None, :]
+        inside = grid < ends[:, None]
+        context = self._slot_of(tables[:, None, :], np.where(inside, grid, 0))
         if not self.batched:
-            return {"context_slots": np.concatenate([np.zeros(0, dtype=np.int64), *contexts])}
-        context = np.stack([np.pad(c, (0, width - len(c)), constant_values=c[0]) for c in contexts])
-        grid = np.minimum(np.arange(queries)[None, :], np.array(counts)[:, None] - 1)  # padding repeats the last
-        firsts = np.array([self.offsets[i] for i in self.prefills])
-        starts = np.array([segments[i].start for i in self.prefills])
-        real = (np.arange(queries)[None, :] < np.array(counts)[:, None]).reshape(-1)
-        rows = (firsts[:, None] + grid).reshape(P, queries)
+            return {"context_slots": context[inside]}  # row after row: each prefill's context in turn
+        grid = np.minimum(np.arange(queries)[None, :], counts[:, None] - 1)  # padding repeats the last
+        real = (np.arange(queries)[None, :] < counts[:, None]).reshape(-1)
+        rows = firsts[:, None] + grid
         return {"prefill_context": context, "prefill_rows": rows,
                 "prefill_positions": starts[:, None] + grid,
                 "prefill_real": np.flatnonzero(real), "prefill_real_rows": rows.reshape(-1)[real]}
@@ -175,11 +202,11 @@ class PagedKVCache:
         self.decode_mask = None if len(self.decode_lens) == 1 else \
             (torch.arange(longest, device=self.device) < self.decode_lens[:, None])[:, None, None]
 
-    def _slots(self, table: list[int], start: int, stop: int) -> np.ndarray:
-        """The pool slots (block x block_size + offset) of positions [start, stop) of a sequence in `table`."""
-        positions = np.arange(start, stop, dtype=np.int64)
-        return np.asarray(table, dtype=np.int64)[positions // self.block_size] * self.block_size \
-            + positions % self.block_size
+    def _slot_of(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """The pool slot (block x block_size + offset) of each position, each read in the block table beside it
+        (`tables` holds one table row per position, or broadcasts to them along its second-to-last axis)."""
+        blocks = np.take_along_axis(tables, positions[..., None] // self.block_size, axis=-1)[..., 0]
+        return blocks * self.block_size + positions % self.block_size
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, H_kv, N, D) of the step's new tokens, rotated: store k and v, return the

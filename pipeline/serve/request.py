@@ -76,6 +76,7 @@ class Request:
     # the runner's: the sampler's noise key (its seed, or a random one for an unseeded request), set at its first
     # draw (an attribute: a dictionary keyed on requests cost a lookup per request every step)
     noise_key: int | None = None
+    slot: int = -1  # its row in the runner's InputBatch while it runs (serve/input_batch.py)
 
     @property
     def tokens(self) -> list[int]:
@@ -84,6 +85,11 @@ class Request:
     @property
     def length(self) -> int:  # len(tokens), without building the list: the scheduler asks every step
         return len(self.prompt) + len(self.output)
+
+    def token(self, i: int) -> int:
+        """tokens[i] for 0 <= i < length, without building the list."""
+        n = len(self.prompt)
+        return self.prompt[i] if i < n else self.output[i - n]
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """tokens[start:stop], without building the whole list (a decode needs one token of it every step)."""

@@ -1,8 +1,8 @@
 """The model runner: a step's plan in, every request's new tokens out, with one transfer each way.
 
 Everything the step needs on the device (the token ids, the cache's positions, slots and block tables, which
-rows sample and with what temperature, top-k and top-p) is packed on the host and crosses in one copy
-(`transfer.HostToDevice`); the model runs the flat batch over the paged cache; `sampler.sample` draws every
+rows sample and with what temperature, top-k and top-p) is packed on the host, mostly by indexing the
+per-slot rows it keeps across steps (serve/input_batch.py), and crosses in one copy (`transfer.HostToDevice`); the model runs the flat batch over the paged cache; `sampler.sample` draws every
 sampling row's token on the device (its noise keyed on the request and position, one set of ops for the
 batch); the tokens come back in one read. A step with no row to sample reads nothing back.
 
@@ -22,7 +22,8 @@ import torch
 from kiln.model.generate import sampling_probs
 from kiln.pipeline.serve.graphs import DecodeGraphs
 from kiln.pipeline.serve.kv_cache import PagedKVCache, Segment
-from kiln.pipeline.serve.request import Request
+from kiln.pipeline.serve.input_batch import InputBatch
+from kiln.pipeline.serve.request import Request, RequestStatus
 from kiln.pipeline.serve.sampler import sample
 from kiln.pipeline.serve.scheduler import ScheduledSequence, StepResult
 from kiln.pipeline.serve.speculative import accept, accept_greedy
@@ -134,6 +135,7 @@ class ModelRunner:
         if self.graphs:
             self.graphs.capture_all()
         self.vocab_size = model.config.vocab_size
+        self.batch = InputBatch(cache.max_blocks, self.vocab_size)  # the running requests' rows, kept across steps
         # `kiln bench serve` turns this on to split a step's time into the model's and the host's: the model's
         # time is read around its forward and sampling (with a device sync on CUDA, which timing costs)
         self.timing, self.model_seconds, self.reads = False, 0.0, 0
@@ -147,71 +149,110 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.cache.device
 
+    def apply(self, released: list[Request], retabled: list[Request]) -> None:
+        """The scheduler's changes since the last step (`Scheduler.take_changes`) into the per-slot rows."""
+        for request in released:
+            self.batch.release(request)
+        for request in retabled:
+            if request.status is RequestStatus.RUNNING:  # not finished or preempted since
+                self.batch.write(request, self._key(request))
+
     @torch.no_grad()
     def execute(self, plan: list[ScheduledSequence]) -> StepResult:
-        if any(seq.lookahead for seq in plan):
+        if self.draft is not None and any(seq.lookahead for seq in plan):
             return self._speculative(plan)
-        segments = [Segment(seq.request.table, seq.request.computed, seq.count) for seq in plan]
-        # a prompt whose log-probabilities are asked for gets logits for every position of its chunk
-        asking = [i for i, seq in enumerate(plan) if seq.request.sampling.prompt_logprobs is not None]
-        for i in asking:
-            segments[i] = segments[i]._replace(logits=segments[i].count)
-        ids = np.fromiter(itertools.chain.from_iterable(
-            seq.request.token_slice(seq.request.computed, seq.request.computed + seq.count) for seq in plan), np.int64)
-        rows = [i for i, seq in enumerate(plan) if seq.samples]
+        n = len(plan)
+        requests = [seq.request for seq in plan]
+        slots = self.batch.slots(requests)
+        starts = np.fromiter((r.computed for r in requests), np.int64, n)
+        counts = np.fromiter((seq.count for seq in plan), np.int64, n)
+        lengths = np.fromiter((len(r.prompt) + len(r.output) for r in requests), np.int64, n)
+        tables = self.batch.block_tables(slots, starts + counts, self.cache.block_size)
+        rows = np.flatnonzero(starts + counts == lengths)  # the sequences that get a token: their chunk ends there
         # a request whose prompt ends here draws its forks' first tokens from the same row, each its own way
-        fork_rows = [(i, fork) for i in rows for fork in plan[i].request.forks]
-        sampled = [plan[i].request for i in rows] + [fork for _, fork in fork_rows]
-        params = [r.sampling for r in sampled]
-        any_sampled = any(p.temperature > 0 for p in params)
+        fork_rows = [(i, fork) for i in rows.tolist() if requests[i].forks for fork in requests[i].forks]
+        forks = [fork for _, fork in fork_rows]
+        asks = bool(self.batch.logprobs[slots].any()) or any(
+            f.sampling.logprobs is not None for f in forks)
+        decodes_only = n == 0 or counts.max() == 1
+        if decodes_only:  # every row its sequence's one token, and its logits row
+            ids = np.fromiter((r.token(r.computed) for r in requests), np.int64, n)
+            segments, wide, last = None, 0, np.arange(n)
+        else:
+            segments = [Segment(r.table, r.computed, seq.count) for r, seq in zip(requests, plan)]
+            for i, r in enumerate(requests):  # a prompt whose log-probabilities are asked gets every position's
+                if r.sampling.prompt_logprobs is not None:
+                    segments[i] = segments[i]._replace(logits=segments[i].count)
+            ids = np.fromiter(itertools.chain.from_iterable(
+                r.token_slice(r.computed, r.computed + seq.count) for r, seq in zip(requests, plan)), np.int64)
+            wide = len(ids) if any(s.logits > 1 for s in segments) else 0  # logits rows beyond one a segment
+            last = np.cumsum([s.logits for s in segments]) - 1 if wide else np.arange(n)
         extra = {"ids": ids}
-        wide = len(ids) if any(s.logits > 1 for s in segments) else 0  # logits rows beyond one a segment
-        last = [end - 1 for end in itertools.accumulate(s.logits for s in segments)] if wide else range(len(plan))
-        if len(rows) < len(plan) or fork_rows or wide:  # the logits rows the sampler reads, when not all in order
-            extra["sample_rows"] = np.array([last[i] for i in rows] + [last[i] for i, _ in fork_rows], dtype=np.int64)
-        if any_sampled:  # an all-greedy step needs no sampling settings on the device
-            extra |= {"temperature": np.array([p.temperature for p in params], dtype=np.float32),
-                      "top_k": np.array([p.top_k or self.vocab_size for p in params], dtype=np.int64),
-                      "top_p": np.array([1.0 if p.top_p is None else p.top_p for p in params], dtype=np.float32),
-                      "sample_keys": np.array([self._key(r) for r in sampled], dtype=np.int64),
-                      "sample_positions": np.array([r.length for r in sampled], dtype=np.int64)}
-        asked = LogprobsAsked(plan, segments, last, params) if asking or any(
-            p.logprobs is not None for p in params) else NOTHING_ASKED
-        extra |= asked.indices()
-        bucket = self.graphs.bucket(len(plan)) if self.graphs and len(ids) == len(plan) else None
+        if len(rows) < n or fork_rows or wide:  # the logits rows the sampler reads, when not all in order
+            extra["sample_rows"] = np.concatenate([last[rows], last[[i for i, _ in fork_rows]]]).astype(np.int64)
+        settings = self._settings(slots[rows], lengths[rows], forks)
+        if settings is not None:  # an all-greedy step needs no sampling settings on the device
+            extra |= settings
+        sampled = None
+        asked = NOTHING_ASKED
+        if asks:
+            sampled = [requests[i] for i in rows] + forks
+            segments = segments or [Segment(r.table, r.computed, 1) for r in requests]
+            asked = LogprobsAsked(plan, segments, last, [r.sampling for r in sampled])
+            extra |= asked.indices()
+        bucket = self.graphs.bucket(n) if self.graphs and decodes_only else None
         if bucket:
-            extra["ids"] = np.pad(ids, (0, bucket - len(ids)))
-        on_device = self.cache.begin(segments, extra, pad_to=bucket or 0)
+            extra["ids"] = np.pad(ids, (0, bucket - n))
+        if decodes_only:
+            on_device = self.cache.begin_decodes(starts, tables, extra, pad_to=bucket or 0)
+        else:
+            on_device = self.cache.begin(segments, extra, tables=tables)
         started = self._clock()
         if bucket:
-            logits = self.graphs.run(on_device)[:len(plan)]
+            logits = self.graphs.run(on_device)[:n]
         else:
             logits = self.model(on_device["ids"][None], cache=self.cache)[0]
         tokens: list[list[int]] = [[] for _ in plan]
         forked: list[list[int]] = [[] for _ in plan]
         new = None
-        if rows:
+        if len(rows) or fork_rows:
             chosen = logits[on_device["sample_rows"]] if "sample_rows" in on_device else logits
-            new = sample(chosen, params, on_device)
+            new = sample(chosen, settings, on_device)
         values = asked.compute(logits, new, on_device)
         if self.timing:
             self.model_seconds += self._clock() - started
         if new is None and not values:
-            return StepResult(tokens, [0] * len(plan))
+            return StepResult(tokens, [0] * n)
         self.reads += 1
+        count = len(rows) + len(forks)
         if values:  # the step's one read back: the tokens and the log-probabilities asked for (ids exact in float64)
             read = torch.cat([new.double() if new is not None else logits.new_zeros(0, dtype=torch.float64),
                               *values]).tolist()
-            new_tokens = [int(t) for t in read[:len(sampled)]]
+            new_tokens = [int(t) for t in read[:count]]
         else:
             read, new_tokens = [], new.tolist()  # the step's one read back
-        for i, token in zip(rows, new_tokens):
+        for i, token in zip(rows.tolist(), new_tokens):
             tokens[i] = [token]
         for (i, _), token in zip(fork_rows, new_tokens[len(rows):]):
             forked[i].append(token)
-        logprobs, fork_logprobs, prompt_logprobs = asked.unpack(read[len(sampled):], rows, fork_rows)
-        return StepResult(tokens, [0] * len(plan), forked if fork_rows else None, logprobs, fork_logprobs,
+        logprobs, fork_logprobs, prompt_logprobs = asked.unpack(read[count:], rows.tolist(), fork_rows)
+        return StepResult(tokens, [0] * n, forked if fork_rows else None, logprobs, fork_logprobs,
                           prompt_logprobs)
+
+    def _settings(self, slots: np.ndarray, positions: np.ndarray, forks: list[Request]) -> dict | None:
+        """The sampled rows' settings for the sampler, from their slots' rows and then the forks' own (a fork has
+        no slot until it runs): temperature, top-k (the vocabulary for none), top-p (1 for none), the noise key
+        and the position each draws for. None when every row is greedy."""
+        b = self.batch
+        settings = {"temperature": b.temperature[slots], "top_k": b.top_k[slots], "top_p": b.top_p[slots],
+                    "sample_keys": b.keys[slots], "sample_positions": positions}
+        if forks:
+            own = {"temperature": [f.sampling.temperature for f in forks],
+                   "top_k": [f.sampling.top_k or self.vocab_size for f in forks],
+                   "top_p": [1.0 if f.sampling.top_p is None else f.sampling.top_p for f in forks],
+                   "sample_keys": [self._key(f) for f in forks], "sample_positions": [f.length for f in forks]}
+            settings = {name: np.concatenate([a, np.array(own[name], dtype=a.dtype)]) for name, a in settings.items()}
+        return settings if (settings["temperature"] > 0).any() else None
 
     def _clock(self) -> float:
         if self.timing and self.device.type == "cuda":

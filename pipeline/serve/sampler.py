@@ -16,10 +16,10 @@ generator call per seeded row (on this CPU 5.6 ms for 512 rows of 4,096, where p
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kiln.model.generate import batched_probs
-from kiln.pipeline.serve.request import SamplingParams
 
 
 def _int64(value: int) -> int:
@@ -66,20 +66,21 @@ def exponentials(keys: torch.Tensor, positions: torch.Tensor, vocab: int) -> tor
     return bits.float().add_(0.5).mul_(2.0 ** -UNIFORM_BITS).log_().neg_()
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], on_device: dict[str, torch.Tensor]) -> torch.Tensor:
+def sample(logits: torch.Tensor, settings: dict[str, np.ndarray] | None,
+           on_device: dict[str, torch.Tensor]) -> torch.Tensor:
     """The next token of each row (R,), int64 on the logits' device: the argmax where temperature is 0, a draw
-    from `batched_probs` elsewhere. `params` are the rows' settings as the host has them, which spare device work
-    (no sort without a top-k or top-p cut); `on_device` holds them as tensors when some row samples (temperature,
-    top_k with the vocabulary for none, top_p with 1 for none) and each row's key and the position it draws for
-    (`sample_keys`, `sample_positions`, int64)."""
+    from `batched_probs` elsewhere. `settings` are the rows' settings as the host has them, None when every row
+    is greedy: temperature, top_k (the vocabulary for none) and top_p (1 for none), which spare device work (no
+    sort without a top-k or top-p cut); `on_device` holds them as tensors, with each row's key and the position
+    it draws for (`sample_keys`, `sample_positions`, int64)."""
     greedy = logits.argmax(dim=-1)
-    sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0]
-    if not sampled_rows:
+    if settings is None:
         return greedy
     vocab = logits.size(-1)
     sampled = on_device["temperature"] > 0
     temperature = torch.where(sampled, on_device["temperature"], torch.ones_like(on_device["temperature"]))
-    if any((params[i].top_k or vocab) < vocab or (params[i].top_p or 1.0) < 1 for i in sampled_rows):
+    drawn = settings["temperature"] > 0
+    if ((settings["top_k"][drawn] < vocab) | (settings["top_p"][drawn] < 1)).any():
         probs = batched_probs(logits, temperature, on_device["top_k"], on_device["top_p"])
     else:
         probs = (logits.float() / temperature[:, None]).softmax(dim=-1)

@@ -2,7 +2,9 @@
 
 The scheduler decides and keeps the books; it touches no tensor. `schedule()` returns the plan of a step (which
 requests feed which of their tokens, and how many draft tokens each decode verifies), the model runner
-(serve/runner.py) runs it, and `update()` applies the tokens that came back.
+(serve/runner.py) runs it, and `update()` applies the tokens that came back. What changed for the runner's
+per-slot rows (requests whose blocks went back, block tables that changed) is kept as a diff that the engine
+hands it before each step (`take_changes`), so the runner never rereads every running request's table.
 
 A request's state is its tokens (prompt, then what it generated) and how many of them have keys and values in
 the cache (`computed`). What it needs next is always tokens[computed:]: the rest of its prompt while it
@@ -75,7 +77,8 @@ class Scheduler:
         self.pool, self.max_seq_len, self.max_batch_tokens = pool, max_seq_len, max_batch_tokens
         self.prefix_caching, self.speculate = prefix_caching, speculate
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        # in arrival order (`Request.order`); a dict, so a request leaves it in constant time
+        self.running: dict[Request, None] = {}
         self.counter = itertools.count()
         self.prefill_tokens = 0  # computed, over the engine's life: what prefix caching saves shows here
         self.preemptions = 0
@@ -83,6 +86,11 @@ class Scheduler:
         self.drafted = self.accepted = 0  # draft tokens verified and kept: the acceptance rate
         self.parents: dict[Request, Request] = {}  # a fork not yet started -> the request it forks from
         self.copies: list[tuple[int, int]] = []  # (block, copy) for the cache, from this step's forks
+        # what changed for the model runner's per-slot rows since it last asked (`take_changes`): requests whose
+        # blocks went back, and requests whose block table changed
+        self.released: list[Request] = []
+        self.retabled: list[Request] = []
+        self.unsorted = False  # requests were added to `running` out of arrival order
 
     def add(self, request: Request) -> Request:
         """Queue a request and its forks (checked: each must fit the model's context and, alone, the pool; the
@@ -127,8 +135,7 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
         if request in self.running:
-            self.running.remove(request)
-            self.pool.release(request.table)
+            self._release(request)
         if not request.status.finished:
             request.status = RequestStatus.FINISHED_ABORTED
         self.aborted += 1
@@ -136,29 +143,54 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def take_changes(self) -> tuple[list[Request], list[Request]]:
+        """(requests whose blocks went back, requests whose block table changed) since the last call, in the
+        order it happened; the runner's per-slot rows follow them (serve/input_batch.py)."""
+        changes = self.released, self.retabled
+        self.released, self.retabled = [], []
+        return changes
+
+    def _release(self, request: Request) -> None:
+        del self.running[request]
+        self.pool.release(request.table)
+        self.released.append(request)
+
     def schedule(self) -> list[ScheduledSequence]:
         """This step's plan, decodes first; blocks made ready for all of it."""
         plan: list[ScheduledSequence] = []
+        prefilling = []
+        room = self.pool.block_size
+        running = RequestStatus.RUNNING
         for request in list(self.running):  # decodes: one token each (and the draft's), every step
             # one preempted by an earlier request's growth this step is waiting again (a status check, where a
             # search of the running list would make the step quadratic in the batch)
-            if request.status is not RequestStatus.RUNNING or request.length - request.computed != 1:
+            if request.status is not running:
                 continue
-            lookahead = self.lookahead(request)
-            while not self.pool.grow(request.table, request.length + lookahead):
-                self.preemptions += 1
-                if self._preempt() is request:
-                    break
+            length = len(request.prompt) + len(request.output)
+            if length - request.computed != 1:
+                prefilling.append(request)
+                continue
+            lookahead = self.lookahead(request) if self.speculate else 0
+            if length + lookahead > len(request.table) * room:  # a new block: most steps need none
+                while not self.pool.grow(request.table, length + lookahead):
+                    self.preemptions += 1
+                    if self._preempt() is request:
+                        break
+                else:
+                    self.retabled.append(request)
+                    plan.append(ScheduledSequence(request, 1, lookahead))
             else:
                 plan.append(ScheduledSequence(request, 1, lookahead))
         budget = self.max_batch_tokens - len(plan)
-        if budget > 0:
-            self._admit()
-        for request in self.running:  # prefills, oldest first, within the budget
-            left = request.length - request.computed
-            if left > 1 and budget > 0:
-                plan.append(ScheduledSequence(request, min(left, budget)))
-                budget -= plan[-1].count
+        prefilling = [r for r in prefilling if r.status is running]  # not preempted by a decode's growth since
+        if budget > 0 and self.waiting:
+            prefilling += self._admit(prefilling)
+            prefilling.sort(key=lambda r: r.order)
+        for request in prefilling:  # prefills, oldest first, within the budget
+            if budget <= 0:
+                break
+            plan.append(ScheduledSequence(request, min(request.length - request.computed, budget)))
+            budget -= plan[-1].count
         if not plan and self.waiting and not self.running:
             raise RuntimeError("the pool cannot hold the first waiting request")  # add() prevents this
         return plan
@@ -173,42 +205,74 @@ class Scheduler:
     def update(self, plan: list[ScheduledSequence], result: StepResult) -> list[tuple[Request, int]]:
         """Apply a step's tokens; return (request, new token) for each token that came out (finished ones too)."""
         events = []
-        forked = result.forked or [[] for _ in plan]
-        nothing = [None] * len(plan)
-        for seq, new, drafted, first, new_lp, first_lp, prompt_lp in zip(
-                plan, result.tokens, result.drafted, forked, result.logprobs or nothing,
-                result.fork_logprobs or nothing, result.prompt_logprobs or nothing, strict=True):
-            request, before = seq.request, seq.request.computed
-            if seq.count > 1 or request.computed < len(request.prompt):
-                self.prefill_tokens += seq.count
-            if prompt_lp:  # by position: a prompt computed again (after a preemption) rewrites its own entries
-                request.prompt_logprobs[before:before + len(prompt_lp)] = prompt_lp
-            if not seq.samples:
-                request.computed += seq.count  # a prefill chunk short of the end: no token yet
-                self._commit(request, before)
-                continue
-            self.drafted += drafted
-            self.accepted += len(new) - 1
-            last = request.length - 1  # the position fed this step; the drafts were fed after it
-            if request.forks:  # before the request can finish and let its blocks go
-                self._fork(request, first, events, first_lp)
-            self._finish(request, new, events, new_lp)
-            # Every new token but the last is a kept draft, whose keys and values the target computed; the last
-            # is fed next step. The draft computed its cache up to the draft before the last it proposed.
-            request.computed = request.length - 1
-            if drafted:
-                request.draft_computed = min(request.computed, last + drafted)
-            if request.status.finished:
-                continue
-            self.pool.shrink(request.table, max(request.computed, len(request.prompt)))
-            self._commit(request, before)
+        if len(result.tokens) != len(plan) or len(result.drafted) != len(plan):
+            raise ValueError(f"a step of {len(plan)} sequences got {len(result.tokens)} results")
+        if result.forked or result.logprobs or result.prompt_logprobs or self.speculate:
+            nothing = [None] * len(plan)
+            for args in zip(plan, result.tokens, result.drafted, result.forked or [[] for _ in plan],
+                            result.logprobs or nothing, result.fork_logprobs or nothing,
+                            result.prompt_logprobs or nothing, strict=True):
+                self._apply(*args, events)
+        else:
+            # the common case, a decode's one token with nothing else asked, is applied inline: at GRPO's width
+            # this loop runs hundreds of times a step
+            B = self.pool.block_size
+            for seq, new in zip(plan, result.tokens):
+                request, before = seq.request, seq.request.computed
+                if seq.count != 1 or len(new) != 1 or before < len(request.prompt):
+                    self._apply(seq, new, 0, [], None, None, None, events)
+                    continue
+                token, s = new[0], request.sampling
+                request.output.append(token)
+                events.append((request, token))
+                request.computed = before + 1
+                if token in s.stop_ids:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                    self._release(request)
+                elif len(request.output) >= s.max_tokens:
+                    request.status = RequestStatus.FINISHED_LENGTH
+                    self._release(request)
+                elif request.computed % B == 0:  # it filled a block
+                    self._commit(request, before)
+        self._sort_running()
         return events
+
+    def _apply(self, seq: ScheduledSequence, new: list[int], drafted: int, first: list[int], new_lp, first_lp,
+               prompt_lp, events: list) -> None:
+        """Apply one sequence's share of a step: its new tokens (`new`, of which `drafted` were verified drafts),
+        its forks' first tokens, and the log-probabilities asked for."""
+        request, before = seq.request, seq.request.computed
+        if seq.count > 1 or request.computed < len(request.prompt):
+            self.prefill_tokens += seq.count
+        if prompt_lp:  # by position: a prompt computed again (after a preemption) rewrites its own entries
+            request.prompt_logprobs[before:before + len(prompt_lp)] = prompt_lp
+        if not seq.samples:
+            request.computed += seq.count  # a prefill chunk short of the end: no token yet
+            self._commit(request, before)
+            return
+        self.drafted += drafted
+        self.accepted += len(new) - 1
+        last = request.length - 1  # the position fed this step; the drafts were fed after it
+        if request.forks:  # before the request can finish and let its blocks go
+            self._fork(request, first, events, first_lp)
+        self._finish(request, new, events, new_lp)
+        # Every new token but the last is a kept draft, whose keys and values the target computed; the last is fed
+        # next step. The draft computed its cache up to the draft before the last it proposed.
+        request.computed = request.length - 1
+        if drafted:
+            request.draft_computed = min(request.computed, last + drafted)
+        if request.status.finished:
+            return
+        held = len(request.table)
+        self.pool.shrink(request.table, max(request.computed, len(request.prompt)))
+        if len(request.table) != held:
+            self.retabled.append(request)
+        self._commit(request, before)
 
     def _finish(self, request: Request, tokens: list[int], events: list, logprobs: list | None = None) -> None:
         """Append `tokens` until a stop id or max_tokens; release the request when it is done."""
         if self._append(request, tokens, events, logprobs):
-            self.running.remove(request)
-            self.pool.release(request.table)
+            self._release(request)
 
     def _append(self, request: Request, tokens: list[int], events: list, logprobs: list | None = None) -> bool:
         """Append `tokens` (and their `logprobs`, if any) until a stop id or max_tokens; whether that finished
@@ -248,29 +312,28 @@ class Scheduler:
                 self.copies.append(copy)
             fork.computed, fork.draft_computed = len(fork.prompt), 0  # a draft model computes its own cache
             fork.status = RequestStatus.RUNNING
-            self.running.append(fork)
+            self._start(fork)
             self._finish(fork, [token], events, first)
-        self.running.sort(key=lambda r: r.order)
 
     def _preempt(self) -> Request:
-        victim = max(self.running, key=lambda r: r.order)
-        self.running.remove(victim)
-        self.pool.release(victim.table)
+        victim = next(reversed(self.running))  # the newest
+        self._release(victim)
         victim.computed = victim.draft_computed = 0
         victim.status = RequestStatus.WAITING
         self.waiting.appendleft(victim)
         return victim
 
-    def _admit(self) -> None:
-        """Admit waiting requests in arrival order while the pool gives them blocks. One whose next prompt block a
-        running request is prefilling right now is passed over for this step (it takes that block from the cache
-        a step or two later) rather than holding back every request behind it: a group of samples of one prompt
-        would otherwise admit one new prompt a step. One the pool cannot hold stops admission, so that smaller
-        requests behind it never starve it."""
+    def _admit(self, prefilling: list[Request]) -> list[Request]:
+        """Admit waiting requests in arrival order while the pool gives them blocks, and return them. One whose
+        next prompt block a running request (of `prefilling`, those computing their prompts) is prefilling right
+        now is passed over for this step (it takes that block from the cache a step or two later) rather than
+        holding back every request behind it: a group of samples of one prompt would otherwise admit one new
+        prompt a step. One the pool cannot hold stops admission, so that smaller requests behind it never
+        starve it."""
         in_flight = set()  # the prompt blocks running requests are prefilling now, each request's hashed once
-        for request in self.running:
+        for request in prefilling:
             self._prefilling(request, in_flight)
-        passed_over = []
+        passed_over, admitted = [], []
         while self.waiting:
             request = self.waiting.popleft()
             tokens = request.tokens
@@ -286,10 +349,24 @@ class Scheduler:
             request.table, request.computed = got
             request.draft_computed = 0  # the draft's cache of a shared prefix may not be whole: it recomputes
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            admitted.append(request)
             self._prefilling(request, in_flight)
         self.waiting.extendleft(reversed(passed_over))  # still ahead of the later arrivals, in their order
-        self.running.sort(key=lambda r: r.order)
+        for request in admitted:
+            self._start(request)
+        self._sort_running()
+        return admitted
+
+    def _start(self, request: Request) -> None:
+        """Add `request`, holding its new block table, to the running ones (`_sort_running` puts it in place)."""
+        self.running[request] = None
+        self.retabled.append(request)
+        self.unsorted = True
+
+    def _sort_running(self) -> None:
+        if self.unsorted:
+            self.running = dict.fromkeys(sorted(self.running, key=lambda r: r.order))
+            self.unsorted = False
 
     def _prefilling(self, request: Request, in_flight: set[int]) -> None:
         """Add the keys of the prompt blocks `request` has still to compute to `in_flight`."""
