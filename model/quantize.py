@@ -14,6 +14,7 @@ the original.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -21,6 +22,28 @@ import torch
 from kiln.model.errors import UserError
 
 KINDS = ("int8", "int4", "fp8")
+FP8_DEVICES = "a CUDA GPU of compute capability 8.9 or more (Ada, Hopper, Blackwell)"  # fp8 tensor cores
+
+
+def runs_fp8(device: torch.device) -> bool:
+    """Whether `device` has fp8 matmuls (torch._scaled_mm)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@contextlib.contextmanager
+def quiet_torchao():
+    """Import TorchAO without its messages: it says at import what its CUDA extensions cannot load on this
+    machine, and torch warns about one of its enums; neither concerns a run that uses neither."""
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
 
 
 def check_quantize(kind: str | None, device: torch.device) -> None:
@@ -33,9 +56,9 @@ def check_quantize(kind: str | None, device: torch.device) -> None:
     if kind == "int4" and device.type != "cuda":
         raise UserError(f"--quantize int4: TorchAO's int4 weight kernels need a CUDA GPU, not {device.type}; "
                         "int8 runs on any device")
-    if kind == "fp8" and (device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)):
-        raise UserError(f"--quantize fp8: fp8 matmuls need a CUDA GPU of compute capability 8.9 or more (Ada, "
-                        f"Hopper); this is {device.type}. int8 runs on any device")
+    if kind == "fp8" and not runs_fp8(device):
+        raise UserError(f"--quantize fp8: fp8 matmuls need {FP8_DEVICES}; this is {device.type}. int8 runs on any "
+                        "device")
 
 
 def quantize(model: torch.nn.Module, kind: str | None) -> torch.nn.Module:
@@ -50,20 +73,11 @@ def quantize(model: torch.nn.Module, kind: str | None) -> torch.nn.Module:
 
 
 def _config(kind: str):
-    # TorchAO says at import what its CUDA extensions cannot load on this machine, and torch warns about one of
-    # its enums: neither concerns a run that uses neither
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [log.level for log in quiet]
-    for log in quiet:
-        log.setLevel(logging.ERROR)
-    try:
+    with quiet_torchao():
         from torchao.quantization import (
             Float8DynamicActivationFloat8WeightConfig,
             Int4WeightOnlyConfig,
             Int8WeightOnlyConfig,
         )
-    finally:
-        for log, level in zip(quiet, levels):
-            log.setLevel(level)
     return {"int8": Int8WeightOnlyConfig, "int4": lambda: Int4WeightOnlyConfig(group_size=128),
             "fp8": Float8DynamicActivationFloat8WeightConfig}[kind]()

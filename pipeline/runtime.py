@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from kiln.kernels.backend import interpreting
+from kiln.model.quantize import FP8_DEVICES, runs_fp8
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.progress import console
 
@@ -70,7 +71,9 @@ def leave() -> None:
         dist.destroy_process_group()
 
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# each precision's compute dtype under autocast; fp8 runs the blocks' linear layers in fp8 (train/float8.py) and
+# the rest in bf16
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def pick_device(name: str) -> torch.device:
@@ -94,6 +97,13 @@ def autocast(device: torch.device, precision: str):
 
 
 def setup_precision(device: torch.device, precision: str) -> None:
+    """TF32 as the precision wants it; a device that cannot train in `precision` refused (one line)."""
+    if precision == "fp8" and device.type != "cpu" and not runs_fp8(device):
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        raise UserError(f"params: train.precision=fp8 needs {FP8_DEVICES}; this is {name}. bf16 trains here")
+    if precision == "fp8" and device.type == "cpu":
+        console.print("train.precision=fp8 on CPU: TorchAO emulates the fp8 matmuls (the same casts and scales, "
+                      "not the speed: for tests)", highlight=False)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = precision == "fp32"
         torch.backends.cudnn.allow_tf32 = precision == "fp32"

@@ -60,7 +60,7 @@ def test_cli_writes_variants_ratios_and_mfu(tmp_path, params):
 
 
 @pytest.mark.parametrize("args, named", [
-    (["--variants", "fp8-eager"], "fp8"),
+    (["--variants", "fp4-eager"], "fp4"),
     (["--variants", "fp32-jit"], "fp32-jit"),
     (["--variants", ","], "--variants"),
     (["--variants", "fp32-eager-cuda"], "fp32-eager-cuda"),
@@ -212,3 +212,22 @@ def test_a_failing_row_is_recorded_the_rest_run_and_the_command_exits_1(tmp_path
     assert failed["variant"] == "bf16-eager-torch" and "loss is nan" in failed["error"]
     assert timed["tokens_per_s"] > 0 and timed["speedup"] == 1.0 and report["baseline"] == "fp32-eager-torch"
     assert report["complete"] and "1 of 2 rows failed, first bf16-eager-torch" in result.output
+
+
+def test_fp8_variants_train_their_blocks_in_fp8(tmp_path, params, monkeypatch):
+    """`fp8` (tensorwise) and `fp8rowwise` rows convert the model as a train.precision=fp8 run does, and count
+    their MFU against the bf16 peak."""
+    from kiln.pipeline.tools import bench_train
+
+    recipes = []
+    convert = bench_train.to_float8_training
+    monkeypatch.setattr(bench_train, "to_float8_training",
+                        lambda model, recipe, *a, **k: recipes.append(recipe) or convert(model, recipe, *a, **k))
+    out = tmp_path / "train.json"
+    result = CliRunner().invoke(app, ["bench", "train", "--params", str(params), "--variants",
+                                      "bf16-eager,fp8-eager,fp8rowwise-eager", *ARGS, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["bf16-eager-torch", "fp8-eager-torch", "fp8rowwise-eager-torch"]
+    assert recipes == ["tensorwise", "rowwise"]
+    assert {row["peak_flops"] for row in rows.values()} == {rows["bf16-eager-torch"]["peak_flops"]}

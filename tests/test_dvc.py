@@ -38,6 +38,9 @@ def test_the_sweep_reads_its_own_training_keys_not_trains():
     assert {"scaling.lr", "scaling.precision", "scaling.batch_size", "model"} <= set(sweep)
     assert not [key for key in sweep if key.split(".")[0] == "train"]
     assert "train" in pretrain  # every train key, processes included, is pretrain's
+    # `-S train.precision=fp8` (and its recipe) reaches every training stage after pretrain too
+    for name in ("sft", "dpo", "grpo"):
+        assert {"train.precision", "train.fp8_recipe"} <= set(stages[name]["params"]), name
 
 
 @pytest.fixture

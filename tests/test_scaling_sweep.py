@@ -122,7 +122,7 @@ def test_sweep_bad_input(tiny, tmp_path):
         run_sweep(tiny, tmp_path)
     for values, key in (({"budgets": [1e9]}, "scaling.budgets"), ({"depths": [1, 2]}, "scaling.depths"),
                         ({"aspect": 12, "head_dim": 8}, "scaling.aspect"),
-                        ({"approach": "kaplan"}, "scaling.approach"), ({"precision": "fp8"}, "scaling.precision"),
+                        ({"approach": "kaplan"}, "scaling.approach"), ({"precision": "fp4"}, "scaling.precision"),
                         ({"min_lr": 1.0}, "scaling.min_lr")):
         with pytest.raises(UserError, match=key):
             build_section(ScalingParams, values)

@@ -84,7 +84,7 @@ def test_bad_model_params_name_the_key():
     with pytest.raises(UserError, match=r"model\.n_kv_head"):
         build_section(ModelParams, {"n_head": 4, "n_kv_head": 3})
     with pytest.raises(UserError, match=r"train\.precision"):
-        build_section(TrainParams, {"precision": "fp8"})
+        build_section(TrainParams, {"precision": "fp4"})
 
 
 def test_batch_tokens_must_divide(tiny, tmp_path):
@@ -230,7 +230,7 @@ def test_shards_from_another_tokenizer_are_refused(tiny, shakespeare, tmp_path):
     assert not (tmp_path / "base" / "model").exists() and not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.parametrize("key, value", [("train.precision", "fp8"), ("model.n_head", "3"),
+@pytest.mark.parametrize("key, value", [("train.precision", "fp4"), ("model.n_head", "3"),
                                         ("model.n_kv_head", "3")])
 def test_bad_train_params_exit_2(tiny, tmp_path, key, value):
     failed = kiln(tmp_path, *cli_project(tiny, tmp_path, max_steps=2), "--set", f"{key}={value}")

@@ -46,6 +46,7 @@ from kiln.pipeline.runtime import PRECISIONS, check_kernels, pick_device, resolv
 from kiln.pipeline.tools.bench_kernels import one_line
 from kiln.pipeline.tools.machine import machine
 from kiln.pipeline.tools.plan_memory import Shape, plan
+from kiln.pipeline.train.float8 import to_float8_training
 from kiln.pipeline.train.lm import lm_loss
 from kiln.pipeline.train.loop import Step, build_optimizer, compile_forward
 from kiln.pipeline.train.params import COMPILE_MODES, ModelParams, TrainParams
@@ -53,6 +54,10 @@ from kiln.pipeline.train.stats import observing
 from kiln.pipeline.train.throughput import peak_flops
 
 MODES = ("eager", "compile")
+# a variant's PRECISION: train.precision's values, and fp8 under each of its recipes (fp8 is the default's,
+# tensorwise) -> (train.precision, train.fp8_recipe)
+VARIANT_PRECISIONS = {**{p: (p, None) for p in PRECISIONS if p != "fp8"}, "fp8": ("fp8", "tensorwise"),
+                      "fp8rowwise": ("fp8", "rowwise")}
 DEVICES = ("auto", "cpu", "cuda", "mps")
 # The optimizer's settings (lr, betas, decay) do not change what a step costs; the defaults stand in for them.
 OPTIM = TrainParams()
@@ -67,9 +72,9 @@ def parse_variants(text: str, kernels: str = "torch") -> list[tuple[str, bool, s
     variants = []
     for item in dict.fromkeys(w.strip() for w in text.split(",") if w.strip()):
         precision, mode, choice = (item.split("-") + [kernels])[:3] if item.count("-") in (1, 2) else (item, "", "")
-        if precision not in PRECISIONS:
+        if precision not in VARIANT_PRECISIONS:
             raise UserError(f"--variants {item!r}: unknown precision {precision!r} "
-                            f"(expected one of {', '.join(PRECISIONS)})")
+                            f"(expected one of {', '.join(VARIANT_PRECISIONS)})")
         backend, ops = kernel_choice(choice)
         if mode not in MODES or backend not in BACKENDS or not set(ops or ()) <= set(KERNEL_OPS) or ops == ():
             raise UserError(f"--variants {item!r}: expected PRECISION-MODE or PRECISION-MODE-KERNELS[:OP+OP...], "
@@ -159,7 +164,8 @@ def plan_batches(variants: list[tuple[str, bool, str]], config, seq_len: int, ro
     planned = {}
     for precision, compiled, kernels in variants:
         key = (precision, fused_head(kernels, device), compiled)
-        shape = Shape(config, precision, key[1], compiled=compiled, fused_adamw=device.type == "cuda")
+        shape = Shape(config, VARIANT_PRECISIONS[precision][0], key[1], compiled=compiled,
+                      fused_adamw=device.type == "cuda")
         planned[key] = plan(shape, 1, seq_len, room)["largest_batch_size"]
         if not planned[key]:
             raise UserError(f"--plan-batch: not one sequence of {seq_len} tokens fits {room / 1e9:.3g} GB with "
@@ -226,14 +232,17 @@ def time_variant(template: GPT, run: Run, device: torch.device, seq_len: int, st
     """`profiled`: after the timed steps, PROFILED_STEPS more under torch.profiler (their trace to `trace` if
     given), whose top operators the row keeps."""
     kernels, ops = resolve_choice(run.kernels, device)
-    setup_precision(device, run.precision)
+    precision, recipe = VARIANT_PRECISIONS[run.precision]
+    setup_precision(device, precision)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     model = copy.deepcopy(template).set_kernels(kernels, ops).set_checkpointing(run.checkpointing).to(device)
-    params = dataclasses.replace(OPTIM, precision=run.precision, compile=run.compiled, compile_mode=run.mode,
+    if recipe:  # as the loop converts a train.precision=fp8 run
+        to_float8_training(model, recipe, device)
+    params = dataclasses.replace(OPTIM, precision=precision, compile=run.compiled, compile_mode=run.mode,
                                  kernels=kernels)
     optimizer = build_optimizer(model, params, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=run.precision == "fp16")
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     step = Step(model, compile_forward(model, params), optimizer, scaler, lm_loss, 1, params, device)
     shape = (2, run.batch_size, seq_len)
     batch = itertools.repeat(tuple(torch.randint(template.config.vocab_size, shape, device=device)))
@@ -341,11 +350,12 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
             except Exception as e:  # a result too (a compile error, out of memory): the other rows still run
                 row["error"] = one_line(e)
             release(device)
-            estimate = plan(Shape(config, run.precision, fused_head(run.kernels, device), run.checkpointing,
+            precision = VARIANT_PRECISIONS[run.precision][0]
+            estimate = plan(Shape(config, precision, fused_head(run.kernels, device), run.checkpointing,
                                   run.compiled, device.type == "cuda"), run.batch_size, seq_len, None)["total_bytes"]
             row["plan_memory_gb"] = round(estimate / 1e9, 3)
             if "error" not in row:
-                peak, _ = peak_flops(device, run.precision)
+                peak, _ = peak_flops(device, precision)
                 row["peak_flops"] = peak
                 row["mfu"] = round(flops_per_token * row["tokens_per_s"] / peak, 6) if peak else None
                 timed = [r for r in rows if "error" not in r]

@@ -29,6 +29,7 @@ from kiln.pipeline.runtime import PRECISIONS, SINGLE, World, autocast, resolve_k
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Curves
+from kiln.pipeline.train.float8 import to_float8_training
 from kiln.pipeline.train.memory import Shape, check_run_memory
 from kiln.pipeline.train.params import TrainParams
 from kiln.pipeline.train.ramp import BatchRamp
@@ -174,6 +175,8 @@ class Training:
         params, world = run.params, run.world
         self.run, self.device = run, next(model.parameters()).device
         accum = accumulation_steps(params, run.micro_batch_tokens, world.size)
+        if params.precision == "fp8":  # before wrapping and compiling, as TorchAO's float8 needs
+            to_float8_training(model, params.fp8_recipe, self.device, run.section)
         self.model = model = distributed.wrap(model, params.parallel, PRECISIONS[params.precision], self.device)
         if distributed.is_sharded(model) and (held := distributed.frozen_bytes(model))[1]:
             console.print(f"{run.name}: FSDP shards the frozen weights: {held[0]:,} of {held[1]:,} bytes on each rank",

@@ -63,7 +63,7 @@ class Shape:
     """What the counts depend on: the model, its precision and kernels, activation checkpointing, compile."""
 
     config: ModelConfig
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (counted as bf16)
     fused: bool = False  # kiln's Triton kernels
     checkpointing: bool = False
     compiled: bool = False  # torch.compile: the torch path's loss fused (one logits tensor, above)

@@ -68,12 +68,16 @@ class ModelParams(Section):
             raise UserError(f"params: model.{e}") from None
 
 
+FP8_RECIPES = ("tensorwise", "rowwise")  # TorchAO's float8 scaling: one scale per tensor, or per row
+
+
 @dataclass
 class TrainParams(Section):
     SECTION: ClassVar[str] = "train"
     seed: int = 1337
     device: str = "auto"  # auto (cuda, then mps, then cpu) | cpu | cuda | cuda:N | mps
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (the blocks' linear layers in fp8, the rest bf16)
+    fp8_recipe: str = "tensorwise"  # precision fp8: tensorwise | rowwise scales (pipeline/train/float8.py)
     kernels: str = "torch"  # auto | triton | torch: kiln's Triton kernels in the model (GPT.set_kernels)
     compile: bool = False
     compile_mode: str | None = None  # torch.compile's mode (COMPILE_MODES); null: its default
@@ -115,8 +119,10 @@ class TrainParams(Section):
             raise self.bad("zero1", "false with train.parallel=fsdp (FSDP shards the optimizer state already)")
         if self.device != "auto" and self.device.split(":")[0] not in ("cpu", "cuda", "mps"):
             raise self.bad("device", "auto, cpu, cuda, cuda:N or mps")
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise self.bad("precision", "fp32, bf16 or fp16")
+        if self.precision not in ("fp32", "bf16", "fp16", "fp8"):
+            raise self.bad("precision", "fp32, bf16, fp16 or fp8")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise self.bad("fp8_recipe", " or ".join(FP8_RECIPES))
         if self.kernels not in ("auto", "triton", "torch"):
             raise self.bad("kernels", "auto, triton or torch")
         if self.compile_mode not in COMPILE_MODES:
@@ -169,5 +175,7 @@ OUTSIDE_IDENTITY = ("eval_every", "eval_tokens", "checkpoint_every", "keep_check
 
 def run_identity(params: TrainParams, keep: tuple[str, ...] = ()) -> dict:
     """The train keys that make two runs the same run (a checkpoint's fingerprint holds them), with the keys of
-    `keep` put back from OUTSIDE_IDENTITY where a stage's runs depend on them."""
-    return {k: v for k, v in dataclasses.asdict(params).items() if k not in OUTSIDE_IDENTITY or k in keep}
+    `keep` put back from OUTSIDE_IDENTITY where a stage's runs depend on them. fp8_recipe is part of it only
+    when the precision is fp8: other runs compute the same without it."""
+    outside = OUTSIDE_IDENTITY + (("fp8_recipe",) if params.precision != "fp8" else ())
+    return {k: v for k, v in dataclasses.asdict(params).items() if k not in outside or k in keep}

@@ -28,7 +28,8 @@ def peak_flops(device: torch.device, precision: str) -> tuple[float | None, str]
         name = torch.cuda.get_device_name(device)
         for fragment, (half, tf32, source) in GPU_PEAKS.items():
             if fragment in name:
-                return (half if precision in ("bf16", "fp16") else tf32), source
+                # fp8 against the bf16 peak, as torchtitan reports it: its MFU stays comparable with bf16's
+                return (half if precision in ("bf16", "fp16", "fp8") else tf32), source
         return None, f"no peak figure for {name}"
     if device.type == "cpu":
         return measured_cpu_peak(), "measured: best fp32 matmul 1024x1024 on this CPU"

@@ -1,0 +1,57 @@
+"""fp8 training (`train.precision: fp8`): the blocks' linear layers run their three matmuls in fp8 with
+TorchAO's float8 training (`convert_to_float8_training`), the way torchtitan trains in fp8.
+
+What converts: the transformer blocks' linear layers (attention and MLP projections), which hold nearly all of
+a step's matmul FLOPs at training shapes. The token embedding, the LM head (whose errors land on every logit,
+and which kiln's fused head computes from its weight directly) and the norms stay as they are; everything
+outside the converted layers computes under bf16 autocast, as `precision: bf16` does. A layer whose input or
+output width is not a multiple of 16 (what fp8 GEMMs take) stays in bf16, said once. Weights, gradients and
+AdamW's state stay fp32: the layers cast to fp8 on the fly with dynamic scales (tensorwise: one scale per
+tensor; rowwise: one per row, more accurate, somewhat slower), so a checkpoint holds exactly what a bf16 run's
+does and there is no scale state to save.
+
+Under FSDP2 the weights are all-gathered as in a bf16 run (TorchAO's fp8 all-gather is left off, below). fp8
+matmuls need a GPU of compute capability 8.9 or more; on a CPU TorchAO emulates them
+(the same casts and scales, the matmul in high precision), which is what kiln's tests run; other devices are
+refused before any work (`runtime.setup_precision`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kiln.model.quantize import quiet_torchao
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.progress import console
+
+ALIGNMENT = 16  # fp8 GEMMs (torch._scaled_mm) take widths that are multiples of 16
+
+
+def to_float8_training(model: torch.nn.Module, recipe: str, device: torch.device, section: str = "train") -> int:
+    """Convert `model`'s blocks' linear layers to TorchAO's Float8Linear in place; return how many converted."""
+    if not all(p.requires_grad for p in model.parameters()):  # a frozen base: LoRA's or QLoRA's
+        raise UserError(f"params: train.precision=fp8 trains every weight ({section}.adapter=full): LoRA's and "
+                        "QLoRA's frozen bases are not converted; use bf16 with an adapter")
+    with quiet_torchao():
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    # TorchAO's fp8 all-gather under FSDP2 makes the weights a tensor subclass that kiln's sharded checkpoint
+    # could not save (tried on this CPU: "invalid python storage"), so FSDP gathers them as a bf16 run does
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=device.type != "cuda")
+    kept, converted = [], []
+
+    def convertible(module: torch.nn.Module, name: str) -> bool:
+        if not name.startswith("blocks."):
+            return False
+        if module.in_features % ALIGNMENT or module.out_features % ALIGNMENT:
+            kept.append(name)
+            return False
+        converted.append(name)
+        return True
+
+    convert_to_float8_training(model, module_filter_fn=convertible, config=config)
+    if kept:
+        console.print(f"train.precision=fp8: {len(kept)} linear layers stay bf16, their widths not multiples of "
+                      f"{ALIGNMENT} (first: {kept[0]})", highlight=False)
+    return len(converted)
