@@ -55,7 +55,23 @@ def test_cli_loads_a_trained_model(tmp_path, params):
     assert report["model"]["vocab_size"] == 50 and report["model_dir"] == str(tmp_path / "m")
 
 
+def test_quantized_rows_beside_the_originals(tmp_path, params):
+    out = tmp_path / "g.json"
+    result = CliRunner().invoke(app, ["bench", "generate", "--params", str(params), *ARGS, "--quantize", "int8",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = {(row["batch_size"], row["cache"], row["quantize"]): row for row in json.loads(out.read_text())["results"]}
+    assert list(rows) == [(1, True, None), (1, False, None), (3, True, None), (3, False, None), (1, True, "int8"),
+                          (3, True, "int8")]
+    for b in (1, 3):
+        assert rows[b, True, "int8"]["decode_speedup_vs_original"] == round(
+            rows[b, True, "int8"]["decode_tokens_per_s"] / rows[b, True, None]["decode_tokens_per_s"], 3)
+    assert "batch 3, cache, int8" in result.output
+
+
 @pytest.mark.parametrize("args, named", [
+    (["--quantize", "int3"], "'int3'"),
+    (["--quantize", "int4"], "--quantize int4"),  # TorchAO's int4 kernels need CUDA
     (["--batch-sizes", "1,x"], "--batch-sizes"),
     (["--batch-sizes", "0"], "--batch-sizes 0"),
     (["--new-tokens", "30"], "--new-tokens 30"),

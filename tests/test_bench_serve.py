@@ -19,7 +19,8 @@ def test_every_variant_serves_the_whole_workload(tmp_path):
     torch.manual_seed(0)
     save_model(GPT(config), config, tmp_path / "model")
     result = bench_serve(config, tmp_path / "model", tmp_path / "model", requests=6, rate=0.0, batch=2,
-                         block_size=4, budget=16, seed=0, device_name="cpu", out=tmp_path / "serve.json")
+                         block_size=4, budget=16, seed=0, device_name="cpu", out=tmp_path / "serve.json",
+                         quantize_kinds=["int8"])
     assert json.loads((tmp_path / "serve.json").read_text())["results"] == result["results"]
     rows = {r["variant"]: r for r in result["results"]}
     mixed, shared = workload(6, 0.0, config, 0), workload(6, 0.0, config, 1, shared=16)
@@ -38,6 +39,11 @@ def test_every_variant_serves_the_whole_workload(tmp_path):
     # sampled: p / q = 1 keeps every draft token too
     assert rows["engine, batch 1, speculative, temperature 1"]["acceptance_rate"] == 1.0
     assert "transformers generate (batch 1)" in rows
+    # the quantized model's rows serve the same workloads, each against the original's
+    assert rows["engine, int8"]["output_tokens"] == sum(mixed.outputs)
+    assert rows["engine, int8"]["speedup_vs_original"] == round(
+        rows["engine, int8"]["output_tokens_per_s"] / rows["engine"]["output_tokens_per_s"], 3)
+    assert rows["engine, batch 1, int8"]["output_tokens"] == rows["engine, batch 1"]["output_tokens"]
     # every engine step reports its host time and crosses to the device once and back at most once
     assert 0 < rows["engine"]["copies_per_step"] <= 2 and rows["engine"]["host_us_per_step"] > 0
     generator, engine = (rows[f"rollouts 64 x 8: {how}"] for how in ("batched generator", "engine"))

@@ -51,8 +51,8 @@ def bench_data(params: ParamsOpt = layout.PARAMS,
 @reports_errors
 def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 variants: Annotated[str, typer.Option(
-                    help="Comma-separated PRECISION-MODE[-KERNELS[:OP+OP...]] list: PRECISION fp32|bf16|fp16, MODE "
-                         "eager|compile, KERNELS auto|triton|torch (default: --kernels), OPs the ones that take "
+                    help="Comma-separated PRECISION-MODE[-KERNELS[:OP+OP...]] list: PRECISION "
+                         "fp32|bf16|fp16|fp8|fp8rowwise (fp8: tensorwise scales), MODE eager|compile, KERNELS auto|triton|torch (default: --kernels), OPs the ones that take "
                          "KERNELS (some of norm, mlp, attention, head; the rest run torch's; default all), e.g. "
                          "bf16-compile-triton:head. Rows run in this order, "
                          "the first is the speedup baseline; put compile + triton last (a device-side assert ends "
@@ -111,6 +111,17 @@ def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
         plan_batch, device_gb, top_ops)
 
 
+def parse_kinds(text: str) -> list[str]:
+    """--quantize 'int8,fp8' -> ["int8", "fp8"] ('' none), each a kind `kiln serve --quantize` takes."""
+    from kiln.model.quantize import KINDS
+
+    kinds = list(dict.fromkeys(k.strip() for k in text.split(",") if k.strip()))
+    for kind in kinds:
+        if kind not in KINDS:
+            raise typer.BadParameter(f"{kind!r}: expected some of {', '.join(KINDS)}", param_hint="--quantize")
+    return kinds
+
+
 @app.command("generate")
 @reports_errors
 def bench_generate(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
@@ -126,6 +137,9 @@ def bench_generate(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                    dtype: Annotated[str, typer.Option(help="Weights and cache dtype: fp32 | bf16 | fp16.")] = "fp32",
                    device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
                    = "auto",
+                   quantize: Annotated[str, typer.Option(
+                       help="Comma-separated TorchAO kinds (int8, int4, fp8) for cached rows of the model quantized "
+                            "so, beside the original's (kiln generate --quantize).")] = "",
                    out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                    layout.BENCH / "generate.json"):
     """Prefill and decode tokens/s of generation with and without the KV cache, for each batch size, in one run."""
@@ -138,7 +152,7 @@ def bench_generate(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     except ValueError:
         raise typer.BadParameter(f"{batch_sizes!r}: expected comma-separated integers", param_hint="--batch-sizes")
     run(load_section(ModelParams, params, set_), model, vocab_size, sizes, prompt_len, new_tokens, repeats, dtype,
-        device, out)
+        device, out, parse_kinds(quantize))
 
 
 @app.command("serve")
@@ -162,6 +176,9 @@ def bench_serve(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                                                        "`kiln serve` (the openai package's async client), "
                                                        "against the engine called directly (0: not run).")] = 0,
                 tokenizer: TokenizerOpt = layout.TOKENIZER,
+                quantize: Annotated[str, typer.Option(
+                    help="Comma-separated TorchAO kinds (int8, int4, fp8): the loaded and batch-1 engine rows again "
+                         "on the model quantized so (kiln serve --quantize), against the original's.")] = "",
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                 layout.BENCH / "serve.json"):
     """Output tokens/s, time to first token and inter-token latency of the serving engine against static
@@ -172,7 +189,7 @@ def bench_serve(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 
     config = load_section(ModelParams, params, set_).config(vocab_size)
     run(config, model, draft, requests, rate, batch, block_size, max_batch_tokens, seed, device, out, output_lengths,
-        speculate, http, tokenizer)
+        speculate, http, tokenizer, parse_kinds(quantize))
 
 
 @app.command("adapters")

@@ -12,6 +12,7 @@ Only torch, rich and kiln's light modules are imported, so this runs on a GPU ma
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from rich.table import Table
 from kiln.model.checkpoint import load_model
 from kiln.model.generate import decode_steps, left_pad
 from kiln.model.gpt import GPT
+from kiln.model.quantize import check_quantize, quantize
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import Progress, console
@@ -55,10 +57,13 @@ def time_generation(model: GPT, batch_size: int, prompt_len: int, new_tokens: in
 
 def bench_generate(model_params: ModelParams, model_dir: Path | None, vocab_size: int, batch_sizes: list[int],
                    prompt_len: int | None, new_tokens: int | None, repeats: int, dtype: str, device_name: str,
-                   out: Path) -> dict:
+                   out: Path, quantize_kinds: list[str] = ()) -> dict:
+    """`quantize_kinds`: cached rows of the model quantized so (`kiln generate --quantize`) beside the original's."""
     device = resolve_device(device_name)
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    for kind in quantize_kinds:
+        check_quantize(kind, device)
     if model_dir is not None:
         try:
             model, _ = load_model(model_dir, device)
@@ -80,20 +85,22 @@ def bench_generate(model_params: ModelParams, model_dir: Path | None, vocab_size
                         f"and at most max_seq_len={context} in all")
 
     rows = []
-    variants = [(b, cache) for b in batch_sizes for cache in (True, False)]
+    models = {None: model} | {kind: quantize(copy.deepcopy(model), kind) for kind in quantize_kinds}
+    variants = [(b, cache, None) for b in batch_sizes for cache in (True, False)] + \
+        [(b, True, kind) for kind in quantize_kinds for b in batch_sizes]
     with Progress("bench generate", unit="runs", total=len(variants) * (repeats + 1)) as progress:
-        for batch_size, cache in variants:
-            name = f"batch {batch_size}, {'cache' if cache else 'no cache'}"
+        for batch_size, cache, kind in variants:
+            name = f"batch {batch_size}, {'cache' if cache else 'no cache'}" + (f", {kind}" if kind else "")
             progress.advance(0, variant=name)
-            time_generation(model, batch_size, prompt_len, min(new_tokens, 4), cache, seed=0)  # warm-up
+            time_generation(models[kind], batch_size, prompt_len, min(new_tokens, 4), cache, seed=0)  # warm-up
             progress.advance(1)
             runs = []
             for r in range(repeats):
-                runs.append(time_generation(model, batch_size, prompt_len, new_tokens, cache, seed=r))
+                runs.append(time_generation(models[kind], batch_size, prompt_len, new_tokens, cache, seed=r))
                 progress.advance(1)
             prefill = statistics.median(run["prefill_s"] for run in runs)
             decode = statistics.median(run["decode_s"] for run in runs)
-            rows.append({"variant": name, "batch_size": batch_size, "cache": cache,
+            rows.append({"variant": name, "batch_size": batch_size, "cache": cache, "quantize": kind,
                          "prefill_ms": round(prefill * 1e3, 3),
                          "prefill_tokens_per_s": round(batch_size * prompt_len / prefill, 1),
                          "decode_ms_per_token": round(decode / (new_tokens - 1) * 1e3, 3),
@@ -101,6 +108,10 @@ def bench_generate(model_params: ModelParams, model_dir: Path | None, vocab_size
     for row in rows:
         uncached = next(r for r in rows if r["batch_size"] == row["batch_size"] and not r["cache"])
         row["decode_speedup_vs_no_cache"] = round(row["decode_tokens_per_s"] / uncached["decode_tokens_per_s"], 2)
+        if row["quantize"]:  # against the original model's cached row of the same batch
+            original = next(r for r in rows if r["batch_size"] == row["batch_size"] and r["cache"]
+                            and not r["quantize"])
+            row["decode_speedup_vs_original"] = round(row["decode_tokens_per_s"] / original["decode_tokens_per_s"], 3)
 
     c = model.config
     device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()["processor"]
@@ -108,12 +119,14 @@ def bench_generate(model_params: ModelParams, model_dir: Path | None, vocab_size
                         f"{dtype}, prompt {prompt_len} + {new_tokens} new tokens, median of {repeats}, "
                         f"{device.type} ({device_label})"
                         + (f", {torch.get_num_threads()} threads" if device.type == "cpu" else ""))
-    for col in ("variant", "prefill ms", "prefill tok/s", "decode ms/token", "decode tok/s", "cache speedup"):
+    for col in ("variant", "prefill ms", "prefill tok/s", "decode ms/token", "decode tok/s", "cache speedup",
+                "vs original"):
         table.add_column(col)
     for row in rows:
         table.add_row(row["variant"], f"{row['prefill_ms']:.1f}", f"{row['prefill_tokens_per_s']:,.0f}",
                       f"{row['decode_ms_per_token']:.2f}", f"{row['decode_tokens_per_s']:,.0f}",
-                      f"{row['decode_speedup_vs_no_cache']:.2f}x")
+                      f"{row['decode_speedup_vs_no_cache']:.2f}x",
+                      f"{row['decode_speedup_vs_original']:.2f}x" if row["quantize"] else "-")
     console.print(table)
     result = {"benchmark": "generate", "device": device.type, "device_name": device_label, "torch": torch.__version__,
               "threads": torch.get_num_threads(), "machine": machine(), "model": c.to_dict(),

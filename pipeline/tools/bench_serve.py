@@ -30,6 +30,7 @@ depend on them, but a draft's acceptance does, so speculative numbers mean somet
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import time
@@ -43,6 +44,7 @@ from kiln.model.checkpoint import load_model
 from kiln.model.config import ModelConfig
 from kiln.model.generate import decode_steps, generate, left_pad
 from kiln.model.gpt import GPT
+from kiln.model.quantize import check_quantize, quantize
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import write_json
 from kiln.pipeline.progress import console
@@ -218,7 +220,9 @@ def run_transformers(model: GPT, load: Workload) -> dict:
 def bench_serve(config: ModelConfig, model_dir: Path | None, draft_dir: Path | None, requests: int, rate: float,
                 batch: int, block_size: int, budget: int, seed: int, device_name: str, out: Path,
                 output_lengths: str = "geometric", speculate: int = 4, http: int = 0,
-                tokenizer: Path | None = None) -> dict:
+                tokenizer: Path | None = None, quantize_kinds: list[str] = ()) -> dict:
+    """`quantize_kinds`: the loaded and batch-1 engine rows again with the model quantized so (TorchAO, as
+    `kiln serve --quantize`), each against the original's."""
     if requests < 1 or batch < 1 or block_size < 1 or budget < 1 or speculate < 1 or not rate >= 0 or \
             math.isinf(rate) or http < 0:
         raise UserError(f"--requests {requests}, --batch {batch}, --block-size {block_size}, --max-batch-tokens "
@@ -228,6 +232,8 @@ def bench_serve(config: ModelConfig, model_dir: Path | None, draft_dir: Path | N
         raise UserError(f"--output-lengths {output_lengths}: expected one of {', '.join(OUTPUT_LENGTHS)}")
     device = torch.device("cuda" if device_name == "auto" and torch.cuda.is_available() else
                           "cpu" if device_name == "auto" else device_name)
+    for kind in quantize_kinds:
+        check_quantize(kind, device)
     if model_dir is not None:
         model = load_model(model_dir, device)[0]
     else:
@@ -280,6 +286,14 @@ def bench_serve(config: ModelConfig, model_dir: Path | None, draft_dir: Path | N
     if device.type == "cuda":
         rows.append(merge([run_engine(model, subset(alone, i), "", one, block_size, budget, seed=i, graph_batch=0)
                            for i in range(len(alone.prompts))], "engine, batch 1, eager (no CUDA graphs)"))
+    loaded, single = rows[1], next(r for r in rows if r["variant"] == "engine, batch 1")
+    for kind in quantize_kinds:  # the same workloads on the quantized model, each against the original's row
+        quantized = quantize(copy.deepcopy(model), kind)
+        rows.append(run_engine(quantized, mixed, f"engine, {kind}", blocks, block_size, budget))
+        rows.append(merge([run_engine(quantized, subset(alone, i), "", one, block_size, budget, seed=i)
+                           for i in range(len(alone.prompts))], f"engine, batch 1, {kind}"))
+        for row, original in zip(rows[-2:], (loaded, single)):
+            row["speedup_vs_original"] = round(row["output_tokens_per_s"] / original["output_tokens_per_s"], 3)
     # GRPO's shape: long prompts (passages), short completions, group_size 8; a stop id ends a completion with a
     # chance of 1/16 a token, so they end at different lengths
     rng = np.random.default_rng(seed + 3)
@@ -330,7 +344,8 @@ def show(result: dict) -> None:
     for r in result["results"]:
         notes = [f"{k}={r[k]}" for k in ("speedup_vs_static", "speedup_vs_generator", "steps", "prefill_tokens",
                                          "prefill_drop", "shared_whole_block_share", "kv_blocks_over_need",
-                                         "preemptions", "acceptance_rate", "speedup_vs_batch_1", "host_us_per_step",
+                                         "preemptions", "acceptance_rate", "speedup_vs_batch_1",
+                                         "speedup_vs_original", "host_us_per_step",
                                          "errors", "http_vs_engine", "server_cpu_vs_engine",
                                          "copies_per_step") if k in r]
         table.add_row(r["variant"], f"{r['output_tokens_per_s']:,.1f}",
