@@ -229,6 +229,8 @@ def test_eval_reports_every_model_side_by_side_and_is_deterministic(shakespeare,
     ({"tasks": [{"data": "a.jsonl"}]}, "missing key 'name'"),
     ({"tasks": [{"name": "x", "data": "a.jsonl", "format": "csv"}]}, "eval.tasks[0].format"),
     ({"tokens": 0}, "eval.tokens"),
+    ({"quantize": "int3"}, "eval.quantize"),
+    ({"quantize": "int4"}, "--quantize int4: TorchAO's int4 weight kernels need a CUDA GPU"),
 ])
 def test_eval_bad_input_exits_2_naming_it(shakespeare, workspace, change, named):
     result, out = run_eval(shakespeare, workspace, {**EVAL, **change}, out="bad")
@@ -253,3 +255,32 @@ def test_eval_refuses_a_model_folder_without_weights(shakespeare, workspace, tmp
     result, out = run_eval(shakespeare, workspace, {**EVAL, "models": ["base", "empty"]}, out="noweights")
     assert result.exit_code == 2 and "no model.safetensors" in result.output
     assert not (out / "eval.json").exists()
+
+
+def test_eval_scores_a_quantized_copy_beside_each_model(shakespeare, workspace, monkeypatch):
+    """eval.quantize=int8: each model, then its int8 copy as `<model>+int8`, every metric side by side and the
+    copy set against its original with paired intervals; the copy's numbers are the quantized model's own."""
+    from kiln.pipeline.serve import text_model
+
+    quantized = []
+    real = text_model.quantize_model
+    monkeypatch.setattr(text_model, "quantize_model", lambda model, kind: quantized.append(kind) or real(model, kind))
+    params = {**EVAL, "models": ["sft", "dpo"], "quantize": "int8",
+              "tasks": [{"name": "cloze", "data": "builtin", "limit": 16}]}
+    result, out = run_eval(shakespeare, workspace, params, out="quantized")
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "eval.json").read_text())["eval"]
+    assert list(report["val_bpb"]) == ["sft", "sft+int8", "dpo", "dpo+int8"]
+    assert quantized.count("int8") == 2  # one copy of each model, loaded and quantized
+    # DPO's implicit reward is against the model it was trained from; a quantized copy was trained from nothing
+    assert list(report["posttrain/reward_accuracy"]) == ["dpo"]
+    plain, _ = run_eval(shakespeare, workspace, {**params, "quantize": None}, out="plain")
+    assert plain.exit_code == 0, plain.output
+    original = json.loads((out.parent.parent / "plain/metrics/eval.json").read_text())["eval"]
+    for name in ("sft", "dpo"):  # the originals score as they do alone
+        assert report["val_bpb"][name] == original["val_bpb"][name]
+        # int8 weights move a random 1-layer model's near-uniform loss by less than its 5th decimal
+        assert abs(report["val_bpb"][f"{name}+int8"] - report["val_bpb"][name]) < 0.01
+    page = (out / "report.md").read_text()
+    assert "sft+int8 (vs sft)" in page and "dpo+int8 (vs dpo)" in page
+    assert (out / "samples" / "dpo+int8.md").is_file()

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from kiln.model.checkpoint import load_config
+from kiln.model.quantize import check_quantize
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evaluate.generative import GenResult, GenTask, load_gen_task, run_gen_task
@@ -198,6 +199,7 @@ def plan_evaluation(params: EvalParams, train: TrainParams, sft: SFTParams, dpo:
     val = ShardSet(shards_dir, "val", tokenizer_sha256=sha256_file(tokenizer_path))
     bytes_per_token = byte_lengths(tokenizer_path)
     device = prepare_device(train)
+    check_quantize(params.quantize, device)
     first = TextModel(dirs[params.models[0]], tokenizer_path, device)
     chat = ChatFormat(first.tokenizer)
     seq_len = first.model.config.max_seq_len
@@ -205,6 +207,8 @@ def plan_evaluation(params: EvalParams, train: TrainParams, sft: SFTParams, dpo:
     check_samples(params, first, seq_len)
     scorers = encode_tasks(tasks, gen_tasks, first.tokenizer, chat.eot, seq_len)
     starts = starting_models(dirs)
+    if params.quantize:  # each quantized copy is compared with its original, item by item
+        starts |= {quantized_name(name, params.quantize): name for name in dirs}
     post = load_posttrain(sft, dpo, chat, seq_len, corpus_dir) if params.posttrain else None
     sampling = Sampling(params.max_new_tokens, params.temperature, params.top_k, params.top_p, params.seed)
     sampling.check()
@@ -224,10 +228,16 @@ class Scores:
         self.pair_logps: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def quantized_name(name: str, kind: str) -> str:
+    """The report's name of a model's quantized copy ('+' is never in a model folder's name)."""
+    return f"{name}+{kind}"
+
+
 def score_model(plan: Plan, params: EvalParams, train: TrainParams, name: str, model_dir: Path, tokenizer_path: Path,
-                scores: Scores, progress: Progress) -> None:
-    first = model_dir == plan.dirs[params.models[0]]
-    lm = plan.first if first else TextModel(model_dir, tokenizer_path, plan.device)
+                scores: Scores, progress: Progress, quantize: str | None = None) -> None:
+    """Score the model in `model_dir` as `name`; `quantize`: a copy of it quantized so (model/quantize.py)."""
+    first = model_dir == plan.dirs[params.models[0]] and quantize is None
+    lm = plan.first if first else TextModel(model_dir, tokenizer_path, plan.device, quantize)
     model, meta = lm.model.set_kernels(train.kernels), load_config(model_dir)[1]
     if model.config.max_seq_len != plan.seq_len:
         raise UserError(f"{model_dir}: max_seq_len {model.config.max_seq_len}, but {plan.dirs[params.models[0]]} "
@@ -255,7 +265,7 @@ def score_model(plan: Plan, params: EvalParams, train: TrainParams, name: str, m
         progress.advance(1)
     if plan.post is not None:
         progress.advance(0, part="posttrain")
-        per_item |= score_posttrain(plan, params, train, name, model, scores)
+        per_item |= score_posttrain(plan, params, train, name, model, scores, trained_from=quantize is None)
         out |= {k: float(v.mean()) for k, v in per_item.items() if k.startswith("posttrain/")}
         progress.advance(1)
     progress.advance(0, part="samples")
@@ -264,16 +274,17 @@ def score_model(plan: Plan, params: EvalParams, train: TrainParams, name: str, m
     progress.advance(1)
 
 
-def score_posttrain(plan: Plan, params: EvalParams, train: TrainParams, name: str, model,
-                    scores: Scores) -> dict[str, np.ndarray]:
+def score_posttrain(plan: Plan, params: EvalParams, train: TrainParams, name: str, model, scores: Scores,
+                    trained_from: bool = True) -> dict[str, np.ndarray]:
     """Per item: the built-in task's held-out accuracy, the preference accuracy on DPO's held-out pairs and,
-    against the model this one was trained from when that one is evaluated too, DPO's implicit-reward accuracy."""
+    against the model this one was trained from when that one is evaluated too, DPO's implicit-reward accuracy
+    (`trained_from`: not for a quantized copy, which was not trained from its original)."""
     out = {f"posttrain/{k.removeprefix('val_')}": v
            for k, v in plan.post.scorer.hits(model, params.batch_size, train.precision).items()}
     pc, pr = logps(model, plan.post.pairs, params.batch_size, train.precision)
     scores.pair_logps[name] = (pc, pr)
     out["posttrain/preference_accuracy"] = (pc > pr).double().numpy()
-    if plan.starts[name] in scores.pair_logps:
+    if trained_from and plan.starts[name] in scores.pair_logps:
         ic, ir = scores.pair_logps[plan.starts[name]]
         out["posttrain/reward_accuracy"] = ((pc - ic) > (pr - ir)).double().numpy()
     return out
@@ -341,21 +352,27 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
     with Progress("eval: checking the models and loading every task"):
         p = plan_evaluation(params, train, sft, dpo, shards_dir, tokenizer_path, corpus_dir, models_dir)
     scores = Scores(p)
-    with Progress("eval", unit="parts", total=len(p.dirs) * p.parts()) as progress:
-        for name, model_dir in p.dirs.items():
-            score_model(p, params, train, name, model_dir, tokenizer_path, scores, progress)
+    # every model, each followed by its quantized copy when eval.quantize asks for one
+    runs = [(name, model_dir, None) for name, model_dir in p.dirs.items()]
+    if params.quantize:
+        runs = [run for name, model_dir in p.dirs.items()
+                for run in ((name, model_dir, None), (quantized_name(name, params.quantize), model_dir, params.quantize))]
+    with Progress("eval", unit="parts", total=len(runs) * p.parts()) as progress:
+        for name, model_dir, quantize in runs:
+            score_model(p, params, train, name, model_dir, tokenizer_path, scores, progress, quantize)
     for task, scorer in zip(p.tasks.values(), p.scorers):
         console.print(f"{task.name}: {len(scorer.items):,} items scored"
                       + (f", {sum(task.skipped.values()):,} rows skipped" if task.skipped else ""), highlight=False)
     metrics = report(scores.results) | {"items": item_counts(p)}
     intervals = Intervals(scores.per_item, p.starts, params.seed)
-    page = report_markdown(metrics, list(p.dirs), p.starts, list(zip(p.gen_tasks, scores.answers)), intervals,
+    names = [name for name, _, _ in runs]
+    page = report_markdown(metrics, names, p.starts, list(zip(p.gen_tasks, scores.answers)), intervals,
                            SAMPLES, chance_levels(p, metrics), provenance(params, train, sft, dpo, p.dirs))
     # the samples, the report and the metrics land together or not at all (a full disk once left new samples
     # beside an old report)
     atomic_write_files({**{samples_dir / f"{name}.md": text.encode("utf-8") for name, text in scores.samples.items()},
                         metrics_dir / REPORT: page.encode("utf-8"), **metrics_files("eval", metrics, metrics_dir)})
-    print_table(scores.results, list(p.dirs), intervals)
+    print_table(scores.results, names, intervals)
     return metrics
 
 

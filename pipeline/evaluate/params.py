@@ -81,6 +81,9 @@ class EvalParams(Section):
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+    # null | int8 | int4 | fp8: each model also scored with its blocks' linear layers quantized so (TorchAO, as
+    # `kiln serve --quantize`), a column `<model>+<kind>` set against the original's with paired intervals
+    quantize: str | None = None
 
     def check(self) -> None:
         if not self.models or len(set(self.models)) < len(self.models):
@@ -88,6 +91,11 @@ class EvalParams(Section):
         for name in self.models:
             if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or name in (".", ".."):
                 raise self.bad("models", f"folder names under data/models (got {name!r})")
+        if self.quantize is not None:
+            from kiln.model.quantize import KINDS  # here: the params answer without importing torch otherwise
+
+            if self.quantize not in KINDS:
+                raise self.bad("quantize", f"null or one of {', '.join(KINDS)}")
         for name in ("tokens", "batch_size", "gen_batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise self.bad(name, "a positive integer")
