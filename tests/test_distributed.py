@@ -101,9 +101,9 @@ def test_fsdp_matches_one_process_and_resumes_on_one(tiny, single, tmp_path):
 
 
 def test_fp8_trains_under_fsdp_and_saves_sharded_checkpoints(tiny, tmp_path):
-    """train.precision=fp8 under FSDP2 on two processes: the converted layers train, the sharded checkpoints
-    save and the run resumes from one. Each process scales its own half of the micro-batch, so the losses
-    follow one process's closely but not to rounding."""
+    """train.precision=fp8 under FSDP2 on two processes: the converted layers train and the sharded checkpoints
+    save (test_float8 resumes an fp8 run bitwise). Each process scales its own half of the micro-batch, so the
+    losses follow one process's closely but not to rounding."""
     run(tiny, tmp_path / "one", batch_size=8, precision="fp8", **SHAPE)
     alone = losses(tmp_path / "one" / "metrics")
     args = cli_project(tiny, tmp_path, batch_size=4, parallel="fsdp", precision="fp8", **SHAPE)
@@ -114,9 +114,6 @@ def test_fp8_trains_under_fsdp_and_saves_sharded_checkpoints(tiny, tmp_path):
     two = losses(tmp_path / "base/metrics")
     assert [s for s, _ in two] == list(range(1, 9))
     assert max(abs(a - b) for (_, a), (_, b) in zip(alone, two)) < 0.05
-    drop_last_checkpoint(tmp_path)
-    resumed = torchrun(tmp_path, *args)
-    assert resumed.returncode == 0 and "(step 4)" in resumed.output, resumed.output
 
 
 def sft_losses(run):

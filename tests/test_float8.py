@@ -96,20 +96,21 @@ def test_an_fp8_run_resumes_bitwise(tiny, tmp_path):
 
 
 def test_fp8_tracks_bf16_over_200_steps_of_the_default_model(shakespeare, tmp_path):
-    """The default model on the default corpus, 200 steps of 256 tokens, bf16 and fp8 (tensorwise) from the same
-    seed. Measured (seeds 1337 and 1, both recipes): fp8's validation loss within 0.135 nats of bf16's, whose
-    own seed-to-seed spread was 0.106; the tolerance is 0.15 (this seed: -0.068)."""
+    """The default model on the default corpus, 200 steps of one 128-token sequence, bf16 and fp8 (tensorwise)
+    from the same seed. Measured: fp8's validation loss -0.041, +0.045 and +0.045 nats from bf16's at seeds
+    1337, 1 and 2, while bf16's own seed-to-seed spread was 0.19 (at 256 tokens a step, both recipes, seeds 1337
+    and 1: at most 0.135, spread 0.106); the tolerance is 0.15."""
     losses = {}
     for precision in ("bf16", "fp8"):
         out = tmp_path / precision
         out.mkdir()
-        train = {"batch_size": 2, "batch_tokens": 256, "max_steps": 200, "eval_every": 200, "eval_tokens": 8192,
+        train = {"batch_size": 1, "batch_tokens": 128, "max_steps": 200, "eval_every": 200, "eval_tokens": 4096,
                  "checkpoint_every": 200, "log_every": 50, "device": "cpu", "precision": precision}
         with contextlib.chdir(out):
             metrics = pretrain(build_section(ModelParams, {}), build_section(TrainParams, train), shakespeare.shards,
                                shakespeare.tokenizer, out / "base", out / "ckpt")
         losses[precision] = metrics["val_loss"]
-        assert metrics["val_loss"] < 5.8  # both learned: the untrained model starts near ln(vocab), ~6.9
+        assert metrics["val_loss"] < 6.2  # both learned: the untrained model starts near ln(vocab), ~6.9
     assert abs(losses["fp8"] - losses["bf16"]) < 0.15, losses
     assert load_file(tmp_path / "fp8/base/model.safetensors").keys() == \
         load_file(tmp_path / "bf16/base/model.safetensors").keys()

