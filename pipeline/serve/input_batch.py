@@ -26,7 +26,7 @@ class InputBatch:
     def __init__(self, max_blocks: int, vocab_size: int, capacity: int = 64):
         self.max_blocks, self.vocab_size = max_blocks, vocab_size
         self.capacity = 0
-        self.free: list[int] = []  # slots not held, the lowest last (taken first)
+        self.free: list[int] = []  # slots not held; the last is taken first (the lowest, until slots come back)
         self._grow(capacity)
 
     # each slot's row: (name, dtype, columns; 0 for one value a slot)

@@ -1,10 +1,11 @@
 """The model runner: a step's plan in, every request's new tokens out, with one transfer each way.
 
 Everything the step needs on the device (the token ids, the cache's positions, slots and block tables, which
-rows sample and with what temperature, top-k and top-p) is packed on the host, mostly by indexing the
-per-slot rows it keeps across steps (serve/input_batch.py), and crosses in one copy (`transfer.HostToDevice`); the model runs the flat batch over the paged cache; `sampler.sample` draws every
-sampling row's token on the device (its noise keyed on the request and position, one set of ops for the
-batch); the tokens come back in one read. A step with no row to sample reads nothing back.
+rows sample and with what temperature, top-k and top-p) is packed on the host, mostly by indexing the per-slot
+rows it keeps across steps (serve/input_batch.py), and crosses in one copy (`transfer.HostToDevice`); the model
+runs the flat batch over the paged cache; `sampler.sample` draws every sampling row's token on the device (its
+noise keyed on the request and position, one set of ops for the batch); the tokens come back in one read. A step
+with no row to sample reads nothing back.
 
 Speculative decoding (a draft model) keeps its per-request acceptance (serve/speculative.py): each verified
 draft reads its row back, so its steps cost more than one transfer; what it saves is target forwards.
@@ -193,12 +194,10 @@ class ModelRunner:
         settings = self._settings(slots[rows], lengths[rows], forks)
         if settings is not None:  # an all-greedy step needs no sampling settings on the device
             extra |= settings
-        sampled = None
         asked = NOTHING_ASKED
         if asks:
-            sampled = [requests[i] for i in rows] + forks
             segments = segments or [Segment(r.table, r.computed, 1) for r in requests]
-            asked = LogprobsAsked(plan, segments, last, [r.sampling for r in sampled])
+            asked = LogprobsAsked(plan, segments, last, [r.sampling for r in [*(requests[i] for i in rows), *forks]])
             extra |= asked.indices()
         bucket = self.graphs.bucket(n) if self.graphs and decodes_only else None
         if bucket:
@@ -215,7 +214,7 @@ class ModelRunner:
         tokens: list[list[int]] = [[] for _ in plan]
         forked: list[list[int]] = [[] for _ in plan]
         new = None
-        if len(rows) or fork_rows:
+        if len(rows):  # (forks draw only beside their request's row)
             chosen = logits[on_device["sample_rows"]] if "sample_rows" in on_device else logits
             new = sample(chosen, settings, on_device)
         values = asked.compute(logits, new, on_device)

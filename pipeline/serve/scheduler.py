@@ -171,16 +171,9 @@ class Scheduler:
                 prefilling.append(request)
                 continue
             lookahead = self.lookahead(request) if self.speculate else 0
-            if length + lookahead > len(request.table) * room:  # a new block: most steps need none
-                while not self.pool.grow(request.table, length + lookahead):
-                    self.preemptions += 1
-                    if self._preempt() is request:
-                        break
-                else:
-                    self.retabled.append(request)
-                    plan.append(ScheduledSequence(request, 1, lookahead))
-            else:
-                plan.append(ScheduledSequence(request, 1, lookahead))
+            if length + lookahead > len(request.table) * room and not self._grow(request, length + lookahead):
+                continue  # it was the newest: its own blocks went back
+            plan.append(ScheduledSequence(request, 1, lookahead))
         budget = self.max_batch_tokens - len(plan)
         prefilling = [r for r in prefilling if r.status is running]  # not preempted by a decode's growth since
         if budget > 0 and self.waiting:
@@ -194,6 +187,16 @@ class Scheduler:
         if not plan and self.waiting and not self.running:
             raise RuntimeError("the pool cannot hold the first waiting request")  # add() prevents this
         return plan
+
+    def _grow(self, request: Request, tokens: int) -> bool:
+        """Give `request` blocks for `tokens` tokens, preempting the newest running requests while the pool is
+        short; False when `request` itself was the one preempted."""
+        while not self.pool.grow(request.table, tokens):
+            self.preemptions += 1
+            if self._preempt() is request:
+                return False
+        self.retabled.append(request)
+        return True
 
     def lookahead(self, request: Request) -> int:
         """How many draft tokens this request's next decode verifies: `speculate`, fewer near its end."""
