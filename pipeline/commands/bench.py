@@ -52,7 +52,8 @@ def bench_data(params: ParamsOpt = layout.PARAMS,
 def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 variants: Annotated[str, typer.Option(
                     help="Comma-separated PRECISION-MODE[-KERNELS[:OP+OP...]] list: PRECISION "
-                         "fp32|bf16|fp16|fp8|fp8rowwise (fp8: tensorwise scales), MODE eager|compile, KERNELS auto|triton|torch (default: --kernels), OPs the ones that take "
+                         "fp32|bf16|fp16|fp8|fp8rowwise (fp8: tensorwise scales), MODE eager|compile, KERNELS "
+                         "auto|triton|torch (default: --kernels), OPs the ones that take "
                          "KERNELS (some of norm, mlp, attention, head; the rest run torch's; default all), e.g. "
                          "bf16-compile-triton:head. Rows run in this order, "
                          "the first is the speedup baseline; put compile + triton last (a device-side assert ends "

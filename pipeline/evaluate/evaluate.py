@@ -353,10 +353,9 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
         p = plan_evaluation(params, train, sft, dpo, shards_dir, tokenizer_path, corpus_dir, models_dir)
     scores = Scores(p)
     # every model, each followed by its quantized copy when eval.quantize asks for one
-    runs = [(name, model_dir, None) for name, model_dir in p.dirs.items()]
-    if params.quantize:
-        runs = [run for name, model_dir in p.dirs.items()
-                for run in ((name, model_dir, None), (quantized_name(name, params.quantize), model_dir, params.quantize))]
+    kinds = [None, params.quantize] if params.quantize else [None]
+    runs = [(name if kind is None else quantized_name(name, kind), model_dir, kind)
+            for name, model_dir in p.dirs.items() for kind in kinds]
     with Progress("eval", unit="parts", total=len(runs) * p.parts()) as progress:
         for name, model_dir, quantize in runs:
             score_model(p, params, train, name, model_dir, tokenizer_path, scores, progress, quantize)
