@@ -15,7 +15,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.generate import generate
 from kiln.model.gpt import GPT
 from kiln.pipeline.serve.engine import Engine
-from kiln.pipeline.serve.request import Request, SamplingParams
+from kiln.pipeline.serve.request import Request, SamplingParams, fork_groups
 
 VOCAB = 97
 
@@ -341,6 +341,34 @@ def test_n_samples_of_one_prompt_cost_one_prefill_and_draw_as_if_alone(length):
     greedy[0].forks = greedy[1:]
     Engine(model, num_blocks=64, block_size=4).run(greedy[:1])
     assert [r.output for r in greedy] == [generate(model, [prompt], 6, temperature=0.0)[0]] * 4
+
+
+def test_groups_decoding_over_their_shared_prompt_draw_as_if_alone(monkeypatch):
+    """Four groups of 8 samples (and greedy groups) decode over their shared prompt blocks by cascade attention
+    (serve/shared_prefix.py: it must run here); each sample is what its request draws alone, on the plain path,
+    and greedy samples are generate's output."""
+    from kiln.pipeline.serve import shared_prefix
+
+    calls = []
+    attend = shared_prefix.attend
+    monkeypatch.setattr(shared_prefix, "attend", lambda *a: calls.append(1) or attend(*a))
+    model = tiny()
+    texts = prompts(4, seed=9, shared=list(range(30, 46)))
+    heads = []
+    for g, prompt in enumerate(texts):
+        heads.append(Request(prompt, sampled(10 * g)))
+        heads[-1].forks = [Request(prompt, sampled(10 * g + j)) for j in range(1, 8)]
+    Engine(model, num_blocks=256, block_size=4).run(heads)
+    assert calls
+    for head in heads:
+        for r in (head, *head.forks):
+            assert r.output == alone(model, r.prompt, r.sampling)
+    calls.clear()
+    greedy = [Request(p, SamplingParams(max_tokens=6)) for p in texts for _ in range(8)]
+    Engine(model, num_blocks=256, block_size=4).run(fork_groups(greedy, 8))
+    assert calls
+    expected = generate(model, texts, 6, temperature=0.0)
+    assert [r.output for r in greedy] == [e for e in expected for _ in range(8)]
 
 
 def test_a_fork_the_pool_cannot_hold_computes_its_prompt_itself():

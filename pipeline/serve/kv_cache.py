@@ -10,10 +10,12 @@ values into their slots, then each segment attends to its own sequence's cached 
 
 Decode segments (one token) go to the paged decode kernel (`kernels/paged_attention.py`) in one launch on a
 GPU; on the torch path (a CPU) they gather their contexts, found once a step for every layer, and run one SDPA
-call. Prefill segments gather their context from the blocks and run SDPA with the causal diagonal aligned bottom-right (the
-chunk's first query sees every token before it), all of a step's prefills in one padded batch when padding
-costs less than the calls it saves. Both read the pool through the block tables, so a prefix shared with another
-request is read where it lies. Every index a step needs crosses to the device in one copy (`transfer.py`).
+call, or, when many share leading blocks (GRPO's groups, a request's `n`), score each shared prefix once for
+its group (serve/shared_prefix.py). Prefill segments gather their context from the blocks and run SDPA with
+the causal diagonal aligned bottom-right (the chunk's first query sees every token before it), all of a step's
+prefills in one padded batch when padding costs less than the calls it saves. Both read the pool through the
+block tables, so a prefix shared with another request is read where it lies. Every index a step needs crosses
+to the device in one copy (`transfer.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from kiln.kernels.backend import use_triton
 from kiln.kernels.paged_attention import paged_attention
 from kiln.model.config import ModelConfig
+from kiln.pipeline.serve import shared_prefix
 from kiln.pipeline.serve.transfer import HostToDevice
 
 
@@ -54,6 +57,7 @@ class PagedKVCache:
         self.max_blocks = -(-config.max_seq_len // block_size)  # the longest table a sequence can have
         self.triton = use_triton(backend, self.k)  # decodes by the paged kernel, else gathered for SDPA
         self.segments: list[Segment] = []
+        self.shared: dict[str, torch.Tensor] | None = None  # the step's shared-prefix groups (torch path)
         # room for most steps of `step_tokens` new tokens (ids, positions, slots, logit rows, block tables,
         # prefill contexts); one that needs more grows it
         self.transfer = HostToDevice(self.k.device, 8 * step_tokens + 4 * config.max_seq_len + num_blocks)
@@ -116,6 +120,7 @@ class PagedKVCache:
             "decode_lens": starts[decodes] + 1,
             "logit_rows": np.repeat(offsets[1:] - logits - firsts, logits) + np.arange(logits.sum()),
         }
+        host |= self._shared(tables[decodes], starts[decodes] + 1)
         prefills = np.array(self.prefills, dtype=np.int64)
         ends = starts[prefills] + counts[prefills]
         host |= self._prefill_indices(tables[prefills], starts[prefills], counts[prefills], offsets[prefills])
@@ -150,20 +155,31 @@ class PagedKVCache:
                             constant_values=self.scratch)
         host = {"positions": starts, "decode_tables": tables, "decode_lens": starts + 1,
                 "slots": self._slot_of(tables, starts)}
+        if not pad_to:
+            host |= self._shared(tables, starts + 1)
         on_device = self._upload(host, extra)
         self.decode_rows = None  # None: every row is a decode
         self.logit_rows = torch.arange(len(starts), device=self.device)  # made on the device: nothing to send
         self.longest_decode = int(starts[:n].max()) + 1 if n else 0
         return {name: on_device[name] for name in extra or {}}
 
+    def _shared(self, tables: np.ndarray, lens: np.ndarray) -> dict[str, np.ndarray]:
+        """The torch path's groups of decodes that share leading blocks (serve/shared_prefix.py), to upload with
+        the step's indices under a `shared_` prefix; none on the paged kernel or when sharing saves too little."""
+        found = None if self.triton else shared_prefix.plan(tables, lens, self.block_size)
+        return {f"shared_{name}": a for name, a in (found or {}).items()}
+
     def _upload(self, host: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:
-        """The step's indices and the caller's arrays to the device in one copy; the indices kept as attributes."""
+        """The step's indices and the caller's arrays to the device in one copy; the indices kept as attributes
+        (the shared-prefix groups' in `shared`, None without)."""
         extra = extra or {}
         if set(extra) & set(host):
             raise ValueError(f"extra arrays {sorted(set(extra) & set(host))}: names the cache uses")
         on_device = self.transfer.upload(host | extra)
+        self.shared = {name[7:]: on_device[name] for name in host if name.startswith("shared_")} or None
         for name in host:
-            setattr(self, name, on_device[name])
+            if not name.startswith("shared_"):
+                setattr(self, name, on_device[name])
         self.decode_context = None  # the torch path's decode contexts, found at the first layer (device work)
         return on_device
 
@@ -242,6 +258,10 @@ class PagedKVCache:
         if self.triton:
             return paged_attention(queries, self.k[layer].to(queries.dtype), self.v[layer].to(queries.dtype),
                                    self.decode_tables, self.decode_lens, backend="triton")
+        if self.shared is not None:
+            H_kv, D = self.k.size(3), self.k.size(4)
+            return shared_prefix.attend(queries, self.k[layer].view(-1, H_kv, D), self.v[layer].view(-1, H_kv, D),
+                                        self.shared)
         if self.decode_context is None:
             self._decode_context(self.longest_decode)
         keys, values = self._gather(layer, self.decode_context, queries.size(1), queries.dtype)

@@ -211,8 +211,6 @@ class ModelRunner:
             logits = self.graphs.run(on_device)[:n]
         else:
             logits = self.model(on_device["ids"][None], cache=self.cache)[0]
-        tokens: list[list[int]] = [[] for _ in plan]
-        forked: list[list[int]] = [[] for _ in plan]
         new = None
         if len(rows):  # (forks draw only beside their request's row)
             chosen = logits[on_device["sample_rows"]] if "sample_rows" in on_device else logits
@@ -221,7 +219,7 @@ class ModelRunner:
         if self.timing:
             self.model_seconds += self._clock() - started
         if new is None and not values:
-            return StepResult(tokens, [0] * n)
+            return StepResult([[] for _ in plan], [0] * n)
         self.reads += 1
         count = len(rows) + len(forks)
         if values:  # the step's one read back: the tokens and the log-probabilities asked for (ids exact in float64)
@@ -230,8 +228,13 @@ class ModelRunner:
             new_tokens = [int(t) for t in read[:count]]
         else:
             read, new_tokens = [], new.tolist()  # the step's one read back
-        for i, token in zip(rows.tolist(), new_tokens):
-            tokens[i] = [token]
+        if len(rows) == n:  # every sequence sampled (a decode step): its token in rows' order
+            tokens = [[token] for token in new_tokens[:n]]
+        else:
+            tokens = [[] for _ in plan]
+            for i, token in zip(rows.tolist(), new_tokens):
+                tokens[i] = [token]
+        forked: list[list[int]] = [[] for _ in plan]
         for (i, _), token in zip(fork_rows, new_tokens[len(rows):]):
             forked[i].append(token)
         logprobs, fork_logprobs, prompt_logprobs = asked.unpack(read[count:], rows.tolist(), fork_rows)

@@ -210,33 +210,31 @@ class Scheduler:
         events = []
         if len(result.tokens) != len(plan) or len(result.drafted) != len(plan):
             raise ValueError(f"a step of {len(plan)} sequences got {len(result.tokens)} results")
-        if result.forked or result.logprobs or result.prompt_logprobs or self.speculate:
-            nothing = [None] * len(plan)
-            for args in zip(plan, result.tokens, result.drafted, result.forked or [[] for _ in plan],
-                            result.logprobs or nothing, result.fork_logprobs or nothing,
-                            result.prompt_logprobs or nothing, strict=True):
-                self._apply(*args, events)
-        else:
-            # the common case, a decode's one token with nothing else asked, is applied inline: at GRPO's width
-            # this loop runs hundreds of times a step
-            B = self.pool.block_size
-            for seq, new in zip(plan, result.tokens):
-                request, before = seq.request, seq.request.computed
-                if seq.count != 1 or len(new) != 1 or before < len(request.prompt):
-                    self._apply(seq, new, 0, [], None, None, None, events)
-                    continue
-                token, s = new[0], request.sampling
-                request.output.append(token)
-                events.append((request, token))
-                request.computed = before + 1
-                if token in s.stop_ids:
-                    request.status = RequestStatus.FINISHED_STOPPED
-                    self._release(request)
-                elif len(request.output) >= s.max_tokens:
-                    request.status = RequestStatus.FINISHED_LENGTH
-                    self._release(request)
-                elif request.computed % B == 0:  # it filled a block
-                    self._commit(request, before)
+        forked, drafted, lps = result.forked, result.drafted, result.logprobs
+        fork_lps, prompt_lps = result.fork_logprobs, result.prompt_logprobs
+        # A decode's one token with nothing else asked is applied inline, the rest by `_apply`: at GRPO's width
+        # this loop runs hundreds of times a step, and a step that forks or reports log-probabilities for a few
+        # rows still decodes hundreds the plain way.
+        B = self.pool.block_size
+        for i, (seq, new) in enumerate(zip(plan, result.tokens)):
+            request, before = seq.request, seq.request.computed
+            if seq.count != 1 or len(new) != 1 or before < len(request.prompt) or drafted[i] or \
+                    (forked and forked[i]) or (lps and lps[i]) or (prompt_lps and prompt_lps[i]):
+                self._apply(seq, new, drafted[i], forked[i] if forked else [], lps[i] if lps else None,
+                            fork_lps[i] if fork_lps else None, prompt_lps[i] if prompt_lps else None, events)
+                continue
+            token, s = new[0], request.sampling
+            request.output.append(token)
+            events.append((request, token))
+            request.computed = before + 1
+            if token in s.stop_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                self._release(request)
+            elif len(request.output) >= s.max_tokens:
+                request.status = RequestStatus.FINISHED_LENGTH
+                self._release(request)
+            elif request.computed % B == 0:  # it filled a block
+                self._commit(request, before)
         self._sort_running()
         return events
 
