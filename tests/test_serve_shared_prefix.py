@@ -119,9 +119,13 @@ def test_grpo_shaped_batches_take_the_cascade():
 
 
 def test_nothing_shared_keeps_the_plain_path():
-    lens = np.full(20, 30)
-    assert shared_prefix.plan(np.arange(40).reshape(20, 2), lens, 16) is None  # no block in common
-    assert shared_prefix.plan(np.array([[0, 1]] * 3), lens[:3], 16) is None  # too few rows to pay
+    n = 2 * shared_prefix.MIN_ROWS
+    lens = np.full(n, 30)
+    assert shared_prefix.plan(np.arange(2 * n).reshape(n, 2), lens, 16) is None  # no block in common
     # rows sharing their first block of long contexts: the saving is too small to pay
-    tables = np.array([[0, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i in range(20)])
-    assert shared_prefix.plan(tables, np.full(20, 64), 16) is None
+    tables = np.array([[0, 4 * i + 1, 4 * i + 2, 4 * i + 3] for i in range(n)])
+    assert shared_prefix.plan(tables, np.full(n, 64), 16) is None
+    # the same rows sharing three blocks pay, but not below MIN_ROWS rows
+    tables[:, 1:3] = [1, 2]
+    assert shared_prefix.plan(tables, np.full(n, 64), 16) is not None
+    assert shared_prefix.plan(tables[:shared_prefix.MIN_ROWS - 1], np.full(shared_prefix.MIN_ROWS - 1, 64), 16) is None
