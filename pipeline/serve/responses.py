@@ -56,6 +56,11 @@ class Reply:
 
     async def pieces(self):
         """(choice, new text) from every job as it comes, and (choice, None) when that choice has finished."""
+        if len(self.jobs) == 1:  # one choice (most requests): its pieces straight from its job, no task between
+            async for piece in self.service.tokens(self.jobs[0]):
+                yield 0, piece
+            yield 0, None
+            return
         arrived: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, job: Job):
