@@ -172,11 +172,16 @@ def check_replaceable(final: Path, holds: tuple[str, ...], what: str) -> None:
         return
     if not final.is_dir() or final.is_symlink():
         raise UserError(f"{final}: a file, not a {what} folder; choose another --out, or pass --force to replace it")
-    foreign = sorted(p.name for p in final.iterdir() if not any(fnmatch.fnmatch(p.name, h) for h in holds))
-    if foreign:
-        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise UserError(f"{final}: holds {foreign[0]!r}{more}, which no {what} folder kiln writes holds; choose "
-                        "another --out, or pass --force to replace the folder")
+    if names := foreign(final, holds):
+        raise UserError(f"{final}: holds {names}, which no {what} folder kiln writes holds; choose another --out, "
+                        "or pass --force to replace the folder")
+
+
+def foreign(folder: Path, holds: tuple[str, ...]) -> str:
+    """The entries of `folder` that none of the `holds` glob patterns match, for a one-line refusal: the first,
+    quoted, and how many more; "" when there are none."""
+    names = sorted(p.name for p in folder.iterdir() if not any(fnmatch.fnmatch(p.name, h) for h in holds))
+    return f"{names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "") if names else ""
 
 
 @contextmanager

@@ -67,3 +67,14 @@ def test_bad_seeds_arguments_fail_in_one_line(args, expected, tmp_path):
     result = CliRunner().invoke(app, ["seeds", *args, "--out", str(tmp_path / "s")])
     assert result.exit_code == 2 and result.output.strip() == f"error: kiln seeds: {expected}", result.output
     assert not (tmp_path / "s").exists()
+
+
+def test_a_folder_of_other_files_is_refused_before_any_run(tmp_path):
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "plan.md").write_text("mine too")
+    result = CliRunner().invoke(app, ["seeds", "pretrain", "--seeds", "1,2", "--out", str(out)])
+    assert result.exit_code == 2 and result.output.strip() == \
+        f"error: --out {out}: holds 'notes.txt' and 1 more, which kiln seeds does not write; choose another --out"
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "plan.md"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import hashlib
 import inspect
@@ -15,6 +14,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from kiln.model.atomic import foreign
 from kiln.pipeline import layout
 from kiln.pipeline.config import check_seed
 from kiln.pipeline.errors import KilnError, UserError
@@ -142,12 +142,9 @@ def _check_run_folder(root: Path, force: bool, stage: str) -> None:
     """A hand run's existing folder holds only what hand runs write there, unless --force."""
     if force or not root.is_dir():
         return
-    foreign = sorted(p.name for p in root.iterdir() if not any(fnmatch.fnmatch(p.name, h) for h in RUN_FOLDER_HOLDS))
-    if foreign:
-        more = f" and {len(foreign) - 1} more" if len(foreign) > 1 else ""
-        raise UserError(f"--out {root}: holds {foreign[0]!r}{more}, which no kiln hand run writes there; choose "
-                        f"another --out for this {stage} run, or pass --force to write beside them (they are left "
-                        "alone)")
+    if names := foreign(root, RUN_FOLDER_HOLDS):
+        raise UserError(f"--out {root}: holds {names}, which no kiln hand run writes there; choose another --out "
+                        f"for this {stage} run, or pass --force to write beside them (they are left alone)")
 
 
 def _same(value, default) -> bool:

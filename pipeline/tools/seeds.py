@@ -13,13 +13,13 @@ not pin the mean.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
 
+from kiln.model.atomic import foreign
 from kiln.pipeline.config import check_seed
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file, write_json
@@ -68,10 +68,8 @@ def claim(root: Path, command: dict) -> None:
     or refuse a `root` holding runs of another command: their metrics would be summarised as this one's."""
     record = root / COMMAND_FILE
     if root.is_dir():
-        foreign = sorted(p.name for p in root.iterdir() if not any(fnmatch.fnmatch(p.name, h) for h in HOLDS))
-        if foreign:
-            raise UserError(f"--out {root}: holds {foreign[0]!r}, which kiln seeds does not write; choose another "
-                            "--out")
+        if names := foreign(root, HOLDS):
+            raise UserError(f"--out {root}: holds {names}, which kiln seeds does not write; choose another --out")
         if any(root.glob("seed-*")) and not record.is_file():
             raise UserError(f"--out {root}: holds seed runs without {COMMAND_FILE}, so of unknown params; choose "
                             "another --out")
