@@ -79,35 +79,32 @@ class LogprobsAsked:
         None where nothing was asked."""
         if not self.tokens and not self.prompt:
             return None, None, None
-        at = 0
-
-        def entries(n: int, k: int, ks: list[int]) -> list:
-            nonlocal at
-            values = read[at:at + n]
-            best = read[at + n:at + n + n * k]
-            ids = read[at + n + n * k:at + n + 2 * n * k]
-            at += n + 2 * n * k
-            return [(values[r], [(int(ids[r * k + c]), best[r * k + c]) for c in range(ks[r])]) for r in range(n)]
-
-        by_sampled = {}
+        sampled = {}  # sampled row -> its token's entry
         if self.tokens:
-            got = entries(len(self.tokens), self.k_tokens, [k for _, k in self.tokens])
-            by_sampled = {j: entry for (j, _), entry in zip(self.tokens, got)}
-        plan_size = self.size
-        logprobs = [None] * plan_size
-        fork_logprobs = [[] for _ in range(plan_size)]
+            got = _entries(read, len(self.tokens), self.k_tokens, [k for _, k in self.tokens])
+            sampled = {j: entry for (j, _), entry in zip(self.tokens, got)}
+        logprobs = [None] * self.size
         for j, i in enumerate(rows):
-            if j in by_sampled:
-                logprobs[i] = [by_sampled[j]]
+            if j in sampled:
+                logprobs[i] = [sampled[j]]
+        fork_logprobs = [[] for _ in range(self.size)]
         for n, (i, _) in enumerate(fork_rows):
-            fork_logprobs[i].append(by_sampled.get(len(rows) + n))
-        prompt_logprobs = [None] * plan_size
+            fork_logprobs[i].append(sampled.get(len(rows) + n))
+        prompt_logprobs = [None] * self.size
         if self.prompt:
-            counts = [len(p[2]) for p in self.prompt]
-            got = entries(sum(counts), self.k_prompt, [p[3] for p in self.prompt for _ in p[2]])
-            for (i, *_), part in zip(self.prompt, np.split(np.arange(sum(counts)), np.cumsum(counts)[:-1])):
-                prompt_logprobs[i] = [got[r] for r in part]
+            at = len(self.tokens) * (1 + 2 * self.k_tokens)  # the prompt positions' values follow the tokens'
+            got = iter(_entries(read[at:], sum(len(p[2]) for p in self.prompt), self.k_prompt,
+                                [k for _, _, targets, k in self.prompt for _ in targets]))
+            for i, _, targets, _ in self.prompt:
+                prompt_logprobs[i] = list(itertools.islice(got, len(targets)))
         return logprobs, fork_logprobs, prompt_logprobs
+
+
+def _entries(read: list[float], n: int, k: int, ks: list[int]) -> list:
+    """n (log-probability, [(id, value) x ks[r]]) entries from `read`: n values, then n x k best values, then their
+    n x k ids (`_logprobs`' layout)."""
+    values, best, ids = read[:n], read[n:n + n * k], read[n + n * k:n + 2 * n * k]
+    return [(values[r], [(int(ids[r * k + c]), best[r * k + c]) for c in range(ks[r])]) for r in range(n)]
 
 
 NOTHING_ASKED = LogprobsAsked([], [], [], [])  # a step without log-probabilities (most): no work at all
