@@ -49,8 +49,8 @@ def test_cascade_equals_attention_over_the_whole_context(heads, kv_heads, seed, 
     rng = np.random.default_rng(seed)
     torch.manual_seed(seed)
     block_size, D = int(rng.choice([4, 16])), int(rng.choice([8, 12]))
-    # groups (rows, shared blocks, own blocks): GRPO-like groups, a pair sharing one block, singletons; rows
-    # sharing their prefix end in it or far past it
+    # groups (rows, shared blocks, own blocks): GRPO-like groups, a pair sharing one block, singletons; each row
+    # ends somewhere in its last own block (a row ending inside shared blocks: the test below)
     groups = [(int(rng.integers(2, 9)), int(rng.integers(3, 7)), int(rng.integers(1, 3))) for _ in range(5)]
     groups += [(2, 1, 1), (1, 0, 2), (1, 0, 1)]
     system = int(rng.integers(0, 3))  # a system prompt every row opens with, or none
