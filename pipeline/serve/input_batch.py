@@ -20,6 +20,14 @@ import numpy as np
 from kiln.pipeline.serve.request import Request
 
 
+def slots_of(tables: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The pool slot (block x block_size + offset) of each position, each read in the block table beside it
+    (`tables` holds one table row per position, or broadcasts to them along its second-to-last axis): vLLM's
+    slot mapping."""
+    blocks = np.take_along_axis(tables, positions[..., None] // block_size, axis=-1)[..., 0]
+    return blocks * block_size + positions % block_size
+
+
 class InputBatch:
     """Slots for running requests, `max_blocks` block-table columns each, for a vocabulary of `vocab_size`."""
 

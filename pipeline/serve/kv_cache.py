@@ -30,6 +30,7 @@ from kiln.kernels.backend import use_triton
 from kiln.kernels.paged_attention import paged_attention
 from kiln.model.config import ModelConfig
 from kiln.pipeline.serve import shared_prefix
+from kiln.pipeline.serve.input_batch import slots_of
 from kiln.pipeline.serve.transfer import HostToDevice
 
 
@@ -114,7 +115,7 @@ class PagedKVCache:
         firsts = np.cumsum(logits) - logits
         host = {
             "positions": positions,
-            "slots": self._slot_of(tables[owner], positions),
+            "slots": slots_of(tables[owner], positions, self.block_size),
             "decode_rows": offsets[decodes],
             "decode_tables": tables[decodes],
             "decode_lens": starts[decodes] + 1,
@@ -154,7 +155,7 @@ class PagedKVCache:
             tables = np.pad(tables, ((0, pad_to - n), (0, self.max_blocks - tables.shape[1])),
                             constant_values=self.scratch)
         host = {"positions": starts, "decode_tables": tables, "decode_lens": starts + 1,
-                "slots": self._slot_of(tables, starts)}
+                "slots": slots_of(tables, starts, self.block_size)}
         if not pad_to:
             host |= self._shared(tables, starts + 1)
         on_device = self._upload(host, extra)
@@ -197,7 +198,7 @@ class PagedKVCache:
         # each prefill's context, positions 0..end - 1, as pool slots; past its end, position 0's
         grid = np.arange(width)[None, :]
         inside = grid < ends[:, None]
-        context = self._slot_of(tables[:, None, :], np.where(inside, grid, 0))
+        context = slots_of(tables[:, None, :], np.where(inside, grid, 0), self.block_size)
         if not self.batched:
             return {"context_slots": context[inside]}  # row after row: each prefill's context in turn
         grid = np.minimum(np.arange(queries)[None, :], counts[:, None] - 1)  # padding repeats the last
@@ -217,12 +218,6 @@ class PagedKVCache:
             + positions % self.block_size
         self.decode_mask = None if len(self.decode_lens) == 1 else \
             (torch.arange(longest, device=self.device) < self.decode_lens[:, None])[:, None, None]
-
-    def _slot_of(self, tables: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """The pool slot (block x block_size + offset) of each position, each read in the block table beside it
-        (`tables` holds one table row per position, or broadcasts to them along its second-to-last axis)."""
-        blocks = np.take_along_axis(tables, positions[..., None] // self.block_size, axis=-1)[..., 0]
-        return blocks * self.block_size + positions % self.block_size
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q (1, H, N, D), k and v (1, H_kv, N, D) of the step's new tokens, rotated: store k and v, return the

@@ -20,6 +20,8 @@ import math
 import numpy as np
 import torch
 
+from kiln.pipeline.serve.input_batch import slots_of
+
 # cascade pays only when it gathers at most this share of the plain path's positions (measured on a CPU, a
 # GRPO-shaped batch of 64 x 8 at each of its steps: a third of the positions took 0.35-0.5x the plain path's
 # time, half of them about as long; the padded group layout's extra scores eat the rest)
@@ -79,14 +81,9 @@ def plan(tables: np.ndarray, lens: np.ndarray, block_size: int) -> dict[str, np.
     row_prefix[order] = np.repeat(prefix, sizes)
     suffix_lens = lens - row_prefix
     positions = row_prefix[:, None] + np.minimum(np.arange(S), suffix_lens[:, None] - 1)  # padding: its last
-    suffix_slots = _slots(tables, positions, block_size)
+    suffix_slots = slots_of(tables[:, None, :], positions, block_size)
     return {"groups": groups, "places": places, "prefix_slots": prefix_slots, "prefix_lens": prefix,
             "suffix_slots": suffix_slots, "suffix_lens": suffix_lens}
-
-
-def _slots(tables: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    blocks = np.take_along_axis(tables, positions // block_size, axis=1)
-    return blocks * block_size + positions % block_size
 
 
 def attend(queries: torch.Tensor, k: torch.Tensor, v: torch.Tensor, on_device: dict[str, torch.Tensor]) -> torch.Tensor:
