@@ -264,44 +264,61 @@ def test_a_token_slice_is_the_slice_of_the_whole_sequence():
         assert r.token_slice(start, stop) == r.tokens[start:stop]
 
 
-def test_a_request_waiting_for_a_shared_prefix_holds_back_no_one():
-    """A group of samples of one prompt queued before a short request: the group's first sample prefills the
-    prompt, its siblings wait for that prefix to be cached, and the short request behind them is admitted and
-    prefilled in the same step instead of waiting out the group (the scheduler used to stop admitting at the
-    first sibling)."""
+def test_requests_behind_one_prompt_share_it_in_the_step_that_computes_it():
+    """Three requests of one prompt queued before a short request: the first computes the prompt and the other
+    two share its full blocks in that same step (the step writes every chunk's keys and values before any
+    chunk reads them), feeding only the last block's tokens, and the short request starts beside them. When
+    the budget cuts the first one's chunk, nothing is admitted after it; the next step shares both the
+    blocks cached by then and those that step fills."""
     model = tiny()
-    prompt = list(range(10, 42))  # 32 tokens
+    prompt = list(range(10, 42))  # 32 tokens: 7 full blocks of 4 before the last token's block
+    expected = generate(model, [prompt], 2, temperature=0.0)[0]
     engine = Engine(model, num_blocks=64, block_size=4, max_batch_tokens=64)
     group = [engine.add(Request(prompt, SamplingParams(max_tokens=2))) for _ in range(3)]
     short = engine.add(Request([70, 71], SamplingParams(max_tokens=2)))
     first = engine.scheduler.schedule()
-    assert [(s.request, s.count) for s in first] == [(group[0], 32), (short, 2)]
-    assert list(engine.scheduler.waiting) == group[1:]  # still waiting, in their order
+    assert [(s.request, s.count) for s in first] == [(group[0], 32), (group[1], 4), (group[2], 4), (short, 2)]
+    assert group[1].table[:7] == group[2].table[:7] == group[0].table[:7]
+    assert len({r.table[7] for r in group}) == 3  # the block each writes into is its own
     engine.execute(first)
-    # the prompt is cached now: the siblings share its first 7 blocks and feed only the last block's 4 tokens
-    # (a block they will write into is not shared)
-    second = engine.scheduler.schedule()
-    assert {(id(s.request), s.count) for s in second} >= {(id(group[1]), 4), (id(group[2]), 4)}
+    while engine.has_work():
+        engine.step()
+    assert [r.output for r in group] == [expected] * 3
+    assert short.output == generate(model, [[70, 71]], 2, temperature=0.0)[0]
+    assert engine.scheduler.prefill_tokens == 32 + 2 * 4 + 2
+
+    engine = Engine(model, num_blocks=64, block_size=4, max_batch_tokens=20)
+    group = [engine.add(Request(prompt, SamplingParams(max_tokens=2))) for _ in range(3)]
+    first = engine.scheduler.schedule()
+    assert [(s.request, s.count) for s in first] == [(group[0], 20)]
+    engine.execute(first)
+    second = engine.scheduler.schedule()  # blocks 0-4 cached, 5 and 6 filled by group[0]'s chunk in this step
+    assert [(s.request, s.count) for s in second] == [(group[0], 12), (group[1], 4), (group[2], 4)]
     engine.execute(second)
     while engine.has_work():
         engine.step()
-    assert [r.output for r in group] == [generate(model, [prompt], 2, temperature=0.0)[0]] * 3
-    assert short.output == generate(model, [[70, 71]], 2, temperature=0.0)[0]
-    assert engine.scheduler.prefill_tokens == 32 + 2 + 2 * 4
+    assert [r.output for r in group] == [expected] * 3
+    assert engine.scheduler.prefill_tokens == 32 + 2 * 4
 
 
 def test_groups_of_samples_prefill_every_prompt_in_the_first_step():
-    """GRPO's rollouts queue group after group (G samples of each prompt): the first step prefills one sample of
-    every prompt, not one prompt a step, and the others share the cached prompts."""
+    """GRPO's rollouts queue group after group (G samples of each prompt) behind a shared system prompt: the first
+    step starts all of them, each prompt computed once and the system prompt once, and each request draws what
+    `generate` does."""
     model = tiny()
     texts = prompts(4, seed=5, shared=list(range(10, 22)))  # 12 shared tokens: three full blocks of 4
     engine = Engine(model, num_blocks=128, block_size=4, max_batch_tokens=256)
     requests = [engine.add(Request(p, SamplingParams(max_tokens=4))) for p in texts for _ in range(4)]
     plan = engine.scheduler.schedule()
-    assert [s.request for s in plan] == [requests[0]]  # the rest share the first's system prompt, or wait
+    assert [s.request for s in plan] == requests
+    for g, text in enumerate(texts):
+        own = [s.count for s in plan[4 * g:4 * g + 4]]
+        first = len(text) if g == 0 else len(text) - 12  # the system prompt once, then each prompt once
+        assert own == [first] + [len(text) - (len(text) - 1) // 4 * 4] * 3
     engine.execute(plan)
-    plan = engine.scheduler.schedule()
-    assert {id(s.request) for s in plan} >= {id(requests[g * 4]) for g in range(1, 4)}
+    while engine.has_work():
+        engine.step()
+    assert [r.output for r in requests] == [o for o in generate(model, texts, 4, temperature=0.0) for _ in range(4)]
 
 
 def sampled(seed: int, max_tokens: int = 8) -> SamplingParams:

@@ -17,7 +17,7 @@ find them there until the pool hands them out again (least recently freed first)
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class BlockPool:
@@ -65,14 +65,17 @@ class BlockPool:
             keys.append(parent)
         return keys
 
-    def allocate(self, tokens: Sequence[int], reserve: int) -> tuple[list[int], int] | None:
+    def allocate(self, tokens: Sequence[int], reserve: int,
+                 filling: Mapping[int, int] | None = None) -> tuple[list[int], int] | None:
         """A block table for a new sequence of `tokens` with room for `reserve` tokens in all, and how many of
         its leading tokens are cached already (a multiple of block_size, never the whole prompt: its last
-        token must run to give the next one's logits). None, with nothing taken, when the pool is short."""
+        token must run to give the next one's logits). `filling` (key -> block): blocks that other sequences'
+        chunks fill in the step being planned, shared as if cached (the step writes every chunk's keys and
+        values before any chunk reads them). None, with nothing taken, when the pool is short."""
         keys = self.prefix_keys(tokens[:len(tokens) - 1])
-        shared = []
+        shared, filling = [], filling or {}
         for key in keys:
-            if (block := self.cached.get(key)) is None:
+            if (block := self.cached.get(key, filling.get(key))) is None:
                 break
             shared.append(block)
         fresh = self.blocks_for(max(reserve, len(tokens))) - len(shared)

@@ -15,8 +15,9 @@ its tokens gets a new token; finished requests go, so their blocks serve new req
 
 Blocks: a request admitted from the queue gets blocks for its whole prompt at once (`blocks.BlockPool`,
 sharing any cached prefix, whose tokens it then skips), and one more block whenever decoding fills the last.
-A request whose next uncached prompt block is being prefilled by a running request waits for it to be cached
-rather than compute it a second time, and the requests behind it are admitted meanwhile. When the pool cannot
+A prompt block that an earlier chunk of the same step fills is shared as if cached (the step writes every
+chunk's keys and values before any chunk reads them), so requests that arrive together behind one prompt
+compute it once and start in the same step. When the pool cannot
 give a decoding request its next block, the newest running request is preempted: its blocks go back and it
 rejoins the front of the queue with its tokens so far, to be recomputed (its shared prefix most likely still
 cached). A request is never refused for memory it could have once others finish; one that could never fit
@@ -156,7 +157,8 @@ class Scheduler:
         self.released.append(request)
 
     def schedule(self) -> list[ScheduledSequence]:
-        """This step's plan, decodes first; blocks made ready for all of it."""
+        """This step's plan: decodes, then the chunks of the prompts being computed (oldest first), then newly
+        admitted requests, within the token budget; blocks made ready for all of it."""
         plan: list[ScheduledSequence] = []
         prefilling = []
         room = self.pool.block_size
@@ -175,15 +177,18 @@ class Scheduler:
                 continue  # it was the newest: its own blocks went back
             plan.append(ScheduledSequence(request, 1, lookahead))
         budget = self.max_batch_tokens - len(plan)
-        prefilling = [r for r in prefilling if r.status is running]  # not preempted by a decode's growth since
-        if budget > 0 and self.waiting:
-            prefilling += self._admit(prefilling)
-            prefilling.sort(key=lambda r: r.order)
+        filling: dict[int, int] = {}  # the prompt blocks this step's chunks fill (key -> block): shared as cached
         for request in prefilling:  # prefills, oldest first, within the budget
-            if budget <= 0:
-                break
-            plan.append(ScheduledSequence(request, min(request.length - request.computed, budget)))
-            budget -= plan[-1].count
+            if request.status is not running:  # preempted by a decode's growth since
+                continue
+            count = max(0, min(request.length - request.computed, budget))
+            if count:
+                plan.append(ScheduledSequence(request, count))
+                budget -= count
+            if self.waiting:
+                self._filling(request, count, filling)
+        if budget > 0 and self.waiting:
+            plan += self._admit(budget, filling)
         if not plan and self.waiting and not self.running:
             raise RuntimeError("the pool cannot hold the first waiting request")  # add() prevents this
         return plan
@@ -324,39 +329,34 @@ class Scheduler:
         self.waiting.appendleft(victim)
         return victim
 
-    def _admit(self, prefilling: list[Request]) -> list[Request]:
-        """Admit waiting requests in arrival order while the pool gives them blocks, and return them. One whose
-        next prompt block a running request (of `prefilling`, those computing their prompts) is prefilling right
-        now is passed over for this step (it takes that block from the cache a step or two later) rather than
-        holding back every request behind it: a group of samples of one prompt would otherwise admit one new
-        prompt a step. One the pool cannot hold stops admission, so that smaller requests behind it never
+    def _admit(self, budget: int, filling: dict[int, int]) -> list[ScheduledSequence]:
+        """Admit waiting requests in arrival order while the step has room, each with its first chunk. A prompt
+        block that a chunk planned before it fills in this step is shared as if cached (`filling`): the step
+        writes every chunk's keys and values before any chunk attends (`PagedKVCache.attend`), so requests that
+        arrive together behind one prompt (GRPO's groups, clients behind one system prompt) compute it once and
+        start together, where waiting for it to be cached would cost a step. (A chunk that stops short of a
+        block has used up the step's budget: nothing is admitted after it, so no request shares a block that a
+        later step fills.) One the pool cannot hold stops admission, so that smaller requests behind it never
         starve it."""
-        in_flight = set()  # the prompt blocks running requests are prefilling now, each request's hashed once
-        for request in prefilling:
-            self._prefilling(request, in_flight)
-        passed_over, admitted = [], []
-        while self.waiting:
+        plan = []
+        while self.waiting and budget > 0:
             request = self.waiting.popleft()
             tokens = request.tokens
-            # a prompt whose log-probabilities are asked for is computed whole: no cached prefix to wait for or take
+            # a prompt whose log-probabilities are asked for is computed whole: no cached prefix to take
             sharing = self.prefix_caching and request.sampling.prompt_logprobs is None
-            if sharing and self._prefix_in_flight(tokens, in_flight):
-                passed_over.append(request)
-                continue
-            got = self.pool.allocate(tokens if sharing else [], reserve=len(tokens))
+            got = self.pool.allocate(tokens if sharing else [], len(tokens), filling)
             if got is None:
                 self.waiting.appendleft(request)
                 break
             request.table, request.computed = got
             request.draft_computed = 0  # the draft's cache of a shared prefix may not be whole: it recomputes
             request.status = RequestStatus.RUNNING
-            admitted.append(request)
-            self._prefilling(request, in_flight)
-        self.waiting.extendleft(reversed(passed_over))  # still ahead of the later arrivals, in their order
-        for request in admitted:
             self._start(request)
+            plan.append(ScheduledSequence(request, min(len(tokens) - request.computed, budget)))
+            budget -= plan[-1].count
+            self._filling(request, plan[-1].count, filling)
         self._sort_running()
-        return admitted
+        return plan
 
     def _start(self, request: Request) -> None:
         """Add `request`, holding its new block table, to the running ones (`_sort_running` puts it in place)."""
@@ -369,19 +369,15 @@ class Scheduler:
             self.running = dict.fromkeys(sorted(self.running, key=lambda r: r.order))
             self.unsorted = False
 
-    def _prefilling(self, request: Request, in_flight: set[int]) -> None:
-        """Add the keys of the prompt blocks `request` has still to compute to `in_flight`."""
-        if self.prefix_caching and request.computed < len(request.prompt):
+    def _filling(self, request: Request, count: int, filling: dict[int, int]) -> None:
+        """Add the prompt blocks that `request`'s chunk of `count` tokens fills this step to `filling` (key -> the
+        block), for requests admitted after it to share."""
+        B = self.pool.block_size
+        if self.prefix_caching and request.computed < len(request.prompt) and (request.computed + count) // B:
             keys = self.pool.prefix_keys(request.prompt[:len(request.prompt) - 1])
-            in_flight.update(keys[request.computed // self.pool.block_size:])
-
-    def _prefix_in_flight(self, tokens: list[int], in_flight: set[int]) -> bool:
-        """Whether the first full block of `tokens` not yet cached is one a running request is prefilling now: the
-        request then waits a step or two for it to be cached instead of computing the same keys and values again
-        (requests that share a system prompt and arrive together would all compute it otherwise)."""
-        keys = self.pool.prefix_keys(tokens[:len(tokens) - 1])
-        needed = next((key for key in keys if key not in self.pool.cached), None)
-        return needed is not None and needed in in_flight
+            first = request.computed // B
+            filling.update((key, request.table[i]) for i, key in enumerate(keys[first:(request.computed + count) // B],
+                                                                           first))
 
     def _commit(self, request: Request, before: int) -> None:
         """Offer the request's computed full blocks for sharing, when this step filled one; only the blocks not
