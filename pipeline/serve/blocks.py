@@ -87,10 +87,11 @@ class BlockPool:
             self._share(block)
         return shared + [self._take() for _ in range(fresh)], len(shared) * self.block_size
 
-    def fork(self, table: list[int], tokens: int) -> tuple[list[int], tuple[int, int] | None] | None:
+    def fork(self, table: list[int], tokens: int) -> tuple[list[int], tuple[int, int, int] | None] | None:
         """A table for a new sequence whose first `tokens` tokens are those `table` holds: the full blocks shared,
-        a partly filled last block replaced by a fresh one, with (source, copy) for the cache to copy (the
-        original's owner writes on into its own). None, with nothing taken, when the pool has no block for it."""
+        a partly filled last block replaced by a fresh one, with (source, copy, its filled slots) for the cache to
+        copy (the original's owner writes on into its own). None, with nothing taken, when the pool has no block
+        for it."""
         full, partial = divmod(tokens, self.block_size)
         if partial and not self.available():
             return None
@@ -99,7 +100,7 @@ class BlockPool:
         if not partial:
             return table[:full], None
         copy = self._take()
-        return table[:full] + [copy], (table[full], copy)
+        return table[:full] + [copy], (table[full], copy, partial)
 
     def grow(self, table: list[int], tokens: int) -> bool:
         """Extend `table` to hold `tokens` tokens; False, with the table unchanged, when the pool is short."""

@@ -70,14 +70,20 @@ class PagedKVCache:
     def bytes_per_block(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole blocks, every layer's keys and values, source to destination: the partly filled last
-        blocks that forked requests take over (`BlockPool.fork`)."""
-        source, copy = (torch.tensor(column, device=self.device) for column in zip(*pairs))
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy blocks' first `filled` slots, every layer's keys and values, source to destination: the partly
+        filled last blocks that forked requests take over (`BlockPool.fork`); each fork writes the rest itself
+        before anything reads it, so the empty slots are not copied."""
+        B = self.block_size
+        filled = np.array([f for _, _, f in copies])
+        offsets = np.arange(filled.sum()) - np.repeat(np.cumsum(filled) - filled, filled)  # 0..filled-1 per copy
+        source, copy = (torch.from_numpy(np.repeat(np.array(blocks) * B, filled) + offsets).to(self.device)
+                        for blocks in list(zip(*copies))[:2])
         # index_select and index_copy_ rather than indexing: several times faster on a CPU (a GRPO step forks
         # hundreds of samples)
-        self.k.index_copy_(1, copy, self.k.index_select(1, source))
-        self.v.index_copy_(1, copy, self.v.index_select(1, source))
+        for pool in (self.k, self.v):
+            flat = pool.view(pool.size(0), -1, *pool.shape[3:])
+            flat.index_copy_(1, copy, flat.index_select(1, source))
 
     def begin(self, segments: list[Segment], extra: dict[str, np.ndarray] | None = None,
               pad_to: int = 0, tables: np.ndarray | None = None) -> dict[str, torch.Tensor]:

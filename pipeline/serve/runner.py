@@ -173,7 +173,10 @@ class ModelRunner:
         asks = bool(self.batch.logprobs[slots].any()) or any(
             f.sampling.logprobs is not None for f in forks)
         decodes_only = n == 0 or counts.max() == 1
-        if decodes_only:  # every row its sequence's one token, and its logits row
+        if decodes_only and len(rows) == n:  # every row feeds its sequence's last token and samples the next
+            ids = np.fromiter((r.output[-1] if r.output else r.prompt[-1] for r in requests), np.int64, n)
+            segments, wide, last = None, 0, np.arange(n)
+        elif decodes_only:  # one token each, some short of their prompts' ends
             ids = np.fromiter((r.token(r.computed) for r in requests), np.int64, n)
             segments, wide, last = None, 0, np.arange(n)
         else:
@@ -231,12 +234,13 @@ class ModelRunner:
             tokens = [[] for _ in plan]
             for i, token in zip(rows.tolist(), new_tokens):
                 tokens[i] = [token]
-        forked: list[list[int]] = [[] for _ in plan]
-        for (i, _), token in zip(fork_rows, new_tokens[len(rows):]):
-            forked[i].append(token)
+        forked: list[list[int]] | None = None
+        if fork_rows:
+            forked = [[] for _ in plan]
+            for (i, _), token in zip(fork_rows, new_tokens[len(rows):]):
+                forked[i].append(token)
         logprobs, fork_logprobs, prompt_logprobs = asked.unpack(read[count:], rows.tolist(), fork_rows)
-        return StepResult(tokens, [0] * n, forked if fork_rows else None, logprobs, fork_logprobs,
-                          prompt_logprobs)
+        return StepResult(tokens, [0] * n, forked, logprobs, fork_logprobs, prompt_logprobs)
 
     def _settings(self, slots: np.ndarray, positions: np.ndarray, forks: list[Request]) -> dict | None:
         """The sampled rows' settings for the sampler, from their slots' rows and then the forks' own (a fork has

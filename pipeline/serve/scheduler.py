@@ -86,7 +86,7 @@ class Scheduler:
         self.aborted = 0
         self.drafted = self.accepted = 0  # draft tokens verified and kept: the acceptance rate
         self.parents: dict[Request, Request] = {}  # a fork not yet started -> the request it forks from
-        self.copies: list[tuple[int, int]] = []  # (block, copy) for the cache, from this step's forks
+        self.copies: list[tuple[int, int, int]] = []  # (block, copy, filled slots) for the cache: this step's forks
         # what changed for the model runner's per-slot rows since it last asked (`take_changes`): requests whose
         # blocks went back, and requests whose block table changed
         self.released: list[Request] = []
@@ -220,25 +220,27 @@ class Scheduler:
         # A decode's one token with nothing else asked is applied inline, the rest by `_apply`: at GRPO's width
         # this loop runs hundreds of times a step, and a step that forks or reports log-probabilities for a few
         # rows still decodes hundreds the plain way.
-        B = self.pool.block_size
+        B, stopped, length_done = self.pool.block_size, RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
+        special = {i for per_row in (drafted if any(drafted) else None, forked, lps, prompt_lps) if per_row
+                   for i, x in enumerate(per_row) if x}  # rows with drafts, forks or log-probabilities
         for i, (seq, new) in enumerate(zip(plan, result.tokens)):
-            request, before = seq.request, seq.request.computed
-            if seq.count != 1 or len(new) != 1 or before < len(request.prompt) or drafted[i] or \
-                    (forked and forked[i]) or (lps and lps[i]) or (prompt_lps and prompt_lps[i]):
+            request = seq.request
+            before = request.computed
+            if seq.count != 1 or len(new) != 1 or before < len(request.prompt) or special and i in special:
                 self._apply(seq, new, drafted[i], forked[i] if forked else [], lps[i] if lps else None,
                             fork_lps[i] if fork_lps else None, prompt_lps[i] if prompt_lps else None, events)
                 continue
-            token, s = new[0], request.sampling
-            request.output.append(token)
+            token, s, output = new[0], request.sampling, request.output
+            output.append(token)
             events.append((request, token))
             request.computed = before + 1
             if token in s.stop_ids:
-                request.status = RequestStatus.FINISHED_STOPPED
+                request.status = stopped
                 self._release(request)
-            elif len(request.output) >= s.max_tokens:
-                request.status = RequestStatus.FINISHED_LENGTH
+            elif len(output) >= s.max_tokens:
+                request.status = length_done
                 self._release(request)
-            elif request.computed % B == 0:  # it filled a block
+            elif (before + 1) % B == 0:  # it filled a block
                 self._commit(request, before)
         self._sort_running()
         return events

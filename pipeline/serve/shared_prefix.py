@@ -47,8 +47,8 @@ def plan(tables: np.ndarray, lens: np.ndarray, block_size: int) -> dict[str, np.
     # share only a system prompt are split, each group at its own depth, the lone ones together at the system
     # prompt's.
     order = np.lexsort(tables.T[::-1])
-    full = lens[order] // block_size
-    same = tables[order][1:] == tables[order][:-1]
+    full, ordered = lens[order] // block_size, tables[order]
+    same = ordered[1:] == ordered[:-1]
     link = np.minimum(np.cumprod(same, axis=1).sum(axis=1), np.minimum(full[1:], full[:-1]))
     before, after = np.append(link[:1], link[:-1]), np.append(link[1:], link[-1:])
     starts = np.append(0, 1 + np.flatnonzero((link == 0) | (link < before) | (link < after)))
