@@ -173,11 +173,11 @@ class ModelRunner:
         asks = bool(self.batch.logprobs[slots].any()) or any(
             f.sampling.logprobs is not None for f in forks)
         decodes_only = n == 0 or counts.max() == 1
-        if decodes_only and len(rows) == n:  # every row feeds its sequence's last token and samples the next
-            ids = np.fromiter((r.output[-1] if r.output else r.prompt[-1] for r in requests), np.int64, n)
-            segments, wide, last = None, 0, np.arange(n)
-        elif decodes_only:  # one token each, some short of their prompts' ends
-            ids = np.fromiter((r.token(r.computed) for r in requests), np.int64, n)
+        if decodes_only:  # every row its sequence's one token, and its logits row
+            # when every row samples, each feeds its sequence's last token (no Request.token call per row)
+            fed = (r.output[-1] if r.output else r.prompt[-1] for r in requests) if len(rows) == n else \
+                (r.token(r.computed) for r in requests)
+            ids = np.fromiter(fed, np.int64, n)
             segments, wide, last = None, 0, np.arange(n)
         else:
             segments = [Segment(r.table, r.computed, seq.count) for r, seq in zip(requests, plan)]
