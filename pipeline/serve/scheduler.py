@@ -373,10 +373,11 @@ class Scheduler:
 
     def _filling(self, request: Request, count: int, filling: dict[int, int]) -> None:
         """Add the prompt blocks that `request`'s chunk of `count` tokens fills this step to `filling` (key -> the
-        block), for requests admitted after it to share."""
+        block), for requests admitted after it to share. The keys are the request's own (`Request.block_keys`,
+        extended here): a long prompt in chunks is hashed once, not every step."""
         B = self.pool.block_size
         if self.prefix_caching and request.computed < len(request.prompt) and (request.computed + count) // B:
-            keys = self.pool.prefix_keys(request.prompt[:len(request.prompt) - 1])
+            keys = self.pool.prefix_keys(request.prompt[:len(request.prompt) - 1], request.block_keys)
             first = request.computed // B
             filling.update((key, request.table[i]) for i, key in enumerate(keys[first:(request.computed + count) // B],
                                                                            first))
