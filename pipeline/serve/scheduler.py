@@ -10,7 +10,8 @@ A request's state is its tokens (prompt, then what it generated) and how many of
 the cache (`computed`). What it needs next is always tokens[computed:]: the rest of its prompt while it
 prefills (in chunks, when the budget is short), then one token a step while it decodes. A step takes every
 decoding request first (one token each, so a long prompt never stalls the requests already answering), then
-prefill chunks of the others in arrival order until `max_batch_tokens`; a request whose chunk reaches the end of
+prefill chunks until `max_batch_tokens`, the prompts already being computed before newly admitted ones, each in
+arrival order; a request whose chunk reaches the end of
 its tokens gets a new token; finished requests go, so their blocks serve new requests in the very next step.
 
 Blocks: a request admitted from the queue gets blocks for its whole prompt at once (`blocks.BlockPool`,
