@@ -35,8 +35,9 @@ def prompts(n: int, seed: int, shared: list[int] | None = None) -> list[list[int
 
 
 def check_rows(engine: Engine) -> None:
-    """The runner's per-slot rows (serve/input_batch.py) are exactly the running requests' block tables and
-    sampling settings, each in a slot of its own, and every other slot is free."""
+    """The runner's per-slot rows (serve/input_batch.py) are exactly the running requests' block tables,
+    sampling settings and standing, each in a slot of its own, every other slot is free, and the stop ids are
+    counted for the running requests alone."""
     batch, running = engine.runner.batch, list(engine.scheduler.running)
     slots = [r.slot for r in running]
     assert min(slots, default=0) >= 0 and len(set(slots)) == len(slots)
@@ -47,6 +48,11 @@ def check_rows(engine: Engine) -> None:
         assert (batch.temperature[r.slot], batch.top_k[r.slot]) == (np.float32(s.temperature), s.top_k or VOCAB)
         assert batch.top_p[r.slot] == np.float32(1.0 if s.top_p is None else s.top_p)
         assert batch.keys[r.slot] == r.noise_key
+        standing = (r.length, r.computed, r.tokens[-1], len(r.prompt), len(r.prompt) + s.max_tokens)
+        assert (batch.length[r.slot], batch.computed[r.slot], batch.last[r.slot], batch.prompt_len[r.slot],
+                batch.limit[r.slot]) == standing
+    stops = [t for r in running for t in r.sampling.stop_ids if 0 <= t < VOCAB]
+    assert batch.stop_count.tolist() == [stops.count(t) for t in range(VOCAB)]
 
 
 def checking_rows(engine: Engine) -> Engine:
@@ -116,6 +122,36 @@ def test_prefix_caching_skips_the_shared_prompt():
     outs = engine.run([Request(p, SamplingParams(max_tokens=3)) for p in texts])
     assert engine.scheduler.prefill_tokens == 34 + 3 * 2
     assert [r.output for r in outs] == [generate(model, [p], 3, temperature=0.0)[0] for p in texts]
+
+
+def test_plain_decode_steps_stop_each_request_at_its_own_stop_and_cache_the_blocks_they_fill():
+    """Steps where every request decodes (the runner's flat results, `StepResult.decoded`, where the scheduler
+    looks only at the rows the runner flags): each request stops at its own stop id, never at another's (the
+    runner's flags count every running request's), ends at max_tokens, and the blocks its decoding filled are
+    shared with a later request whose prompt is its whole text."""
+    model = tiny()
+    texts = prompts(6, seed=21)
+    free = [generate(model, [p], 16, temperature=0.0)[0] for p in texts]
+    # each request's stop: the token of its 9th step when it first appears there, so it stops mid-decode (else one
+    # it never gives, so it runs to max_tokens); another request's outputs hold some of them
+    stopping = [out[8] not in out[:8] for out in free]
+    stops = [out[8] if stop else min(set(range(VOCAB)) - set(out)) for out, stop in zip(free, stopping)]
+    assert sum(stopping) >= 3 and any(t in stops[:i] + stops[i + 1:] for i, out in enumerate(free)
+                                                      for t in out)
+    expected = [generate(model, [p], 16, temperature=0.0, stop_ids=[stop])[0] for p, stop in zip(texts, stops)]
+    engine = checking_rows(Engine(model, num_blocks=64, block_size=4))
+    requests = engine.run([Request(p, SamplingParams(max_tokens=16, stop_ids=(stop,))) for p, stop in zip(texts,
+                                                                                                        stops)])
+    assert [r.output for r in requests] == expected
+    assert [r.finish_reason for r in requests] == ["stop" if stop else "length" for stop in stopping]
+    # alone (no other request's stop ids flag its rows), a request's decoding fills blocks that a later request
+    # whose prompt is its whole text shares
+    first = engine.run([Request(texts[1], SamplingParams(max_tokens=16))])[0]
+    whole, before = first.tokens, engine.scheduler.prefill_tokens
+    again = engine.run([Request(whole, SamplingParams(max_tokens=3))])[0]
+    assert engine.scheduler.prefill_tokens - before == len(whole) - 4 * ((len(whole) - 1) // 4)
+    assert (len(whole) - 1) // 4 > -(-len(texts[1]) // 4)  # blocks its decodes filled were among those shared
+    assert again.output == generate(model, [whole], 3, temperature=0.0)[0]
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch():
@@ -205,9 +241,13 @@ class Crossings(TorchDispatchMode):
 @pytest.mark.parametrize("batch", [1, 3, 9])
 def test_a_step_crosses_to_the_device_once_and_back_once(batch, monkeypatch):
     """Greedy, sampled and seeded requests together, prefills in chunks beside decodes: at most one copy to the
-    device and one read back per step, whatever the batch."""
+    device and one read back per step, whatever the batch. The step's arrays are packed as on a GPU (on a CPU
+    each is its own tensor): the one copy is the transfer's, and nothing else makes a tensor from host data."""
+    from kiln.pipeline.serve.transfer import HostToDevice
+
     model = tiny()
     engine = Engine(model, num_blocks=64, block_size=4, max_batch_tokens=24)
+    transfer = engine.cache.transfer = HostToDevice("cpu", 4096, pack=True)
     kinds = [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8, temperature=0.9, top_k=20, top_p=0.9),
              SamplingParams(max_tokens=8, temperature=1.2, seed=5)]
     for i, p in enumerate(prompts(batch, seed=batch)):
@@ -219,11 +259,13 @@ def test_a_step_crosses_to_the_device_once_and_back_once(batch, monkeypatch):
     steps = 0
     while engine.has_work():
         reads.clear()
+        uploads = transfer.uploads
         with Crossings() as crossings:
             engine.step()
         steps += 1
-        assert crossings.to_device <= 1 and crossings.to_host + len(reads) <= 1, (steps, crossings.to_device,
-                                                                                 crossings.to_host, len(reads))
+        to_device = crossings.to_device + transfer.uploads - uploads
+        assert to_device <= 1 and crossings.to_host + len(reads) <= 1, (steps, to_device, crossings.to_host,
+                                                                        len(reads))
     assert steps >= 8  # the prefills and every decode were checked
 
 
@@ -354,6 +396,10 @@ def test_n_samples_of_one_prompt_cost_one_prefill_and_draw_as_if_alone(length):
     assert engine.scheduler.prefill_tokens == length
     assert [r.output for r in group] == [alone(model, prompt, sampled(100 + j)) for j in range(8)]
     assert len({tuple(r.output) for r in group}) > 1 and engine.pool.in_use() == 0
+    # a fork's blocks, the prompt's and those its decodes filled, are cached under its own text
+    text = group[3].tokens
+    engine.run([Request(text, SamplingParams(max_tokens=1))])
+    assert engine.scheduler.prefill_tokens - length == len(text) - 4 * ((len(text) - 1) // 4)
     greedy = [Request(prompt, SamplingParams(max_tokens=6)) for _ in range(4)]
     greedy[0].forks = greedy[1:]
     Engine(model, num_blocks=64, block_size=4).run(greedy[:1])

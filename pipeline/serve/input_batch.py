@@ -2,18 +2,29 @@
 `InputBatch` and `BlockTable`).
 
 A running request holds a slot: one row of numpy arrays with its block table (padded to the longest table a
-sequence can have) and its sampling settings (temperature, top-k, top-p, the sampler's noise key, whether it
-asks for log-probabilities). A step's arrays are then a few fancy-indexing calls over the plan's slots instead
-of a Python pass per request per array: at GRPO's width (hundreds of running sequences) that per-request
-Python was most of a step's host time.
+sequence can have), its sampling settings (temperature, top-k, top-p, the sampler's noise key, whether it
+asks for log-probabilities) and where it stands (its length, the tokens computed, its last token, its prompt's
+length and the length at which max_tokens ends it). A step's arrays are then a few fancy-indexing calls over
+the plan's slots instead of a Python pass per request per array: at GRPO's width (hundreds of running
+sequences) that per-request Python was most of a step's host time.
 
 The rows follow the scheduler's diff (`Scheduler.take_changes`): a request whose blocks went back (finished,
 preempted, aborted) frees its slot; one whose block table changed (admitted, forked, grown by a block,
-shrunk after a rejected draft) has its row rewritten, taking a slot if it has none. Nothing else changes a row,
-so a slot's row is exactly its request's table and settings for every step it runs in.
+shrunk after a rejected draft) has its table rewritten, taking a slot (and writing its settings and standing)
+if it has none. Between those, the runner moves a row's standing on by what each step computed and sampled
+(`advance`), as the scheduler's update does to the request; the rows of a step it cannot follow so (one that
+verified drafts) it rewrites from their requests before the next step (`stand`). So a slot's row is exactly
+its request's for every step it runs in.
+
+The stop ids of every running request are counted by token (`stop_count`), so a step finds the few rows whose
+token may end their request (or that reach max_tokens, or fill a block) with array operations, and the
+scheduler looks at those alone (`flagged`).
 """
 
 from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
 
 import numpy as np
 
@@ -38,11 +49,18 @@ class InputBatch:
         self.max_blocks, self.vocab_size = max_blocks, vocab_size
         self.capacity = 0
         self.free: list[int] = []  # slots not held; the last is taken first (the lowest, until slots come back)
+        # how many held slots' requests stop at each token id (ids outside the vocabulary are never sampled)
+        self.stop_count = np.zeros(vocab_size, np.int64)
+        self.stop_ids: list[np.ndarray | None] = []  # each slot's, as counted
+        # one array per distinct stop set while a slot holds it (GRPO's hundreds of requests share one)
+        self._stop_arrays: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._grow(capacity)
 
     # each slot's row: (name, dtype, columns; 0 for one value a slot)
     ROWS = (("tables", np.int64, "max_blocks"), ("table_len", np.int64, 0), ("temperature", np.float32, 0),
-            ("top_k", np.int64, 0), ("top_p", np.float32, 0), ("keys", np.int64, 0), ("logprobs", bool, 0))
+            ("top_k", np.int64, 0), ("top_p", np.float32, 0), ("keys", np.int64, 0), ("logprobs", bool, 0),
+            ("length", np.int64, 0), ("computed", np.int64, 0), ("last", np.int64, 0), ("prompt_len", np.int64, 0),
+            ("limit", np.int64, 0))
 
     def _grow(self, capacity: int) -> None:
         old, self.capacity = self.capacity, max(capacity, 2 * self.capacity)
@@ -53,30 +71,84 @@ class InputBatch:
                 array[:old] = getattr(self, name)
             setattr(self, name, array)
         self.free = list(range(self.capacity - 1, old - 1, -1)) + self.free
+        self.stop_ids += [None] * (self.capacity - old)
 
-    def release(self, request: Request) -> None:
-        """Free `request`'s slot (its blocks went back); a request without one is left as it is."""
-        if request.slot >= 0:
-            self.free.append(request.slot)
-            request.slot = -1
+    def release(self, requests: list[Request]) -> None:
+        """Free the slots of `requests` (their blocks went back); a request without one is left as it is."""
+        held = [r for r in requests if r.slot >= 0]
+        self._count_stops([self.stop_ids[r.slot] for r in held], -1)
+        for r in held:
+            self.stop_ids[r.slot] = None
+            self.free.append(r.slot)
+            r.slot = -1
 
-    def write(self, request: Request, key: int) -> None:
-        """Write `request`'s block table into its slot, taking a slot (and writing its sampling settings, with
-        the sampler's noise `key`) if it holds none."""
-        if request.slot < 0:
-            if not self.free:
-                self._grow(2 * self.capacity)
-            slot = request.slot = self.free.pop()
-            s = request.sampling
-            self.temperature[slot] = s.temperature
-            self.top_k[slot] = s.top_k or self.vocab_size
-            self.top_p[slot] = 1.0 if s.top_p is None else s.top_p
-            self.keys[slot] = key
-            self.logprobs[slot] = s.logprobs is not None or s.prompt_logprobs is not None
-        n = len(request.table)
-        self.tables[request.slot, :n] = request.table
-        self.table_len[request.slot] = n
+    def write(self, requests: list[Request], key: Callable[[Request], int]) -> None:
+        """Write each request's block table into its slot, taking a slot (and writing its sampling settings, with
+        the sampler's noise key `key(request)`, and where it stands) for one that holds none. Field by field over
+        all of them: a GRPO step starts hundreds of forks."""
+        new = [r for r in requests if r.slot < 0]
+        while len(self.free) < len(new):
+            self._grow(2 * self.capacity)
+        for r in new:
+            r.slot = self.free.pop()
+        if new:
+            slots, params = self.slots(new), [r.sampling for r in new]
+            self.temperature[slots] = [s.temperature for s in params]
+            self.top_k[slots] = [s.top_k or self.vocab_size for s in params]
+            self.top_p[slots] = [1.0 if s.top_p is None else s.top_p for s in params]
+            self.keys[slots] = [key(r) for r in new]
+            self.logprobs[slots] = [s.logprobs is not None or s.prompt_logprobs is not None for s in params]
+            self.prompt_len[slots] = [len(r.prompt) for r in new]
+            self.limit[slots] = self.prompt_len[slots] + [s.max_tokens for s in params]
+            stops = [self._stop_array(s.stop_ids) for s in params]
+            for slot, array in zip(slots.tolist(), stops):
+                self.stop_ids[slot] = array
+            self._count_stops(stops, 1)
+            self.stand(new)
+        for r in requests:
+            self.tables[r.slot, :len(r.table)] = r.table
+        self.table_len[self.slots(requests)] = [len(r.table) for r in requests]
 
+    def stand(self, requests: list[Request]) -> None:
+        """Write where each request stands (its length, tokens computed, last token) into its slot: for one that
+        just took its slot, or whose step `advance` could not follow."""
+        slots = self.slots(requests)
+        self.length[slots] = [r.length for r in requests]
+        self.computed[slots] = [r.computed for r in requests]
+        self.last[slots] = [r.output[-1] if r.output else r.prompt[-1] for r in requests]
+
+    def _count_stops(self, arrays: list[np.ndarray], sign: int) -> None:
+        """Add `sign` to the counts of each array's stop ids, once per array per occurrence (the same set's array
+        is one object: grouped by it)."""
+        times: dict[int, list] = {}
+        for array in arrays:
+            times.setdefault(id(array), [array, 0])[1] += 1
+        for array, n in times.values():
+            self.stop_count[array] += sign * n
+
+    def _stop_array(self, stop_ids: frozenset[int]) -> np.ndarray:
+        """The stop ids inside the vocabulary, as an array shared by every slot with the same set."""
+        array = self._stop_arrays.get(stop_ids)
+        if array is None:
+            array = np.array(sorted(t for t in stop_ids if 0 <= t < self.vocab_size), dtype=np.int64)
+            self._stop_arrays[stop_ids] = array
+        return array
+
+    def advance(self, slots: np.ndarray, counts: np.ndarray, sampled: np.ndarray, tokens: np.ndarray) -> None:
+        """Move the rows of `slots` on by a step: counts[i] more tokens computed; the rows `sampled` (indices into
+        `slots`) got `tokens`, one each."""
+        self.computed[slots] += counts
+        grown = slots[sampled]
+        self.length[grown] += 1
+        self.last[grown] = tokens
+
+    def flagged(self, slots: np.ndarray, tokens: np.ndarray, block_size: int) -> np.ndarray:
+        """Which of `slots`, each a decode that sampled tokens[i] after its last token, may be done by it (a stop
+        id of some running request, or max_tokens) or fill a block by feeding it: the only rows whose request
+        a step of plain decodes changes beyond its output."""
+        lengths = self.length[slots]  # before the token
+        return np.flatnonzero((self.stop_count[tokens] > 0) | (lengths + 1 >= self.limit[slots])
+                              | (lengths % block_size == 0))
     def slots(self, requests: list[Request]) -> np.ndarray:
         """The slots of `requests` (each must hold one), in order."""
         slots = np.fromiter((r.slot for r in requests), np.int64, len(requests))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
 
 # What `kiln generate` and `kiln chat` sample with unless told otherwise (serve/text_model.py's Sampling; their
@@ -25,9 +26,14 @@ class SamplingParams:
     prompt_logprobs: int | None = None
 
     def __post_init__(self):
-        # a set: every sampled token is looked up in it (GRPO's and the bench's hold hundreds)
-        object.__setattr__(self, "stop_ids", frozenset(self.stop_ids))
+        # a set: every sampled token is looked up in it (GRPO's and the bench's hold hundreds). Equal sets are one
+        # object while any request holds it, so what is keyed on a request's set (the runner's counts of stop ids,
+        # serve/input_batch.py) finds it by identity, not by comparing hundreds of ids per request.
+        stop_ids = frozenset(self.stop_ids)
+        object.__setattr__(self, "stop_ids", _STOP_SETS.setdefault(stop_ids, stop_ids))
 
+
+_STOP_SETS: weakref.WeakValueDictionary[frozenset[int], frozenset[int]] = weakref.WeakValueDictionary()
 
 # A token's log-probability and its likeliest alternatives, (token id, log-probability) best first
 Logprob = tuple[float, list[tuple[int, float]]]

@@ -142,42 +142,43 @@ class ModelRunner:
         self.unseeded = np.random.default_rng(torch.initial_seed())
         # a seeded request's own generator for the speculative path's draws, gone with the request
         self.generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
+        # the requests of a step that verified drafts: their rows are rewritten before the next step
+        self.stale: list[Request] = []
 
     @property
     def device(self) -> torch.device:
         return self.cache.device
 
     def apply(self, released: list[Request], retabled: list[Request]) -> None:
-        """The scheduler's changes since the last step (`Scheduler.take_changes`) into the per-slot rows."""
-        for request in released:
-            self.batch.release(request)
-        for request in retabled:
-            if request.status is RequestStatus.RUNNING:  # not finished or preempted since
-                self.batch.write(request, self._key(request))
+        """The scheduler's changes since the last step (`Scheduler.take_changes`) into the per-slot rows, and the
+        rows of a verified draft's step (which `advance` does not follow) rewritten from their requests."""
+        self.batch.release(released)
+        running = RequestStatus.RUNNING  # not finished or preempted since
+        self.batch.write(list({r: None for r in retabled if r.status is running}), self._key)  # once each
+        self.batch.stand([r for r in self.stale if r.status is running])
+        self.stale = []
 
     @torch.no_grad()
     def execute(self, plan: list[ScheduledSequence]) -> StepResult:
         if self.draft is not None and any(seq.lookahead for seq in plan):
+            self.stale = [seq.request for seq in plan]
             return self._speculative(plan)
-        n = len(plan)
+        n, b = len(plan), self.batch
         requests = [seq.request for seq in plan]
-        slots = self.batch.slots(requests)
-        starts = np.fromiter((r.computed for r in requests), np.int64, n)
+        slots = b.slots(requests)
         counts = np.fromiter((seq.count for seq in plan), np.int64, n)
-        lengths = np.fromiter((len(r.prompt) + len(r.output) for r in requests), np.int64, n)
-        tables = self.batch.block_tables(slots, starts + counts, self.cache.block_size)
+        starts, lengths = b.computed[slots], b.length[slots]
+        tables = b.block_tables(slots, starts + counts, self.cache.block_size)
         rows = np.flatnonzero(starts + counts == lengths)  # the sequences that get a token: their chunk ends there
         # a request whose prompt ends here draws its forks' first tokens from the same row, each its own way
-        fork_rows = [(i, fork) for i in rows.tolist() if requests[i].forks for fork in requests[i].forks]
+        ending = rows[starts[rows] < b.prompt_len[slots[rows]]].tolist()
+        fork_rows = [(i, fork) for i in ending if requests[i].forks for fork in requests[i].forks]
         forks = [fork for _, fork in fork_rows]
-        asks = bool(self.batch.logprobs[slots].any()) or any(
-            f.sampling.logprobs is not None for f in forks)
+        asks = bool(b.logprobs[slots].any()) or any(f.sampling.logprobs is not None for f in forks)
         decodes_only = n == 0 or counts.max() == 1
         if decodes_only:  # every row its sequence's one token, and its logits row
-            # when every row samples, each feeds its sequence's last token (no Request.token call per row)
-            fed = (r.output[-1] if r.output else r.prompt[-1] for r in requests) if len(rows) == n else \
-                (r.token(r.computed) for r in requests)
-            ids = np.fromiter(fed, np.int64, n)
+            # when every row samples, each feeds its sequence's last token
+            ids = b.last[slots] if len(rows) == n else np.fromiter((r.token(r.computed) for r in requests), np.int64, n)
             segments, wide, last = None, 0, np.arange(n)
         else:
             segments = [Segment(r.table, r.computed, seq.count) for r, seq in zip(requests, plan)]
@@ -219,6 +220,7 @@ class ModelRunner:
         if self.timing:
             self.model_seconds += self._clock() - started
         if new is None and not values:
+            b.advance(slots, counts, rows, np.zeros(0, np.int64))
             return StepResult([[] for _ in plan], [0] * n)
         self.reads += 1
         count = len(rows) + len(forks)
@@ -228,6 +230,14 @@ class ModelRunner:
             new_tokens = [int(t) for t in read[:count]]
         else:
             read, new_tokens = [], new.tolist()  # the step's one read back
+        sampled = np.array(new_tokens[:len(rows)], dtype=np.int64)
+        if decodes_only and len(rows) == n and not ending and not asks:
+            # plain decodes (the steady state): the tokens as they are, and the few rows the scheduler must look
+            # at, found before the rows move on
+            flagged = b.flagged(slots, sampled, self.cache.block_size).tolist()
+            b.advance(slots, counts, rows, sampled)
+            return StepResult(None, None, decoded=new_tokens, flagged=flagged)
+        b.advance(slots, counts, rows, sampled)
         if len(rows) == n:  # every sequence sampled (a decode step): its token in rows' order
             tokens = [[token] for token in new_tokens[:n]]
         else:

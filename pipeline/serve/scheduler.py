@@ -61,14 +61,21 @@ class StepResult:
     whose prompt ended this step: `Request.forks`, in their order; None when no sequence forks). With
     log-probabilities asked for: each new token's (`logprobs`, in step with `tokens`), each fork's first
     token's (`fork_logprobs`), and the prompt positions' this step computed (`prompt_logprobs`, from the chunk's
-    first position); None where none was asked."""
+    first position); None where none was asked.
 
-    tokens: list[list[int]]
-    drafted: list[int]
+    A step of plain decodes (every sequence fed its last token and sampled one, nothing else asked: GRPO's and a
+    loaded server's steady state) comes back flat instead: `decoded`, sequence i's token, and `flagged`, the
+    sequences whose token may end their request or that filled a block (a superset, found with array
+    operations); `tokens` and `drafted` are then None."""
+
+    tokens: list[list[int]] | None
+    drafted: list[int] | None
     forked: list[list[int]] | None = None
     logprobs: list[list[Logprob] | None] | None = None
     fork_logprobs: list[list[Logprob | None]] | None = None
     prompt_logprobs: list[list[Logprob] | None] | None = None
+    decoded: list[int] | None = None
+    flagged: list[int] = ()
 
 
 class Scheduler:
@@ -213,15 +220,15 @@ class Scheduler:
 
     def update(self, plan: list[ScheduledSequence], result: StepResult) -> list[tuple[Request, int]]:
         """Apply a step's tokens; return (request, new token) for each token that came out (finished ones too)."""
+        if result.decoded is not None:
+            return self._decoded(plan, result.decoded, result.flagged)
         events = []
         if len(result.tokens) != len(plan) or len(result.drafted) != len(plan):
             raise ValueError(f"a step of {len(plan)} sequences got {len(result.tokens)} results")
         forked, drafted, lps = result.forked, result.drafted, result.logprobs
         fork_lps, prompt_lps = result.fork_logprobs, result.prompt_logprobs
-        # A decode's one token with nothing else asked is applied inline, the rest by `_apply`: at GRPO's width
-        # this loop runs hundreds of times a step, and a step that forks or reports log-probabilities for a few
-        # rows still decodes hundreds the plain way.
-        B, stopped, length_done = self.pool.block_size, RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH
+        # A decode's one token with nothing else asked is applied inline, the rest by `_apply`: a step that forks,
+        # prefills or reports log-probabilities for a few rows still decodes the others the plain way.
         special = {i for per_row in (drafted if any(drafted) else None, forked, lps, prompt_lps) if per_row
                    for i, x in enumerate(per_row) if x}  # rows with drafts, forks or log-probabilities
         for i, (seq, new) in enumerate(zip(plan, result.tokens)):
@@ -231,20 +238,39 @@ class Scheduler:
                 self._apply(seq, new, drafted[i], forked[i] if forked else [], lps[i] if lps else None,
                             fork_lps[i] if fork_lps else None, prompt_lps[i] if prompt_lps else None, events)
                 continue
-            token, s, output = new[0], request.sampling, request.output
-            output.append(token)
-            events.append((request, token))
+            request.output.append(new[0])
+            events.append((request, new[0]))
             request.computed = before + 1
-            if token in s.stop_ids:
-                request.status = stopped
-                self._release(request)
-            elif len(output) >= s.max_tokens:
-                request.status = length_done
-                self._release(request)
-            elif (before + 1) % B == 0:  # it filled a block
-                self._commit(request, before)
+            self._decoded_one(request, new[0])
         self._sort_running()
         return events
+
+    def _decoded(self, plan: list[ScheduledSequence], tokens: list[int], flagged: list[int]) -> list[tuple[Request, int]]:
+        """Apply a step of plain decodes (`StepResult.decoded`): each output grows by its token, and only the
+        flagged sequences can have stopped, reached max_tokens or filled a block. At GRPO's width this runs over
+        hundreds of requests a step, so it touches nothing else of them."""
+        if len(tokens) != len(plan):
+            raise ValueError(f"a step of {len(plan)} sequences got {len(tokens)} results")
+        requests = [seq.request for seq in plan]
+        for request, token in zip(requests, tokens):
+            request.output.append(token)
+            request.computed += 1
+        for i in flagged:
+            self._decoded_one(requests[i], tokens[i])
+        return list(zip(requests, tokens))
+
+    def _decoded_one(self, request: Request, token: int) -> None:
+        """After a decode appended `token`: finish the request at a stop id or max_tokens, else offer the block
+        it filled for sharing."""
+        s = request.sampling
+        if token in s.stop_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            self._release(request)
+        elif len(request.output) >= s.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH
+            self._release(request)
+        elif request.computed % self.pool.block_size == 0:  # it filled a block
+            self._commit(request, request.computed - 1)
 
     def _apply(self, seq: ScheduledSequence, new: list[int], drafted: int, first: list[int], new_lp, first_lp,
                prompt_lp, events: list) -> None:
@@ -320,6 +346,8 @@ class Scheduler:
             if copy is not None:
                 self.copies.append(copy)
             fork.computed, fork.draft_computed = len(fork.prompt), 0  # a draft model computes its own cache
+            # the same prompt: the same keys for its full blocks (a fork's first commit would hash them all again)
+            fork.block_keys = parent.block_keys[:len(parent.prompt) // self.pool.block_size]
             fork.status = RequestStatus.RUNNING
             self._start(fork)
             self._finish(fork, [token], events, first)
