@@ -57,7 +57,6 @@ class PagedKVCache:
         self.block_size, self.backend, self.scratch = block_size, backend, num_blocks
         self.max_blocks = -(-config.max_seq_len // block_size)  # the longest table a sequence can have
         self.triton = use_triton(backend, self.k)  # decodes by the paged kernel, else gathered for SDPA
-        self.segments: list[Segment] = []
         self.shared: dict[str, torch.Tensor] | None = None  # the step's shared-prefix groups (torch path)
         # room for most steps of `step_tokens` new tokens (ids, positions, slots, logit rows, block tables,
         # prefill contexts); one that needs more grows it
@@ -86,30 +85,32 @@ class PagedKVCache:
             flat.index_copy_(1, copy, flat.index_select(1, source))
 
     def begin(self, segments: list[Segment], extra: dict[str, np.ndarray] | None = None,
-              pad_to: int = 0, tables: np.ndarray | None = None) -> dict[str, torch.Tensor]:
+              pad_to: int = 0) -> dict[str, torch.Tensor]:
         """Set the step's segments: the model's next forward runs their new tokens, in this order. Every index
         the step needs, with the caller's `extra` arrays (token ids, sampling settings), crosses to the device
         in one copy; the extra arrays come back as device tensors. `pad_to` (decodes only): the arrays hold
         that many rows, the ones past the segments decoding one token into the scratch block, and the block
-        tables `max_blocks` columns, the fixed shapes a CUDA graph replays (the caller pads its ids).
-        `tables`: the segments' block tables as rows of an array (zero-padded), when the caller keeps them so
-        (serve/input_batch.py); otherwise they are read from the segments."""
+        tables `max_blocks` columns, the fixed shapes a CUDA graph replays (the caller pads its ids)."""
         for s in segments:
             if s.count < 1 or not 1 <= s.logits <= s.count or len(s.table) * self.block_size < s.start + s.count:
                 raise ValueError(f"segment at {s.start} + {s.count} tokens does not fit its {len(s.table)} blocks")
-        n = len(segments)
-        starts = np.fromiter((s.start for s in segments), np.int64, n)
-        counts = np.fromiter((s.count for s in segments), np.int64, n)
-        if tables is None:
-            width = max((len(s.table) for s in segments), default=0)
-            tables = np.array([s.table + [0] * (width - len(s.table)) for s in segments],
-                              dtype=np.int64).reshape(n, width)
+        n, width = len(segments), max((len(s.table) for s in segments), default=0)
+        tables = np.array([s.table + [0] * (width - len(s.table)) for s in segments], dtype=np.int64).reshape(n, width)
+        return self.begin_rows(np.fromiter((s.start for s in segments), np.int64, n),
+                               np.fromiter((s.count for s in segments), np.int64, n),
+                               np.fromiter((s.logits for s in segments), np.int64, n), tables, extra, pad_to)
+
+    def begin_rows(self, starts: np.ndarray, counts: np.ndarray, logits: np.ndarray, tables: np.ndarray,
+                   extra: dict[str, np.ndarray] | None = None, pad_to: int = 0) -> dict[str, torch.Tensor]:
+        """`begin` from arrays, one row a segment: its first position, token count and logits rows, and its block
+        table (zero-padded; each must hold its segment, as the caller has checked), with no Segment per row
+        (the model runner keeps its rows so: serve/input_batch.py)."""
+        n = len(starts)
         decodes = np.flatnonzero(counts == 1)
         if len(decodes) == n:  # decodes only, the common step
             return self.begin_decodes(starts, tables, extra, pad_to)
         if pad_to:
             raise ValueError(f"pad_to={pad_to}: expected decodes only, at most that many")
-        self.segments = segments
         offsets = np.concatenate([[0], np.cumsum(counts)])
         self.offsets = offsets.tolist()  # where each segment starts in the flat batch
         self.prefills = np.flatnonzero(counts > 1).tolist()
@@ -117,7 +118,6 @@ class PagedKVCache:
         owner = np.repeat(np.arange(n), counts)
         positions = np.arange(offsets[-1]) - offsets[owner] + starts[owner]
         # each segment's last `logits` new tokens: the model returns logits for these rows only
-        logits = np.fromiter((s.logits for s in segments), np.int64, n)
         firsts = np.cumsum(logits) - logits
         host = {
             "positions": positions,
@@ -155,7 +155,7 @@ class PagedKVCache:
             raise ValueError(f"a decode at position {starts.max()} does not fit {tables.shape[1]} blocks")
         if pad_to and pad_to < n:
             raise ValueError(f"pad_to={pad_to}: expected decodes only, at most that many")
-        self.segments, self.prefills, self.batched = [], [], False
+        self.prefills, self.batched = [], False
         if pad_to:
             starts = np.pad(starts, (0, pad_to - n))
             tables = np.pad(tables, ((0, pad_to - n), (0, self.max_blocks - tables.shape[1])),
@@ -246,7 +246,7 @@ class PagedKVCache:
             out[self.prefill_real_rows] = y.transpose(1, 2).reshape(P * queries, H, D)[self.prefill_real]
             return out.transpose(0, 1)[None]
         for i, slots, mask in zip(self.prefills, self.prefill_slots, self.prefill_masks):
-            first, count = self.offsets[i], self.segments[i].count
+            first, count = self.offsets[i], self.offsets[i + 1] - self.offsets[i]
             y = F.scaled_dot_product_attention(q[:, :, first:first + count],
                                                *self._gather(layer, slots[None], H, q.dtype), attn_mask=mask)
             out[first:first + count] = y[0].transpose(0, 1)

@@ -36,17 +36,17 @@ class LogprobsAsked:
     device in the step that has the logits, read back with its tokens. Their rows and targets cross to the
     device with the step's other indices (`indices`, before the forward)."""
 
-    def __init__(self, plan: list[ScheduledSequence], segments: list[Segment], last, params: list):
+    def __init__(self, plan: list[ScheduledSequence], logits: np.ndarray, last: np.ndarray, params: list):
         # sampled rows (indices into the step's sampled requests) whose token's log-probability is asked for
         self.tokens = [(j, p.logprobs) for j, p in enumerate(params) if p.logprobs is not None]
         # prompt positions: (plan index, logits rows, target prompt tokens, k), for the positions the chunk
         # computes whose next token is still the prompt's (the last one's next is sampled)
         self.prompt = []
-        for i, (seq, segment) in enumerate(zip(plan, segments)):
+        for i, seq in enumerate(plan):
             r, k = seq.request, seq.request.sampling.prompt_logprobs
             m = min(seq.count, len(r.prompt) - 1 - r.computed)
             if k is not None and m > 0:
-                first = last[i] - segment.logits + 1
+                first = last[i] - logits[i] + 1
                 self.prompt.append((i, list(range(first, first + m)), r.prompt[r.computed + 1:r.computed + 1 + m], k))
         self.size = len(plan)
         self.k_tokens = max((k for _, k in self.tokens), default=0)
@@ -176,19 +176,21 @@ class ModelRunner:
         forks = [fork for _, fork in fork_rows]
         asks = bool(b.logprobs[slots].any()) or any(f.sampling.logprobs is not None for f in forks)
         decodes_only = n == 0 or counts.max() == 1
-        if decodes_only:  # every row its sequence's one token, and its logits row
-            # when every row samples, each feeds its sequence's last token
-            ids = b.last[slots] if len(rows) == n else np.fromiter((r.token(r.computed) for r in requests), np.int64, n)
-            segments, wide, last = None, 0, np.arange(n)
-        else:
-            segments = [Segment(r.table, r.computed, seq.count) for r, seq in zip(requests, plan)]
-            for i, r in enumerate(requests):  # a prompt whose log-probabilities are asked gets every position's
-                if r.sampling.prompt_logprobs is not None:
-                    segments[i] = segments[i]._replace(logits=segments[i].count)
-            ids = np.fromiter(itertools.chain.from_iterable(
-                r.token_slice(r.computed, r.computed + seq.count) for r, seq in zip(requests, plan)), np.int64)
-            wide = len(ids) if any(s.logits > 1 for s in segments) else 0  # logits rows beyond one a segment
-            last = np.cumsum([s.logits for s in segments]) - 1 if wide else np.arange(n)
+        # each row's logits rows: one, or every position of a prompt whose log-probabilities are asked for
+        logits = np.ones(n, np.int64)
+        if asks:
+            whole = np.fromiter((r.sampling.prompt_logprobs is not None for r in requests), bool, n)
+            logits[whole] = counts[whole]
+        wide = bool(logits.sum() > n)
+        last = np.cumsum(logits) - 1 if wide else np.arange(n)
+        # a row that feeds its sequence's last token (a decode) reads it from its slot; the others (prompt
+        # chunks, a preempted request's recompute) their tokens from the request
+        ids = np.repeat(b.last[slots], counts)
+        chunks = np.flatnonzero((counts > 1) | (starts + counts < lengths)).tolist()
+        if chunks:
+            firsts = (np.cumsum(counts) - counts).tolist()
+            for i in chunks:
+                ids[firsts[i]:firsts[i] + counts[i]] = requests[i].token_slice(starts[i], starts[i] + counts[i])
         extra = {"ids": ids}
         if len(rows) < n or fork_rows or wide:  # the logits rows the sampler reads, when not all in order
             extra["sample_rows"] = np.concatenate([last[rows], last[[i for i, _ in fork_rows]]]).astype(np.int64)
@@ -197,8 +199,7 @@ class ModelRunner:
             extra |= settings
         asked = NOTHING_ASKED
         if asks:
-            segments = segments or [Segment(r.table, r.computed, 1) for r in requests]
-            asked = LogprobsAsked(plan, segments, last, [r.sampling for r in [*(requests[i] for i in rows), *forks]])
+            asked = LogprobsAsked(plan, logits, last, [r.sampling for r in [*(requests[i] for i in rows), *forks]])
             extra |= asked.indices()
         bucket = self.graphs.bucket(n) if self.graphs and decodes_only else None
         if bucket:
@@ -206,7 +207,7 @@ class ModelRunner:
         if decodes_only:
             on_device = self.cache.begin_decodes(starts, tables, extra, pad_to=bucket or 0)
         else:
-            on_device = self.cache.begin(segments, extra, tables=tables)
+            on_device = self.cache.begin_rows(starts, counts, logits, tables, extra)
         started = self._clock()
         if bucket:
             logits = self.graphs.run(on_device)[:n]
