@@ -36,7 +36,7 @@ class LogprobsAsked:
     device in the step that has the logits, read back with its tokens. Their rows and targets cross to the
     device with the step's other indices (`indices`, before the forward)."""
 
-    def __init__(self, plan: list[ScheduledSequence], logits: np.ndarray, last: np.ndarray, params: list):
+    def __init__(self, plan: list[ScheduledSequence], logit_counts: np.ndarray, last: np.ndarray, params: list):
         # sampled rows (indices into the step's sampled requests) whose token's log-probability is asked for
         self.tokens = [(j, p.logprobs) for j, p in enumerate(params) if p.logprobs is not None]
         # prompt positions: (plan index, logits rows, target prompt tokens, k), for the positions the chunk
@@ -46,7 +46,7 @@ class LogprobsAsked:
             r, k = seq.request, seq.request.sampling.prompt_logprobs
             m = min(seq.count, len(r.prompt) - 1 - r.computed)
             if k is not None and m > 0:
-                first = last[i] - logits[i] + 1
+                first = last[i] - logit_counts[i] + 1
                 self.prompt.append((i, list(range(first, first + m)), r.prompt[r.computed + 1:r.computed + 1 + m], k))
         self.size = len(plan)
         self.k_tokens = max((k for _, k in self.tokens), default=0)
@@ -177,12 +177,12 @@ class ModelRunner:
         asks = bool(b.logprobs[slots].any()) or any(f.sampling.logprobs is not None for f in forks)
         decodes_only = n == 0 or counts.max() == 1
         # each row's logits rows: one, or every position of a prompt whose log-probabilities are asked for
-        logits = np.ones(n, np.int64)
+        logit_counts = np.ones(n, np.int64)
         if asks:
             whole = np.fromiter((r.sampling.prompt_logprobs is not None for r in requests), bool, n)
-            logits[whole] = counts[whole]
-        wide = bool(logits.sum() > n)
-        last = np.cumsum(logits) - 1 if wide else np.arange(n)
+            logit_counts[whole] = counts[whole]
+        wide = bool(logit_counts.sum() > n)
+        last = np.cumsum(logit_counts) - 1 if wide else np.arange(n)
         # a row that feeds its sequence's last token (a decode) reads it from its slot; the others (prompt
         # chunks, a preempted request's recompute) their tokens from the request
         ids = np.repeat(b.last[slots], counts)
@@ -199,7 +199,8 @@ class ModelRunner:
             extra |= settings
         asked = NOTHING_ASKED
         if asks:
-            asked = LogprobsAsked(plan, logits, last, [r.sampling for r in [*(requests[i] for i in rows), *forks]])
+            params = [r.sampling for r in [*(requests[i] for i in rows), *forks]]
+            asked = LogprobsAsked(plan, logit_counts, last, params)
             extra |= asked.indices()
         bucket = self.graphs.bucket(n) if self.graphs and decodes_only else None
         if bucket:
@@ -207,7 +208,7 @@ class ModelRunner:
         if decodes_only:
             on_device = self.cache.begin_decodes(starts, tables, extra, pad_to=bucket or 0)
         else:
-            on_device = self.cache.begin_rows(starts, counts, logits, tables, extra)
+            on_device = self.cache.begin_rows(starts, counts, logit_counts, tables, extra)
         started = self._clock()
         if bucket:
             logits = self.graphs.run(on_device)[:n]

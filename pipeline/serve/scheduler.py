@@ -245,7 +245,8 @@ class Scheduler:
         self._sort_running()
         return events
 
-    def _decoded(self, plan: list[ScheduledSequence], tokens: list[int], flagged: list[int]) -> list[tuple[Request, int]]:
+    def _decoded(self, plan: list[ScheduledSequence], tokens: list[int],
+                 flagged: list[int]) -> list[tuple[Request, int]]:
         """Apply a step of plain decodes (`StepResult.decoded`): each output grows by its token, and only the
         flagged sequences can have stopped, reached max_tokens or filled a block. At GRPO's width this runs over
         hundreds of requests a step, so it touches nothing else of them."""
