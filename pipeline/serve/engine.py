@@ -96,7 +96,7 @@ class Engine:
             return []
         events = self.scheduler.update(plan, self.runner.execute(plan))
         if self.scheduler.copies:  # forks' own copies of their prompt's last block, before they next decode
-            self.cache.copy_blocks(self.scheduler.copies)
+            self.runner.copy_blocks(self.scheduler.copies)
             self.scheduler.copies.clear()
         return events
 

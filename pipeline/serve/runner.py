@@ -134,9 +134,10 @@ class ModelRunner:
             self.graphs.capture_all()
         self.vocab_size = model.config.vocab_size
         self.batch = InputBatch(cache.max_blocks, self.vocab_size)  # the running requests' rows, kept across steps
-        # `kiln bench serve` turns this on to split a step's time into the model's and the host's: the model's
-        # time is read around its forward and sampling (with a device sync on CUDA, which timing costs)
-        self.timing, self.model_seconds, self.reads = False, 0.0, 0
+        # `kiln bench serve` turns this on to split a step's time into the device's and the host's: the device's
+        # is read around the forward and sampling and around the forks' block copies (with a device sync on CUDA,
+        # which timing costs)
+        self.timing, self.device_seconds, self.reads = False, 0.0, 0
         # unseeded requests' noise keys, from torch's seed so that torch.manual_seed makes a run repeat (drawn on
         # the host: a torch draw would be a tensor read every time a request starts)
         self.unseeded = np.random.default_rng(torch.initial_seed())
@@ -157,6 +158,15 @@ class ModelRunner:
         self.batch.write(list({r: None for r in retabled if r.status is running}), self._key)  # once each
         self.batch.stand([r for r in self.stale if r.status is running])
         self.stale = []
+
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """The forks' copies of their prompt's partly filled last block (`Scheduler.copies`), in the cache: device
+        work, as vLLM's workers run a step's blocks_to_copy, timed with the forward. (They stand in for the prompt
+        each fork would otherwise compute itself.)"""
+        started = self._clock()
+        self.cache.copy_blocks(copies)
+        if self.timing:
+            self.device_seconds += self._clock() - started
 
     @torch.no_grad()
     def execute(self, plan: list[ScheduledSequence]) -> StepResult:
@@ -220,7 +230,7 @@ class ModelRunner:
             new = sample(chosen, settings, on_device)
         values = asked.compute(logits, new, on_device)
         if self.timing:
-            self.model_seconds += self._clock() - started
+            self.device_seconds += self._clock() - started
         if new is None and not values:
             b.advance(slots, counts, rows, np.zeros(0, np.int64))
             return StepResult([[] for _ in plan], [0] * n)

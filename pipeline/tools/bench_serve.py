@@ -141,10 +141,11 @@ def run_engine(model: GPT, load: Workload, name: str, blocks: int, block_size: i
 
 
 def step_costs(engine: Engine, steps: int, seconds: float) -> dict:
-    """What a step costs beside the model: host microseconds (a step's wall time less its forward and sampling,
-    and the adding of requests) and the copies to the device and reads back."""
+    """What a step costs beside the device's work: host microseconds (a step's wall time less its forward,
+    sampling and the forks' block copies, and the adding of requests) and the copies to the device and reads
+    back."""
     costs = {"steps": steps,
-             "host_us_per_step": round(1e6 * (seconds - engine.runner.model_seconds) / max(steps, 1), 1),
+             "host_us_per_step": round(1e6 * (seconds - engine.runner.device_seconds) / max(steps, 1), 1),
              "copies_per_step": round((engine.cache.transfer.uploads + engine.runner.reads) / max(steps, 1), 3)}
     if engine.runner.graphs is not None:  # on CUDA: the decode steps that replayed a graph
         costs["graph_steps"] = engine.runner.graphs.steps
