@@ -542,3 +542,77 @@ def test_per_slot_rows_follow_forks_preemption_and_aborts(blocks):
             assert r.finish_reason == "abort" and r.output == want[:len(r.output)]
         else:
             assert r.output == want
+
+
+def side_by_side(model: GPT, make, blocks: int, budget: int, arriving: float) -> tuple[list[bool], int]:
+    """The requests `make()` gives, arriving at random steps (a chance of `arriving` each step) with a request
+    aborted every 11th step, on an engine that plans every step in full and on one that reuses a steady decode
+    step's plan (`Scheduler.decoding`): every step's plan and every request's output and finish reason are the
+    same. Returns, for each step the steady one could reuse, whether it did, and its preemptions."""
+    def run(engine: Engine) -> tuple[list, list[Request]]:
+        heads, plans, rng, steps = make(), [], random.Random(3), 0
+        everyone = [r for head in heads for r in (head, *head.forks)]
+        index = {id(r): i for i, r in enumerate(everyone)}
+        pending = list(heads)
+        while pending or engine.has_work():
+            while pending and (not engine.has_work() or rng.random() < arriving):
+                engine.add(pending.pop(0))
+            plan = engine.scheduler.schedule()
+            plans.append([(index[id(seq.request)], seq.count, seq.lookahead) for seq in plan])
+            engine.execute(plan)
+            steps += 1
+            if steps % 11 == 0 and engine.scheduler.running:
+                engine.abort(next(iter(engine.scheduler.running)))
+            assert steps < 500, "the engine stopped making progress"
+        return plans, everyone
+
+    full = Engine(model, num_blocks=blocks, block_size=4, max_batch_tokens=budget)
+    full.scheduler._decode_again = lambda *_: None  # every step planned in full
+    steady = checking_rows(Engine(model, num_blocks=blocks, block_size=4, max_batch_tokens=budget))
+    reused = []
+    decode_again = steady.scheduler._decode_again
+
+    def counted(plan, filled):
+        got = decode_again(plan, filled)
+        reused.append(got is not None)
+        return got
+
+    steady.scheduler._decode_again = counted
+    want, expected = run(full)
+    got, requests = run(steady)
+    assert got == want
+    assert [(r.output, r.finish_reason) for r in requests] == [(r.output, r.finish_reason) for r in expected]
+    return reused, steady.scheduler.preemptions
+
+
+@pytest.mark.parametrize("blocks", [200, 16])
+def test_a_steady_decode_step_is_planned_as_the_full_schedule_plans_it(blocks):
+    """After a step of plain decodes of every running request the scheduler reuses that plan (less the finished
+    requests, blocks grown for the ones that filled theirs) instead of walking every request again: with lone
+    requests and groups arriving at random steps, aborts, and a pool small enough to preempt, every step is
+    planned as the full schedule plans it, and the reuse happened often."""
+    model = tiny()
+    texts = prompts(14, seed=7)
+
+    def make() -> list[Request]:
+        made = [Request(p, SamplingParams(max_tokens=6 + i % 9, temperature=0.8, seed=300 + i, stop_ids=(3, 11)))
+                for i, p in enumerate(texts)]
+        for k, head in enumerate(made[::5]):  # groups of three samples among lone requests
+            head.forks = [Request(head.prompt, SamplingParams(max_tokens=12, temperature=0.8, seed=400 + 3 * k + j))
+                          for j in range(2)]
+        return made
+
+    reused, preemptions = side_by_side(model, make, blocks, budget=64, arriving=0.3)
+    assert sum(reused) >= 10 and (preemptions > 0) == (blocks == 16)
+
+
+def test_a_prompt_a_full_step_left_out_is_not_left_out_of_the_next():
+    """A group's forks start decoding while a long prompt is mid-prefill and the budget is no more than the
+    decodes: that step leaves the prompt out, so its plan is no steady one to reuse; the prompt goes on as soon
+    as a decode finishes."""
+    def make() -> list[Request]:
+        head = Request([5, 6], SamplingParams(max_tokens=5, temperature=0.8, seed=1))
+        head.forks = [Request([5, 6], SamplingParams(max_tokens=3 + j, temperature=0.8, seed=2 + j)) for j in range(2)]
+        return [head, Request(list(range(20, 39)), SamplingParams(max_tokens=4, temperature=0.8, seed=9))]
+
+    side_by_side(tiny(), make, blocks=200, budget=3, arriving=1.0)

@@ -149,6 +149,7 @@ class InputBatch:
         lengths = self.length[slots]  # before the token
         return np.flatnonzero((self.stop_count[tokens] > 0) | (lengths + 1 >= self.limit[slots])
                               | (lengths % block_size == 0))
+
     def slots(self, requests: list[Request]) -> np.ndarray:
         """The slots of `requests` (each must hold one), in order."""
         slots = np.fromiter((r.slot for r in requests), np.int64, len(requests))

@@ -100,6 +100,10 @@ class Scheduler:
         self.released: list[Request] = []
         self.retabled: list[Request] = []
         self.unsorted = False  # requests were added to `running` out of arrival order
+        # The steady state (GRPO's, a loaded server's between arrivals): a step of plain decodes of every running
+        # request leaves the next step's plan known, the same less the requests that finished, after blocks for
+        # the ones that filled theirs. Set by such a step's update, taken by the next `schedule`.
+        self.decoding: tuple[list[ScheduledSequence], list[Request]] | None = None
 
     def add(self, request: Request) -> Request:
         """Queue a request and its forks (checked: each must fit the model's context and, alone, the pool; the
@@ -167,6 +171,10 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSequence]:
         """This step's plan: decodes, then the chunks of the prompts being computed (oldest first), then newly
         admitted requests, within the token budget; blocks made ready for all of it."""
+        if self.decoding is not None:
+            steady, self.decoding = self._decode_again(*self.decoding), None
+            if steady is not None:
+                return steady
         plan: list[ScheduledSequence] = []
         prefilling = []
         room = self.pool.block_size
@@ -200,6 +208,19 @@ class Scheduler:
         if not plan and self.waiting and not self.running:
             raise RuntimeError("the pool cannot hold the first waiting request")  # add() prevents this
         return plan
+
+    def _decode_again(self, plan: list[ScheduledSequence], filled: list[Request]) -> list[ScheduledSequence] | None:
+        """The plan of a step that follows one of plain decodes of every running request (`decoding`): the same
+        decodes less the requests that finished, the ones that filled their last block given one more. None when
+        that is not this step's plan (requests arrived or were preempted); then `schedule` plans it in full.
+        (Requests aborted since are left out as finished ones are.)"""
+        running = RequestStatus.RUNNING
+        for request in filled:  # in the order the full schedule grows them
+            if request.status is running and not self._grow(request, request.length):
+                return None  # it was the newest: it waits again
+        if self.waiting:  # requests arrived, or a growth preempted one
+            return None
+        return [seq for seq in plan if seq.request.status is running]
 
     def _grow(self, request: Request, tokens: int) -> bool:
         """Give `request` blocks for `tokens` tokens, preempting the newest running requests while the pool is
@@ -252,12 +273,19 @@ class Scheduler:
         hundreds of requests a step, so it touches nothing else of them."""
         if len(tokens) != len(plan):
             raise ValueError(f"a step of {len(plan)} sequences got {len(tokens)} results")
+        every = len(plan) == len(self.running) and not self.speculate  # every running request decoded
         requests = [seq.request for seq in plan]
         for request, token in zip(requests, tokens):
             request.output.append(token)
             request.computed += 1
+        B, filled = self.pool.block_size, []
         for i in flagged:
-            self._decoded_one(requests[i], tokens[i])
+            request = requests[i]
+            self._decoded_one(request, tokens[i])
+            if request.computed % B == 0 and request.status is RequestStatus.RUNNING:
+                filled.append(request)  # its next token starts a block
+        if every:
+            self.decoding = (plan, filled)
         return list(zip(requests, tokens))
 
     def _decoded_one(self, request: Request, token: int) -> None:
