@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from test_lora import sft_args
 from test_posttrain import questions, save_base
@@ -100,20 +101,32 @@ def test_fsdp_matches_one_process_and_resumes_on_one(tiny, single, tmp_path):
         assert (tensor - again[name]).abs().max() <= 1e-6, name
 
 
-def test_fp8_trains_under_fsdp_and_saves_sharded_checkpoints(tiny, tmp_path):
-    """train.precision=fp8 under FSDP2 on two processes: the converted layers train and the sharded checkpoints
-    save (test_float8 resumes an fp8 run bitwise). Each process scales its own half of the micro-batch, so the
-    losses follow one process's closely but not to rounding."""
+def test_fp8_trains_under_fsdp_gathering_fp8_and_resumes_from_its_sharded_checkpoint(tiny, tmp_path):
+    """train.precision=fp8 (tensorwise) under FSDP2 on two processes: the converted weights are all-gathered in
+    fp8 (TorchAO's subclass around each shard), train, save sharded checkpoints and resume from one to the same
+    weights. Each process scales its own half of the micro-batch, so the losses follow one process's closely
+    but not to rounding."""
     run(tiny, tmp_path / "one", batch_size=8, precision="fp8", **SHAPE)
     alone = losses(tmp_path / "one" / "metrics")
     args = cli_project(tiny, tmp_path, batch_size=4, parallel="fsdp", precision="fp8", **SHAPE)
     done = torchrun(tmp_path, *args)
     assert done.returncode == 0, done.output
     assert "x 2 processes (fsdp)" in done.output and " in fp8" in done.output
+    assert re.search(r"FSDP gathers the \d+ converted weights in fp8", done.output)
     assert len(list((next((tmp_path / "ckpt").glob("*/step_00000004")) / "dcp").glob("*.safetensors"))) == 2
     two = losses(tmp_path / "base/metrics")
     assert [s for s, _ in two] == list(range(1, 9))
     assert max(abs(a - b) for (_, a), (_, b) in zip(alone, two)) < 0.05
+    straight = load_file(tmp_path / "base/model/model.safetensors")
+
+    drop_last_checkpoint(tmp_path)
+    resumed = torchrun(tmp_path, *args)
+    assert resumed.returncode == 0, resumed.output
+    assert "resuming from" in resumed.output and "(step 4)" in resumed.output
+    again = load_file(tmp_path / "base/model/model.safetensors")
+    assert again.keys() == straight.keys()
+    for name, tensor in straight.items():
+        assert torch.equal(tensor, again[name]), name
 
 
 def sft_losses(run):

@@ -383,11 +383,32 @@ def _sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> 
     weights, optim = get_state_dict(model, optimizer)
     seen, unaliased = set(), {}
     for name, tensor in weights.items():
+        tensor = _plain(tensor)
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
         if local.untyped_storage().data_ptr() not in seen:
             seen.add(local.untyped_storage().data_ptr())
             unaliased[name] = tensor
     return {"model": unaliased, "optim": optim["state"]}, optim["param_groups"]
+
+
+def _plain(tensor):
+    """`tensor` (a DTensor or not) with the plain tensor inside a wrapper subclass around its data (TorchAO's fp8
+    all-gather weights: one inner tensor of the same shape, whose storage holds the values) in its place: DCP's
+    safetensors writer saves it, and loads into it in place. Anything else (NF4's codes and scales) as it is."""
+    from torch.distributed.tensor import DTensor
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if not is_traceable_wrapper_subclass(local):
+        return tensor
+    names, _ = local.__tensor_flatten__()
+    inner = getattr(local, names[0])
+    if len(names) != 1 or inner.shape != local.shape or inner.dtype != local.dtype:
+        return tensor
+    if not isinstance(tensor, DTensor):
+        return inner
+    return DTensor.from_local(inner, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
+                              stride=tensor.stride())
 
 
 def _load_sharded(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:

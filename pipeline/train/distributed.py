@@ -51,6 +51,11 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     return 0
 
 
+def shards(parallel: str) -> bool:
+    """Whether `wrap` applies FSDP2 (in a process group, train.parallel fsdp)."""
+    return dist.is_initialized() and parallel == "fsdp"
+
+
 def wrap(model: torch.nn.Module, parallel: str, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """The model the loop trains: DDP around it, or FSDP2 applied to each block and then the root (which keeps
     the embeddings, final norm and the head they are tied to). Unchanged outside a process group."""

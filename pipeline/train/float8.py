@@ -10,8 +10,10 @@ AdamW's state stay fp32: the layers cast to fp8 on the fly with dynamic scales (
 tensor; rowwise: one per row, more accurate, somewhat slower), so a checkpoint holds exactly what a bf16 run's
 does and there is no scale state to save.
 
-Under FSDP2 the weights are all-gathered as in a bf16 run (TorchAO's fp8 all-gather is left off, below). fp8
-matmuls need a GPU of compute capability 8.9 or more; on a CPU TorchAO emulates them
+Under FSDP2 with tensorwise scales the converted weights are all-gathered in fp8, half a bf16 gather's bytes
+(TorchAO's `enable_fsdp_float8_all_gather`, as torchtitan turns it on): each rank casts its shard with the scale
+of the whole weight, so the gathered fp8 weight is the one an unsharded run computes. Rowwise scales gather in
+bf16 (TorchAO gathers only tensorwise in fp8). fp8 matmuls need a GPU of compute capability 8.9 or more; on a CPU TorchAO emulates them
 (the same casts and scales, the matmul in high precision), which is what kiln's tests run; other devices are
 refused before any work (`runtime.setup_precision`).
 """
@@ -29,16 +31,19 @@ from kiln.pipeline.progress import console
 ALIGNMENT = 16  # fp8 GEMMs (torch._scaled_mm) take widths that are multiples of 16
 
 
-def to_float8_training(model: torch.nn.Module, recipe: str, device: torch.device, section: str = "train") -> int:
-    """Convert `model`'s blocks' linear layers to TorchAO's Float8Linear in place; return how many converted."""
+def to_float8_training(model: torch.nn.Module, recipe: str, device: torch.device, section: str = "train",
+                       sharded: bool = False) -> int:
+    """Convert `model`'s blocks' linear layers to TorchAO's Float8Linear in place; return how many converted.
+    `sharded`: FSDP2 is applied next, and gathers tensorwise-scaled weights in fp8."""
     if not all(p.requires_grad for p in model.parameters()):  # a frozen base: LoRA's or QLoRA's
         raise UserError(f"params: train.precision=fp8 trains every weight ({section}.adapter=full): LoRA's and "
                         "QLoRA's frozen bases are not converted; use bf16 with an adapter")
     with quiet_torchao():
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    # TorchAO's fp8 all-gather under FSDP2 makes the weights a tensor subclass that kiln's sharded checkpoint
-    # could not save (tried on this CPU: "invalid python storage"), so FSDP gathers them as a bf16 run does
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=device.type != "cuda")
+    # the fp8 all-gather wraps each converted weight in a tensor subclass (the sharded checkpoint saves the plain
+    # tensor inside: train/checkpoints.py)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=device.type != "cuda",
+                                 enable_fsdp_float8_all_gather=sharded and recipe == "tensorwise")
     kept, converted = [], []
 
     def convertible(module: torch.nn.Module, name: str) -> bool:
@@ -51,6 +56,9 @@ def to_float8_training(model: torch.nn.Module, recipe: str, device: torch.device
         return True
 
     convert_to_float8_training(model, module_filter_fn=convertible, config=config)
+    if config.enable_fsdp_float8_all_gather:
+        console.print(f"train.precision=fp8: FSDP gathers the {len(converted)} converted weights in fp8",
+                      highlight=False)
     if kept:
         console.print(f"train.precision=fp8: {len(kept)} linear layers stay bf16, their widths not multiples of "
                       f"{ALIGNMENT} (first: {kept[0]})", highlight=False)

@@ -176,7 +176,8 @@ class Training:
         self.run, self.device = run, next(model.parameters()).device
         accum = accumulation_steps(params, run.micro_batch_tokens, world.size)
         if params.precision == "fp8":  # before wrapping and compiling, as TorchAO's float8 needs
-            to_float8_training(model, params.fp8_recipe, self.device, run.section)
+            to_float8_training(model, params.fp8_recipe, self.device, run.section,
+                               sharded=distributed.shards(params.parallel))
         self.model = model = distributed.wrap(model, params.parallel, PRECISIONS[params.precision], self.device)
         if distributed.is_sharded(model) and (held := distributed.frozen_bytes(model))[1]:
             console.print(f"{run.name}: FSDP shards the frozen weights: {held[0]:,} of {held[1]:,} bytes on each rank",
