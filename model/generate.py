@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from kiln.model.gpt import GPT, KVCache
+from kiln.model.modes import evaluating
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -76,16 +77,11 @@ def generate(model: GPT, prompt_ids: Sequence[Sequence[int]], max_new_tokens: in
         return [[] for _ in prompt_ids]
     generator = _generator(model, seed)
     prompts, pad = left_pad(prompt_ids, next(model.parameters()).device)
-    was_training = model.training
-    model.eval()
-    try:
-        # no_grad, not inference_mode: an FSDP model gathers its weights into buffers it reuses outside the call
-        with torch.no_grad():
-            steps = decode_steps(model, prompts, pad, max_new_tokens, temperature, top_k, top_p, stop_ids, generator,
-                            cache)
-            rows = torch.stack(list(steps), dim=1).tolist()
-    finally:
-        model.train(was_training)
+    # no_grad, not inference_mode: an FSDP model gathers its weights into buffers it reuses outside the call
+    with evaluating(model), torch.no_grad():
+        steps = decode_steps(model, prompts, pad, max_new_tokens, temperature, top_k, top_p, stop_ids, generator,
+                             cache)
+        rows = torch.stack(list(steps), dim=1).tolist()
     stops = set(stop_ids)
     return [tokens[:next((j + 1 for j, t in enumerate(tokens) if t in stops), len(tokens))] for tokens in rows]
 

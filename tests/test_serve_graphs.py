@@ -9,7 +9,7 @@ import torch
 from kernel_checks import DEVICE
 from test_serve_engine import prompts, tiny
 
-from kiln.pipeline.serve.engine import Engine
+from kiln.pipeline.serve.engine import Engine, complete
 from kiln.pipeline.serve.graphs import DecodeGraphs, buckets
 from kiln.pipeline.serve.request import Request, SamplingParams
 
@@ -87,3 +87,49 @@ def test_cuda_graphs_replay_the_eager_engine():
     assert engine.runner.graphs is not None
     assert [r.output for r in engine.run(requests())] == expected
     assert engine.runner.graphs.steps > 0 and set(engine.runner.graphs.replays) <= {1, 2, 4, 8}
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_graphs_are_captured_in_eval_mode_recording_the_weight_casts(autocast):
+    """A training model's graphs (GRPO's kept engine) are captured in eval mode, and under autocast with its cache
+    of cast weights off, so that the graph records the casts and casts the weights as they are at each replay;
+    the model's mode and the caller's autocast are as they were after."""
+    model = tiny().train()
+    engine = Engine(model, 64, 4, graph_batch=0)
+    seen = []
+
+    def capture(forward, pool):
+        seen.append((model.training, torch.is_autocast_enabled("cpu"), torch.is_autocast_cache_enabled()))
+        return forward
+
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        DecodeGraphs(model, engine.cache, 4, capture=capture).capture_all()
+        assert torch.is_autocast_enabled("cpu") == autocast and torch.is_autocast_cache_enabled()
+    assert seen == [(False, autocast, False)] * 3 and model.training
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (make gpu-check runs this)")
+def test_a_graphed_engine_kept_across_weight_updates_under_autocast_samples_as_a_fresh_one():
+    """GRPO's kept engine on CUDA: fp32 weights under bf16 autocast, decode graphs captured once; after an
+    optimizer step changes the weights in place, the replays use the new weights (the graphs recorded the casts):
+    the sampled tokens are those of an engine captured afresh on the updated model (graphs of the same buckets,
+    so the same kernels), and the decode steps did replay graphs."""
+    model = tiny().to("cuda").train()
+    texts = prompts(6, seed=9)
+
+    def requests() -> list[Request]:
+        return [Request(p, SamplingParams(max_tokens=8, temperature=0.8, seed=i)) for i, p in enumerate(texts)]
+
+    with torch.autocast("cuda", torch.bfloat16):
+        kept = Engine.sized_for(model, requests(), dtype=torch.bfloat16, graph_batch=8)
+        complete(model, requests(), engine=kept)
+    with torch.no_grad():  # an optimizer step: the same tensors, new values
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    kept.reset_prefix_cache()
+    with torch.autocast("cuda", torch.bfloat16):
+        again = [r.output for r in complete(model, requests(), engine=kept)]
+        fresh = [r.output for r in complete(model, requests(), engine=Engine.sized_for(
+            model, requests(), dtype=torch.bfloat16, graph_batch=8))]
+    assert kept.runner.graphs is not None and kept.runner.graphs.steps > 0
+    assert again == fresh

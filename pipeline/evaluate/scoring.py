@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kiln.model.modes import evaluating
 from kiln.pipeline.post.common import IGNORE
 from kiln.pipeline.runtime import autocast
 from kiln.pipeline.tasks.tasks import MCItem
@@ -55,29 +56,27 @@ def score_requests(model, requests: list[ScoringRequest], groups: list[int], bat
     """(summed log-probability (N,) float64, greedy (N,) bool) of each request's continuation; greedy = every
     continuation token is the model's argmax. `groups` are the sizes of consecutive runs of requests scored in
     one forward (an item's choices); a batch holds whole groups up to `batch_rows` rows (at least one group)."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     logps, greedy = [], []
     start = 0
-    for batch in _batches(groups, batch_rows):
-        rows = requests[start:start + batch]
-        start += batch
-        T = max(len(r.ids) for r in rows) - 1
-        x = torch.zeros(len(rows), T, dtype=torch.long)
-        y = torch.full((len(rows), T), IGNORE, dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r.ids) - 1
-            x[i, :n] = torch.tensor(r.ids[:-1])
-            if r.n_target:
-                y[i, n - r.n_target:n] = torch.tensor(r.ids[-r.n_target:])
-        x, y = x.to(device), y.to(device)
-        with autocast(device, precision):
-            token = model(x, y, stats=True)  # log p and argmax per token, never the (rows x T x vocab) logits
-        scored = y != IGNORE
-        logps.append(token.logp.sum(-1).double().cpu())
-        greedy.append((token.hit | ~scored).all(-1).cpu())
-    model.train(was_training)
+    with evaluating(model):
+        for batch in _batches(groups, batch_rows):
+            rows = requests[start:start + batch]
+            start += batch
+            T = max(len(r.ids) for r in rows) - 1
+            x = torch.zeros(len(rows), T, dtype=torch.long)
+            y = torch.full((len(rows), T), IGNORE, dtype=torch.long)
+            for i, r in enumerate(rows):
+                n = len(r.ids) - 1
+                x[i, :n] = torch.tensor(r.ids[:-1])
+                if r.n_target:
+                    y[i, n - r.n_target:n] = torch.tensor(r.ids[-r.n_target:])
+            x, y = x.to(device), y.to(device)
+            with autocast(device, precision):
+                token = model(x, y, stats=True)  # log p and argmax per token, never the (rows x T x vocab) logits
+            scored = y != IGNORE
+            logps.append(token.logp.sum(-1).double().cpu())
+            greedy.append((token.hit | ~scored).all(-1).cpu())
     if not logps:
         return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)
     return torch.cat(logps), torch.cat(greedy)

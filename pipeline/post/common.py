@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kiln.model.checkpoint import load_model, save_model
+from kiln.model.modes import evaluating
 from kiln.model.lora import adapter_state_dict, apply_adapter, merged_state_dict
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
@@ -214,14 +215,12 @@ def answer_tokens(y: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def score_rows(model, x: torch.Tensor, y: torch.Tensor, batch_size: int, precision: str) -> torch.Tensor:
     """answer_logps of every row, on CPU in float64, batch by batch in eval mode."""
-    was_training = model.training
-    model.eval()
     device = next(model.parameters()).device
     out = []
-    for i in range(0, len(x), batch_size):
-        with autocast(device, precision):
-            out.append(answer_logps(model, x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)))
-    model.train(was_training)
+    with evaluating(model):
+        for i in range(0, len(x), batch_size):
+            with autocast(device, precision):
+                out.append(answer_logps(model, x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)))
     return torch.cat(out).double().cpu() if out else torch.zeros(0, dtype=torch.float64)
 
 

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from kiln.model.lora import adapters_off, is_adapted
+from kiln.model.modes import evaluating
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.post.common import IGNORE, ExampleBatches, Start, start
 from kiln.pipeline.post.grpo_loss import group_advantages, policy_loss
@@ -239,14 +240,17 @@ class Rollouts:
 
     def _engine(self) -> Engine:
         """The engine every rollout runs on, the policy's own weights: built once, its cache in the compute dtype
-        and holding a rollout batch's groups at the dataset's longest prompt at once; at each later rollout it
-        only forgets its cached prefixes, which the optimizer steps since made stale (TRL's
-        `reset_prefix_cache` after it moves the weights to vLLM)."""
+        and holding a rollout batch's groups at the dataset's longest prompt at once, and on CUDA its decode steps
+        captured as graphs up to the rollout's width (replays cast the weights as they are then); at each later
+        rollout it only forgets its cached prefixes, which the optimizer steps since made stale (TRL's
+        `reset_prefix_cache` after it moves the weights to vLLM). An FSDP policy's forward gathers its shards
+        with collectives: it decodes eagerly."""
         if self.engine is None:
             p, G = self.params, self.params.group_size
             longest = [Request(max(self.prompts.ids, key=len), SamplingParams(p.max_new_tokens)) for _ in range(G)]
+            width = 0 if distributed.is_sharded(self.model) else self.per_rollout * G
             self.engine = Engine.sized_for(self.model, fork_groups(longest, G) * self.per_rollout,
-                                           dtype=PRECISIONS[self.precision])
+                                           dtype=PRECISIONS[self.precision], graph_batch=width)
         else:
             self.engine.reset_prefix_cache()
         return self.engine
@@ -254,16 +258,14 @@ class Rollouts:
     @torch.no_grad()
     def _score(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Log-probabilities of the completion tokens under `model` (B, T), micro-batch by micro-batch."""
-        was_training = model.training
-        model.eval()
         device = next(model.parameters()).device
         out = []
-        for i in range(0, len(x), self.params.batch_size):
-            with autocast(device, self.precision):
-                rows = slice(i, i + self.params.batch_size)
-                out.append(model(x[rows].to(device), y[rows].to(device), temperature=self.params.temperature,
-                                 stats=True).logp.cpu())
-        model.train(was_training)
+        with evaluating(model):
+            for i in range(0, len(x), self.params.batch_size):
+                with autocast(device, self.precision):
+                    rows = slice(i, i + self.params.batch_size)
+                    out.append(model(x[rows].to(device), y[rows].to(device), temperature=self.params.temperature,
+                                     stats=True).logp.cpu())
         return torch.cat(out)
 
     def loss(self, model, batch: list[torch.Tensor]) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kiln.model.modes import evaluating
 from kiln.pipeline.serve.blocks import BlockPool
 from kiln.pipeline.serve.graphs import GRAPH_BATCH
 from kiln.pipeline.serve.kv_cache import PagedKVCache
@@ -54,10 +55,13 @@ class Engine:
 
     @classmethod
     def sized_for(cls, model, requests: list[Request], concurrent: int | None = None, block_size: int = 16,
-                  max_batch_tokens: int = 2048, dtype: torch.dtype | None = None) -> Engine:
+                  max_batch_tokens: int = 2048, dtype: torch.dtype | None = None, graph_batch: int = 0) -> Engine:
         """An engine whose cache holds `concurrent` of `requests` (all, by default) at their longest, so the batch
-        stays full and nothing is preempted while the rest wait their turn; every step launched eagerly. `dtype`:
-        the cache's (default the parameters')."""
+        stays full and nothing is preempted while the rest wait their turn. `dtype`: the cache's (default the
+        parameters'). `graph_batch`: on CUDA, decode steps of up to that many sequences replay graphs captured
+        now (GRPO's kept engine, at its rollout width); 0 (the default): every step launched eagerly, as
+        evaluate's tasks run, each meeting a batch size once or twice as its requests finish, too few replays to
+        repay capturing graphs on a fresh engine."""
         def blocks(r: Request) -> int:
             return -(-(len(r.prompt) + r.sampling.max_tokens) // block_size)
 
@@ -65,9 +69,8 @@ class Engine:
         for r in requests:  # a fork shares its prompt's full blocks with the request it forks from
             need += [blocks(r), *(blocks(f) - len(f.prompt) // block_size for f in r.forks)]
         need.sort(reverse=True)
-        # eager: evaluate's tasks meet each batch size once or twice as their requests finish, too few replays to
-        # repay capturing graphs on a fresh engine (GRPO's kept engine runs eagerly too: graphs for it are to do)
-        return cls(model, max(1, sum(need[:concurrent])), block_size, max_batch_tokens, dtype=dtype, graph_batch=0)
+        return cls(model, max(1, sum(need[:concurrent])), block_size, max_batch_tokens, dtype=dtype,
+                   graph_batch=graph_batch)
 
     def add(self, request: Request) -> Request:
         """Queue a request (checked: it must fit the model's context and, alone, the pool)."""
@@ -114,9 +117,5 @@ def complete(model, requests: list[Request], concurrent: int | None = None,
     """Run `requests` (and their forks) to the end on `engine` (one of `model`'s), or on one made for them
     (`Engine.sized_for`). The model is in eval mode for the call and back as it was after (what GRPO's rollouts,
     evaluate's generative tasks and `kiln generate` run on)."""
-    was_training = model.training
-    try:
-        model.eval()
+    with evaluating(model):
         return (engine or Engine.sized_for(model, requests, concurrent)).run(requests)
-    finally:
-        model.train(was_training)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from kiln.model.modes import evaluating
 from kiln.pipeline.serve.kv_cache import PagedKVCache
 
 GRAPH_BATCH = 256  # by default, decode batches up to this size replay graphs (vLLM captures up to 512)
@@ -81,11 +82,20 @@ class DecodeGraphs:
     @torch.no_grad()
     def capture_all(self) -> None:
         """Capture every bucket's graph, largest first (later, smaller ones reuse its pool's memory), each over a
-        step of padding rows only: they decode into the scratch block, so no request's keys are touched."""
-        for bucket in reversed(self.buckets):
-            on_device = self.cache.begin([], {"ids": np.zeros(bucket, dtype=np.int64)}, pad_to=bucket)
-            self._load(on_device)
-            self.replays[bucket] = self.capture(self._forward(bucket), self.pool)
+        step of padding rows only: they decode into the scratch block, so no request's keys are touched.
+
+        The model is in eval mode for it. Under autocast (GRPO's policy: fp32 weights, bf16 compute) autocast's
+        cache of cast weights is off while capturing, so each graph records the casts and a replay casts the
+        weights as they are then: GRPO's optimizer steps update them in place between rollouts, and a cast
+        cached at the warm-up runs would leave the graphs replaying the weights of the capture (torch's
+        make_graphed_callables asks for cache_enabled=False for the same reason)."""
+        device = self.cache.device.type
+        with evaluating(self.model), torch.autocast(device, torch.get_autocast_dtype(device),
+                                                    enabled=torch.is_autocast_enabled(device), cache_enabled=False):
+            for bucket in reversed(self.buckets):
+                on_device = self.cache.begin([], {"ids": np.zeros(bucket, dtype=np.int64)}, pad_to=bucket)
+                self._load(on_device)
+                self.replays[bucket] = self.capture(self._forward(bucket), self.pool)
 
     def run(self, on_device: dict[str, torch.Tensor]) -> torch.Tensor:
         """The logits (bucket, vocab) of the step the cache has begun, padded to a bucket; `on_device` holds its
