@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from kiln.model.checkpoint import load_model, save_model
-from kiln.model.modes import evaluating
 from kiln.model.lora import adapter_state_dict, apply_adapter, merged_state_dict
+from kiln.model.modes import evaluating
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.post.params import PostTrainParams

@@ -13,9 +13,9 @@ does and there is no scale state to save.
 Under FSDP2 with tensorwise scales the converted weights are all-gathered in fp8, half a bf16 gather's bytes
 (TorchAO's `enable_fsdp_float8_all_gather`, as torchtitan turns it on): each rank casts its shard with the scale
 of the whole weight, so the gathered fp8 weight is the one an unsharded run computes. Rowwise scales gather in
-bf16 (TorchAO gathers only tensorwise in fp8). fp8 matmuls need a GPU of compute capability 8.9 or more; on a CPU TorchAO emulates them
-(the same casts and scales, the matmul in high precision), which is what kiln's tests run; other devices are
-refused before any work (`runtime.setup_precision`).
+bf16 (TorchAO gathers only tensorwise in fp8). fp8 matmuls need a GPU of compute capability 8.9 or more; on a
+CPU TorchAO emulates them (the same casts and scales, the matmul in high precision), which is what kiln's tests
+run; other devices are refused before any work (`runtime.setup_precision`).
 """
 
 from __future__ import annotations
