@@ -452,6 +452,31 @@ def test_a_fork_the_pool_cannot_hold_computes_its_prompt_itself():
     assert engine.pool.in_use() == 0
 
 
+def test_a_fork_takes_the_block_a_decode_finishing_earlier_in_its_step_gave_back():
+    """A step's tokens are applied in its plan's order: a decode that finishes (listed before the prompts) gives
+    its block back before the prompt that ends in the same step starts its fork, so the fork gets the one block
+    its copy needs instead of waiting to compute the prompt again."""
+    model = tiny()
+    engine = Engine(model, num_blocks=3, block_size=4)
+    first = engine.add(Request([5, 6, 7], sampled(3, max_tokens=2)))  # one block, done after its next decode
+    engine.step()
+    prompt = [20, 21, 22, 23, 24, 25]  # two blocks, the last partly filled: its fork needs a copy of it
+    parent = Request(prompt, sampled(4, max_tokens=2))
+    parent.forks = [Request(prompt, sampled(5, max_tokens=2))]
+    engine.add(parent)
+    plan = engine.scheduler.schedule()
+    assert [(seq.request, seq.count) for seq in plan] == [(first, 1), (parent, 6)]
+    assert engine.pool.available() == 0
+    engine.execute(plan)
+    assert first.finish_reason == "length" and parent.forks == [] and engine.pool.available() == 0
+    fork = next(r for r in engine.scheduler.running if r is not parent)
+    assert fork.computed == len(prompt) and len(fork.output) == 1  # started on the prompt, not queued again
+    while engine.has_work():
+        engine.step()
+    assert engine.scheduler.prefill_tokens == 3 + 6
+    assert [fork.output, parent.output] == [alone(model, prompt, sampled(s, max_tokens=2)) for s in (5, 4)]
+
+
 def test_aborting_a_request_hands_its_forks_on_and_a_fork_can_go_alone():
     model = tiny()
     prompt = list(range(30, 45))
@@ -572,8 +597,8 @@ def side_by_side(model: GPT, make, blocks: int, budget: int, arriving: float) ->
     reused = []
     decode_again = steady.scheduler._decode_again
 
-    def counted(plan, filled):
-        got = decode_again(plan, filled)
+    def counted(*decoding):
+        got = decode_again(*decoding)
         reused.append(got is not None)
         return got
 

@@ -145,14 +145,20 @@ class ModelRunner:
         self.generators: weakref.WeakKeyDictionary[Request, torch.Generator] = weakref.WeakKeyDictionary()
         # the requests of a step that verified drafts: their rows are rewritten before the next step
         self.stale: list[Request] = []
+        # the slots of the last step when it was plain decodes, in its plan's order, and of this step when its
+        # plan is that one less a few sequences (`Scheduler.dropped`): found without a pass over the requests
+        self.decoded: np.ndarray | None = None
+        self.follows: np.ndarray | None = None
 
     @property
     def device(self) -> torch.device:
         return self.cache.device
 
-    def apply(self, released: list[Request], retabled: list[Request]) -> None:
+    def apply(self, released: list[Request], retabled: list[Request], dropped: list[int] | None = None) -> None:
         """The scheduler's changes since the last step (`Scheduler.take_changes`) into the per-slot rows, and the
-        rows of a verified draft's step (which `advance` does not follow) rewritten from their requests."""
+        rows of a verified draft's step (which `advance` does not follow) rewritten from their requests.
+        `dropped`: the next plan is the last step's plain decodes less the sequences at these places."""
+        self.follows = None if dropped is None or self.decoded is None else np.delete(self.decoded, dropped)
         self.batch.release(released)
         running = RequestStatus.RUNNING  # not finished or preempted since
         self.batch.write(list({r: None for r in retabled if r.status is running}), self._key)  # once each
@@ -170,15 +176,17 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, plan: list[ScheduledSequence]) -> StepResult:
+        follows, self.follows, self.decoded = self.follows, None, None
         if self.draft is not None and any(seq.lookahead for seq in plan):
             self.stale = [seq.request for seq in plan]
             return self._speculative(plan)
+        if follows is not None and len(follows) == len(plan):
+            return self._decode(follows)
         n, b = len(plan), self.batch
         requests = [seq.request for seq in plan]
         slots = b.slots(requests)
         counts = np.fromiter((seq.count for seq in plan), np.int64, n)
         starts, lengths = b.computed[slots], b.length[slots]
-        tables = b.block_tables(slots, starts + counts, self.cache.block_size)
         rows = np.flatnonzero(starts + counts == lengths)  # the sequences that get a token: their chunk ends there
         # a request whose prompt ends here draws its forks' first tokens from the same row, each its own way
         ending = rows[starts[rows] < b.prompt_len[slots[rows]]].tolist()
@@ -186,6 +194,9 @@ class ModelRunner:
         forks = [fork for _, fork in fork_rows]
         asks = bool(b.logprobs[slots].any()) or any(f.sampling.logprobs is not None for f in forks)
         decodes_only = n == 0 or counts.max() == 1
+        if n and decodes_only and len(rows) == n and not ending and not asks:
+            return self._decode(slots)
+        tables = b.block_tables(slots, starts + counts, self.cache.block_size)
         # each row's logits rows: one, or every position of a prompt whose log-probabilities are asked for
         logit_counts = np.ones(n, np.int64)
         if asks:
@@ -212,18 +223,7 @@ class ModelRunner:
             params = [r.sampling for r in [*(requests[i] for i in rows), *forks]]
             asked = LogprobsAsked(plan, logit_counts, last, params)
             extra |= asked.indices()
-        bucket = self.graphs.bucket(n) if self.graphs and decodes_only else None
-        if bucket:
-            extra["ids"] = np.pad(ids, (0, bucket - n))
-        if decodes_only:
-            on_device = self.cache.begin_decodes(starts, tables, extra, pad_to=bucket or 0)
-        else:
-            on_device = self.cache.begin_rows(starts, counts, logit_counts, tables, extra)
-        started = self._clock()
-        if bucket:
-            logits = self.graphs.run(on_device)[:n]
-        else:
-            logits = self.model(on_device["ids"][None], cache=self.cache)[0]
+        on_device, logits, started = self._forward(starts, tables, extra, None if decodes_only else (counts, logit_counts))
         new = None
         if len(rows):  # (forks draw only beside their request's row)
             chosen = logits[on_device["sample_rows"]] if "sample_rows" in on_device else logits
@@ -243,26 +243,64 @@ class ModelRunner:
         else:
             read, new_tokens = [], new.tolist()  # the step's one read back
         sampled = np.array(new_tokens[:len(rows)], dtype=np.int64)
-        if decodes_only and len(rows) == n and not ending and not asks:
-            # plain decodes (the steady state): the tokens as they are, and the few rows the scheduler must look
-            # at, found before the rows move on
-            flagged = b.flagged(slots, sampled, self.cache.block_size).tolist()
-            b.advance(slots, counts, rows, sampled)
-            return StepResult(None, None, decoded=new_tokens, flagged=flagged)
+        decoded = np.full(n, -1, np.int64)  # each sequence's token, -1 for a chunk short of its end
+        decoded[rows] = sampled
+        # the rows the scheduler applies one by one: prompt chunks (the ones ending here start their forks) and
+        # rows with log-probabilities; the rest are plain decodes, applied together and flagged as a decode
+        # step's are
+        plain = (decoded >= 0) & (counts == 1) & (starts >= b.prompt_len[slots]) & ~b.logprobs[slots]
+        decodes = np.flatnonzero(plain)
+        flagged = decodes[b.flagged(slots[decodes], decoded[decodes], self.cache.block_size)].tolist()
         b.advance(slots, counts, rows, sampled)
-        if len(rows) == n:  # every sequence sampled (a decode step): its token in rows' order
-            tokens = [[token] for token in new_tokens[:n]]
-        else:
-            tokens = [[] for _ in plan]
-            for i, token in zip(rows.tolist(), new_tokens):
-                tokens[i] = [token]
         forked: list[list[int]] | None = None
         if fork_rows:
             forked = [[] for _ in plan]
             for (i, _), token in zip(fork_rows, new_tokens[len(rows):]):
                 forked[i].append(token)
         logprobs, fork_logprobs, prompt_logprobs = asked.unpack(read[count:], rows.tolist(), fork_rows)
-        return StepResult(tokens, [0] * n, forked, logprobs, fork_logprobs, prompt_logprobs)
+        return StepResult(None, None, forked, logprobs, fork_logprobs, prompt_logprobs,
+                          decoded=decoded.tolist(), flagged=flagged, special=np.flatnonzero(~plain).tolist())
+
+    def _decode(self, slots: np.ndarray) -> StepResult:
+        """A step of plain decodes (the steady state: every sequence feeds its last token and samples one, nothing
+        else asked), all from the rows of `slots`: the tokens as they are, and the few rows the scheduler must
+        look at (`StepResult.flagged`), found before the rows move on."""
+        b, n = self.batch, len(slots)
+        starts, lengths = b.computed[slots], b.length[slots]
+        tables = b.block_tables(slots, lengths, self.cache.block_size)
+        extra = {"ids": b.last[slots]}
+        settings = self._settings(slots, lengths, [])
+        if settings is not None:
+            extra |= settings
+        on_device, logits, started = self._forward(starts, tables, extra)
+        new = sample(logits, settings, on_device)
+        if self.timing:
+            self.device_seconds += self._clock() - started
+        self.reads += 1
+        tokens = new.tolist()  # the step's one read back
+        sampled = np.array(tokens, dtype=np.int64)
+        flagged = b.flagged(slots, sampled, self.cache.block_size).tolist()
+        b.advance(slots, np.ones(n, np.int64), np.arange(n), sampled)
+        self.decoded = slots
+        return StepResult(None, None, decoded=tokens, flagged=flagged)
+
+    def _forward(self, starts: np.ndarray, tables: np.ndarray, extra: dict[str, np.ndarray],
+                 rows: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[dict, torch.Tensor, float]:
+        """The step's arrays to the device and the model's logits, with the clock read when the device's work
+        began: decodes only (`rows` None), replaying a CUDA graph when one is as wide (the ids padded to it), or
+        rows of (token counts, logits counts) as `PagedKVCache.begin_rows` takes them."""
+        n = len(starts)
+        bucket = self.graphs.bucket(n) if self.graphs and rows is None else None
+        if bucket:
+            extra["ids"] = np.pad(extra["ids"], (0, bucket - n))
+        if rows is None:
+            on_device = self.cache.begin_decodes(starts, tables, extra, pad_to=bucket or 0)
+        else:
+            on_device = self.cache.begin_rows(starts, *rows, tables, extra)
+        started = self._clock()
+        if bucket:
+            return on_device, self.graphs.run(on_device)[:n], started
+        return on_device, self.model(on_device["ids"][None], cache=self.cache)[0], started
 
     def _settings(self, slots: np.ndarray, positions: np.ndarray, forks: list[Request]) -> dict | None:
         """The sampled rows' settings for the sampler, from their slots' rows and then the forks' own (a fork has

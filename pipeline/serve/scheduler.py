@@ -63,10 +63,12 @@ class StepResult:
     token's (`fork_logprobs`), and the prompt positions' this step computed (`prompt_logprobs`, from the chunk's
     first position); None where none was asked.
 
-    A step of plain decodes (every sequence fed its last token and sampled one, nothing else asked: GRPO's and a
-    loaded server's steady state) comes back flat instead: `decoded`, sequence i's token, and `flagged`, the
-    sequences whose token may end their request or that filled a block (a superset, found with array
-    operations); `tokens` and `drafted` are then None."""
+    Without a draft model the tokens come back flat instead (`tokens` and `drafted` None): `decoded`, sequence
+    i's token (-1 for a chunk short of its end); `special`, the sequences that are not plain decodes (prompt
+    chunks, rows with log-probabilities), applied one by one; and `flagged`, the plain decodes whose token may
+    end their request or that filled a block (a superset, found with array operations), the only others the
+    scheduler looks at. A step of plain decodes only (GRPO's and a loaded server's steady state) has no special
+    sequence."""
 
     tokens: list[list[int]] | None
     drafted: list[int] | None
@@ -76,6 +78,7 @@ class StepResult:
     prompt_logprobs: list[list[Logprob] | None] | None = None
     decoded: list[int] | None = None
     flagged: list[int] = ()
+    special: list[int] = ()
 
 
 class Scheduler:
@@ -102,8 +105,14 @@ class Scheduler:
         self.unsorted = False  # requests were added to `running` out of arrival order
         # The steady state (GRPO's, a loaded server's between arrivals): a step of plain decodes of every running
         # request leaves the next step's plan known, the same less the requests that finished, after blocks for
-        # the ones that filled theirs. Set by such a step's update, taken by the next `schedule`.
-        self.decoding: tuple[list[ScheduledSequence], list[Request]] | None = None
+        # the ones that filled theirs. Set by such a step's update (the plan, its requests, the ones that filled
+        # their last block, the places of the finished), taken by the next `schedule`.
+        self.decoding: tuple[list[ScheduledSequence], list[Request], list[Request], list[int]] | None = None
+        # a reused plan and its requests, which its update need not gather again
+        self.planned: tuple[list[ScheduledSequence], list[Request]] = ([], [])
+        # for the runner (`take_changes`): this step's plan is the last step's less the sequences at these places,
+        # so its per-slot arrays follow from the last step's; None when it was planned afresh
+        self.dropped: list[int] | None = None
 
     def add(self, request: Request) -> Request:
         """Queue a request and its forks (checked: each must fit the model's context and, alone, the pool; the
@@ -149,6 +158,7 @@ class Scheduler:
             self.waiting.remove(request)
         if request in self.running:
             self._release(request)
+            self.decoding = None  # the next plan is made in full, without it
         if not request.status.finished:
             request.status = RequestStatus.FINISHED_ABORTED
         self.aborted += 1
@@ -156,11 +166,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def take_changes(self) -> tuple[list[Request], list[Request]]:
+    def take_changes(self) -> tuple[list[Request], list[Request], list[int] | None]:
         """(requests whose blocks went back, requests whose block table changed) since the last call, in the
-        order it happened; the runner's per-slot rows follow them (serve/input_batch.py)."""
-        changes = self.released, self.retabled
-        self.released, self.retabled = [], []
+        order it happened, and `dropped`: the runner's per-slot rows follow them (serve/input_batch.py)."""
+        changes = self.released, self.retabled, self.dropped
+        self.released, self.retabled, self.dropped = [], [], None
         return changes
 
     def _release(self, request: Request) -> None:
@@ -171,6 +181,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSequence]:
         """This step's plan: decodes, then the chunks of the prompts being computed (oldest first), then newly
         admitted requests, within the token budget; blocks made ready for all of it."""
+        self.dropped = None
         if self.decoding is not None:
             steady, self.decoding = self._decode_again(*self.decoding), None
             if steady is not None:
@@ -209,18 +220,23 @@ class Scheduler:
             raise RuntimeError("the pool cannot hold the first waiting request")  # add() prevents this
         return plan
 
-    def _decode_again(self, plan: list[ScheduledSequence], filled: list[Request]) -> list[ScheduledSequence] | None:
+    def _decode_again(self, plan: list[ScheduledSequence], requests: list[Request], filled: list[Request],
+                      finished: list[int]) -> list[ScheduledSequence] | None:
         """The plan of a step that follows one of plain decodes of every running request (`decoding`): the same
-        decodes less the requests that finished, the ones that filled their last block given one more. None when
-        that is not this step's plan (requests arrived or were preempted); then `schedule` plans it in full.
-        (Requests aborted since are left out as finished ones are.)"""
+        decodes less the requests that finished (at `finished` in it, ascending), the ones that filled their last
+        block given one more. None when that is not this step's plan (requests arrived or were preempted); then
+        `schedule` plans it in full. (An abort since makes it so too.)"""
         running = RequestStatus.RUNNING
-        for request in filled:  # in the order the full schedule grows them
+        for request in filled:  # in the order the full schedule grows them (skipping any a growth preempted)
             if request.status is running and not self._grow(request, request.length):
                 return None  # it was the newest: it waits again
         if self.waiting:  # requests arrived, or a growth preempted one
             return None
-        return [seq for seq in plan if seq.request.status is running]
+        plan, requests = plan.copy(), requests.copy()
+        for i in reversed(finished):  # a few places out of hundreds: no pass over the rest
+            del plan[i], requests[i]
+        self.planned, self.dropped = (plan, requests), finished
+        return plan
 
     def _grow(self, request: Request, tokens: int) -> bool:
         """Give `request` blocks for `tokens` tokens, preempting the newest running requests while the pool is
@@ -242,7 +258,7 @@ class Scheduler:
     def update(self, plan: list[ScheduledSequence], result: StepResult) -> list[tuple[Request, int]]:
         """Apply a step's tokens; return (request, new token) for each token that came out (finished ones too)."""
         if result.decoded is not None:
-            return self._decoded(plan, result.decoded, result.flagged)
+            return self._decoded(plan, result)
         events = []
         if len(result.tokens) != len(plan) or len(result.drafted) != len(plan):
             raise ValueError(f"a step of {len(plan)} sequences got {len(result.tokens)} results")
@@ -266,27 +282,44 @@ class Scheduler:
         self._sort_running()
         return events
 
-    def _decoded(self, plan: list[ScheduledSequence], tokens: list[int],
-                 flagged: list[int]) -> list[tuple[Request, int]]:
-        """Apply a step of plain decodes (`StepResult.decoded`): each output grows by its token, and only the
-        flagged sequences can have stopped, reached max_tokens or filled a block. At GRPO's width this runs over
-        hundreds of requests a step, so it touches nothing else of them."""
-        if len(tokens) != len(plan):
-            raise ValueError(f"a step of {len(plan)} sequences got {len(tokens)} results")
-        every = len(plan) == len(self.running) and not self.speculate  # every running request decoded
-        requests = [seq.request for seq in plan]
-        for request, token in zip(requests, tokens):
-            request.output.append(token)
-            request.computed += 1
-        B, filled = self.pool.block_size, []
-        for i in flagged:
-            request = requests[i]
-            self._decoded_one(request, tokens[i])
-            if request.computed % B == 0 and request.status is RequestStatus.RUNNING:
-                filled.append(request)  # its next token starts a block
-        if every:
-            self.decoding = (plan, filled)
-        return list(zip(requests, tokens))
+    def _decoded(self, plan: list[ScheduledSequence], result: StepResult) -> list[tuple[Request, int]]:
+        """Apply a step's flat tokens (`StepResult.decoded`): each plain decode's output grows by its token, and
+        only the flagged ones can have stopped, reached max_tokens or filled a block; the special sequences go
+        through `_apply`. The flagged and the special are applied in the plan's order, as the blocks they free
+        and take must be. At GRPO's width this runs over hundreds of requests a step, so it touches nothing else
+        of the plain decodes."""
+        tokens, n = result.decoded, len(plan)
+        if len(tokens) != n:
+            raise ValueError(f"a step of {n} sequences got {len(tokens)} results")
+        forked, lps, fork_lps, prompt_lps = result.forked, result.logprobs, result.fork_logprobs, result.prompt_logprobs
+        requests = self.planned[1] if plan is self.planned[0] else [seq.request for seq in plan]
+        B, events, filled, finished = self.pool.block_size, [], [], []
+        running = RequestStatus.RUNNING
+        flagged = iter(result.flagged)
+        f, start = next(flagged, n), 0
+        for end in (*result.special, n):  # the plain decodes before each special sequence, then it
+            part = list(zip(requests[start:end], tokens[start:end]))
+            for request, token in part:
+                request.output.append(token)
+                request.computed += 1
+            events += part
+            while f < end:
+                request = requests[f]
+                self._decoded_one(request, tokens[f])
+                if request.status is not running:
+                    finished.append(f)
+                elif request.computed % B == 0:
+                    filled.append(request)  # its next token starts a block
+                f = next(flagged, n)
+            if end < n:
+                self._apply(plan[end], [tokens[end]] if tokens[end] >= 0 else [], 0, forked[end] if forked else [],
+                            lps[end] if lps else None, fork_lps[end] if fork_lps else None,
+                            prompt_lps[end] if prompt_lps else None, events)
+            start = end + 1
+        self._sort_running()  # forks started
+        if not result.special and n == len(self.running) + len(finished) and not self.speculate:
+            self.decoding = (plan, requests, filled, finished)  # every running request decoded
+        return events
 
     def _decoded_one(self, request: Request, token: int) -> None:
         """After a decode appended `token`: finish the request at a stop id or max_tokens, else offer the block
