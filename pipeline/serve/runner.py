@@ -252,10 +252,12 @@ class ModelRunner:
         decodes = np.flatnonzero(plain)
         flagged = decodes[b.flagged(slots[decodes], decoded[decodes], self.cache.block_size)].tolist()
         b.advance(slots, counts, rows, sampled)
-        forked: list[list[int]] | None = None
+        forked: list[list[int] | None] | None = None
         if fork_rows:
-            forked = [[] for _ in plan]
+            forked = [None] * n  # a list for each request whose forks start (a few of hundreds), None for the rest
             for (i, _), token in zip(fork_rows, new_tokens[len(rows):]):
+                if forked[i] is None:
+                    forked[i] = []
                 forked[i].append(token)
         logprobs, fork_logprobs, prompt_logprobs = asked.unpack(read[count:], rows.tolist(), fork_rows)
         return StepResult(None, None, forked, logprobs, fork_logprobs, prompt_logprobs,

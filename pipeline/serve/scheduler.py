@@ -58,10 +58,10 @@ class ScheduledSequence:
 class StepResult:
     """What the runner gives back for a step's plan, in its order: each sequence's new tokens (none for a prefill
     chunk short of the end), how many draft tokens it verified, and the first tokens of its forks (a request
-    whose prompt ended this step: `Request.forks`, in their order; None when no sequence forks). With
-    log-probabilities asked for: each new token's (`logprobs`, in step with `tokens`), each fork's first
-    token's (`fork_logprobs`), and the prompt positions' this step computed (`prompt_logprobs`, from the chunk's
-    first position); None where none was asked.
+    whose prompt ended this step: `Request.forks`, in their order; None when no sequence forks, and in the flat
+    form below for each sequence without forks). With log-probabilities asked for: each new token's
+    (`logprobs`, in step with `tokens`), each fork's first token's (`fork_logprobs`), and the prompt positions'
+    this step computed (`prompt_logprobs`, from the chunk's first position); None where none was asked.
 
     Without a draft model the tokens come back flat instead (`tokens` and `drafted` None): `decoded`, sequence
     i's token (-1 for a chunk short of its end); `special`, the sequences that are not plain decodes (prompt
@@ -72,7 +72,7 @@ class StepResult:
 
     tokens: list[list[int]] | None
     drafted: list[int] | None
-    forked: list[list[int]] | None = None
+    forked: list[list[int] | None] | None = None
     logprobs: list[list[Logprob] | None] | None = None
     fork_logprobs: list[list[Logprob | None]] | None = None
     prompt_logprobs: list[list[Logprob] | None] | None = None
@@ -312,7 +312,7 @@ class Scheduler:
                     filled.append(request)  # its next token starts a block
                 f = next(flagged, n)
             if end < n:
-                self._apply(plan[end], [tokens[end]] if tokens[end] >= 0 else [], 0, forked[end] if forked else [],
+                self._apply(plan[end], [tokens[end]] if tokens[end] >= 0 else [], 0, forked and forked[end] or [],
                             lps[end] if lps else None, fork_lps[end] if fork_lps else None,
                             prompt_lps[end] if prompt_lps else None, events)
             start = end + 1

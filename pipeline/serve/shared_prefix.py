@@ -49,9 +49,12 @@ def plan(tables: np.ndarray, lens: np.ndarray, block_size: int) -> dict[str, np.
     order = np.lexsort(tables.T[::-1])
     full, ordered = lens[order] // block_size, tables[order]
     same = ordered[1:] == ordered[:-1]
-    link = np.minimum(np.cumprod(same, axis=1).sum(axis=1), np.minimum(full[1:], full[:-1]))
-    before, after = np.append(link[:1], link[:-1]), np.append(link[1:], link[-1:])
-    starts = np.append(0, 1 + np.flatnonzero((link == 0) | (link < before) | (link < after)))
+    common = np.where(same.all(axis=1), same.shape[1], same.argmin(axis=1))  # leading blocks alike
+    link = np.minimum(common, np.minimum(full[1:], full[:-1]))
+    split = link == 0
+    split[1:] |= link[1:] < link[:-1]
+    split[:-1] |= link[:-1] < link[1:]
+    starts = np.concatenate(([0], 1 + np.flatnonzero(split)))
     sizes = np.diff(np.append(starts, n))
     if sizes.max() < 2:
         return None
