@@ -65,14 +65,15 @@ class BlockPool:
             keys.append(parent)
         return keys
 
-    def allocate(self, tokens: Sequence[int], reserve: int,
-                 filling: Mapping[int, int] | None = None) -> tuple[list[int], int] | None:
+    def allocate(self, tokens: Sequence[int], reserve: int, filling: Mapping[int, int] | None = None,
+                 known: list[int] | None = None) -> tuple[list[int], int] | None:
         """A block table for a new sequence of `tokens` with room for `reserve` tokens in all, and how many of
         its leading tokens are cached already (a multiple of block_size, never the whole prompt: its last
         token must run to give the next one's logits). `filling` (key -> block): blocks that other sequences'
         chunks fill in the step being planned, shared as if cached (the step writes every chunk's keys and
-        values before any chunk reads them). None, with nothing taken, when the pool is short."""
-        keys = self.prefix_keys(tokens[:len(tokens) - 1])
+        values before any chunk reads them). `known`: as in `prefix_keys`, the sequence's own keys, extended in
+        place. None, with nothing taken, when the pool is short."""
+        keys = self.prefix_keys(tokens[:len(tokens) - 1], known)
         shared, filling = [], filling or {}
         for key in keys:
             if (block := self.cached.get(key, filling.get(key))) is None:

@@ -134,16 +134,7 @@ class PagedKVCache:
         host |= self._prefill_indices(tables[prefills], starts[prefills], counts[prefills], offsets[prefills])
         on_device = self._upload(host, extra)
         self.decode_rows = on_device["decode_rows"]
-        # the causal masks, shared by every layer: query i of a prefill is token start + i and sees every key up
-        # to and including itself
-        self.prefill_slots, self.prefill_masks = [], []
-        if self.batched:
-            width = self.prefill_context.size(1)
-            self.prefill_mask = (torch.arange(width, device=self.device) <= self.prefill_positions[:, :, None])[:, None]
-        else:
-            self.prefill_slots = self.context_slots.split(ends.tolist())
-            self.prefill_masks = [self.positions[self.offsets[i]:self.offsets[i + 1], None] >= torch.arange(
-                end, device=self.device)[None, :] for i, end in zip(self.prefills, ends.tolist())]
+        self.prefill_ends, self.prefill_masks = ends.tolist(), None  # the masks: made at the first layer
         self.longest_decode = int(starts[decodes].max()) + 1 if len(decodes) else 0
         return {name: on_device[name] for name in extra or {}}
 
@@ -246,11 +237,13 @@ class PagedKVCache:
         out = torch.empty_like(q[0].transpose(0, 1))  # (N, H, D)
         if len(self.decode_rows):
             out[self.decode_rows] = self._decode(q[0].transpose(0, 1)[self.decode_rows], layer)
+        if self.prefill_masks is None:
+            self._prefill_masks()
         if self.batched:
             P, queries = self.prefill_rows.shape
             y = F.scaled_dot_product_attention(q[0].transpose(0, 1)[self.prefill_rows].transpose(1, 2),
                                                *self._gather(layer, self.prefill_context, H, q.dtype),
-                                               attn_mask=self.prefill_mask)  # (P, H, queries, D)
+                                               attn_mask=self.prefill_masks[0])  # (P, H, queries, D)
             out[self.prefill_real_rows] = y.transpose(1, 2).reshape(P * queries, H, D)[self.prefill_real]
             return out.transpose(0, 1)[None]
         for i, slots, mask in zip(self.prefills, self.prefill_slots, self.prefill_masks):
@@ -259,6 +252,19 @@ class PagedKVCache:
                                                *self._gather(layer, slots[None], H, q.dtype), attn_mask=mask)
             out[first:first + count] = y[0].transpose(0, 1)
         return out.transpose(0, 1)[None]
+
+    def _prefill_masks(self) -> None:
+        """The prefills' causal masks, shared by every layer: query i of a prefill is token start + i and sees
+        every key up to and including itself. Made at the first layer, as the decodes' contexts are: device work
+        (a GRPO step's padded batch of prefills is a mask of a few hundred thousand entries)."""
+        if self.batched:
+            width = self.prefill_context.size(1)
+            self.prefill_masks = [(torch.arange(width, device=self.device) <= self.prefill_positions[:, :, None])
+                                  [:, None]]
+            return
+        self.prefill_slots = self.context_slots.split(self.prefill_ends)
+        self.prefill_masks = [self.positions[self.offsets[i]:self.offsets[i + 1], None] >= torch.arange(
+            end, device=self.device)[None, :] for i, end in zip(self.prefills, self.prefill_ends)]
 
     def _decode(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
         """Attention of the decodes' queries (S, H, D) over their contexts: the paged kernel reads the blocks in

@@ -437,7 +437,8 @@ class Scheduler:
             tokens = request.tokens
             # a prompt whose log-probabilities are asked for is computed whole: no cached prefix to take
             sharing = self.prefix_caching and request.sampling.prompt_logprobs is None
-            got = self.pool.allocate(tokens if sharing else [], len(tokens), filling)
+            got = self.pool.allocate(tokens, len(tokens), filling, request.block_keys) if sharing else \
+                self.pool.allocate([], len(tokens))
             if got is None:
                 self.waiting.appendleft(request)
                 break
