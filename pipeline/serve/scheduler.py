@@ -181,7 +181,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSequence]:
         """This step's plan: decodes, then the chunks of the prompts being computed (oldest first), then newly
         admitted requests, within the token budget; blocks made ready for all of it."""
-        self.dropped = None
+        self.dropped, self.planned = None, ([], [])  # (not holding finished requests past their step)
         if self.decoding is not None:
             steady, self.decoding = self._decode_again(*self.decoding), None
             if steady is not None:
