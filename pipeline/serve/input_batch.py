@@ -100,8 +100,8 @@ class InputBatch:
             self.logprobs[slots] = [s.logprobs is not None or s.prompt_logprobs is not None for s in params]
             self.prompt_len[slots] = [len(r.prompt) for r in new]
             self.limit[slots] = self.prompt_len[slots] + [s.max_tokens for s in params]
-            arrays = {id(s): self._stop_array(s) for s in {p.stop_ids for p in params}}  # one per distinct set
-            stops = [arrays[id(p.stop_ids)] for p in params]
+            arrays = {s: self._stop_array(s) for s in {p.stop_ids for p in params}}  # one per distinct set
+            stops = [arrays[p.stop_ids] for p in params]
             for slot, array in zip(slots.tolist(), stops):
                 self.stop_ids[slot] = array
             self._count_stops(stops, 1)

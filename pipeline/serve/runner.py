@@ -279,8 +279,8 @@ class ModelRunner:
         if self.timing:
             self.device_seconds += self._clock() - started
         self.reads += 1
-        tokens = new.tolist()  # the step's one read back
-        sampled = np.array(tokens, dtype=np.int64)
+        sampled = new.cpu().numpy()  # the step's one read back
+        tokens = sampled.tolist()
         flagged = b.flagged(slots, sampled, self.cache.block_size).tolist()
         b.advance(slots, np.ones(n, np.int64), np.arange(n), sampled)
         self.decoded = slots
