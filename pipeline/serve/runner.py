@@ -231,9 +231,9 @@ class ModelRunner:
         values = asked.compute(logits, new, on_device)
         if self.timing:
             self.device_seconds += self._clock() - started
-        if new is None and not values:
+        if new is None and not values:  # prompt chunks only, none at its end: each applied on its own
             b.advance(slots, counts, rows, np.zeros(0, np.int64))
-            return StepResult([[] for _ in plan], [0] * n)
+            return StepResult(None, None, decoded=[-1] * n, special=list(range(n)))
         self.reads += 1
         count = len(rows) + len(forks)
         if values:  # the step's one read back: the tokens and the log-probabilities asked for (ids exact in float64)

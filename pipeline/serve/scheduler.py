@@ -56,19 +56,19 @@ class ScheduledSequence:
 
 @dataclass
 class StepResult:
-    """What the runner gives back for a step's plan, in its order: each sequence's new tokens (none for a prefill
-    chunk short of the end), how many draft tokens it verified, and the first tokens of its forks (a request
-    whose prompt ended this step: `Request.forks`, in their order; None when no sequence forks, and in the flat
-    form below for each sequence without forks). With log-probabilities asked for: each new token's
-    (`logprobs`, in step with `tokens`), each fork's first token's (`fork_logprobs`), and the prompt positions'
-    this step computed (`prompt_logprobs`, from the chunk's first position); None where none was asked.
+    """What the runner gives back for a step's plan, per sequence in its order: the first tokens of its forks (a
+    request whose prompt ended this step: `Request.forks`, in their order; None when no sequence forks, and in
+    the flat form below for each sequence without forks), and with log-probabilities asked for each new token's
+    (`logprobs`), each fork's first token's (`fork_logprobs`) and the prompt positions' this step computed
+    (`prompt_logprobs`, from the chunk's first position); None where none was asked.
 
-    Without a draft model the tokens come back flat instead (`tokens` and `drafted` None): `decoded`, sequence
-    i's token (-1 for a chunk short of its end); `special`, the sequences that are not plain decodes (prompt
-    chunks, rows with log-probabilities), applied one by one; and `flagged`, the plain decodes whose token may
-    end their request or that filled a block (a superset, found with array operations), the only others the
-    scheduler looks at. A step of plain decodes only (GRPO's and a loaded server's steady state) has no special
-    sequence."""
+    The tokens come back flat: `decoded`, sequence i's token (-1 for a chunk short of its end); `special`, the
+    sequences that are not plain decodes (prompt chunks, rows with log-probabilities), applied one by one; and
+    `flagged`, the plain decodes whose token may end their request or that filled a block (a superset, found
+    with array operations), the only others the scheduler looks at. A step of plain decodes only (GRPO's and a
+    loaded server's steady state) has no special sequence. A step that verified a draft model's tokens comes
+    back per sequence instead (`decoded` None): `tokens`, its new tokens, and `drafted`, how many of them were
+    drafts (log-probabilities are not reported with a draft model)."""
 
     tokens: list[list[int]] | None
     drafted: list[int] | None
@@ -262,18 +262,15 @@ class Scheduler:
         events = []
         if len(result.tokens) != len(plan) or len(result.drafted) != len(plan):
             raise ValueError(f"a step of {len(plan)} sequences got {len(result.tokens)} results")
-        forked, drafted, lps = result.forked, result.drafted, result.logprobs
-        fork_lps, prompt_lps = result.fork_logprobs, result.prompt_logprobs
-        # A decode's one token with nothing else asked is applied inline, the rest by `_apply`: a step that forks,
-        # prefills or reports log-probabilities for a few rows still decodes the others the plain way.
-        special = {i for per_row in (drafted if any(drafted) else None, forked, lps, prompt_lps) if per_row
-                   for i, x in enumerate(per_row) if x}  # rows with drafts, forks or log-probabilities
+        forked, drafted = result.forked, result.drafted
+        # A decode's one token is applied inline, the rest by `_apply`: a step that verifies drafts or forks for a
+        # few rows still decodes the others the plain way.
+        special = {i for per_row in (drafted, forked) if per_row for i, x in enumerate(per_row) if x}
         for i, (seq, new) in enumerate(zip(plan, result.tokens)):
             request = seq.request
             before = request.computed
-            if seq.count != 1 or len(new) != 1 or before < len(request.prompt) or special and i in special:
-                self._apply(seq, new, drafted[i], forked[i] if forked else [], lps[i] if lps else None,
-                            fork_lps[i] if fork_lps else None, prompt_lps[i] if prompt_lps else None, events)
+            if seq.count != 1 or len(new) != 1 or before < len(request.prompt) or i in special:
+                self._apply(seq, new, drafted[i], forked[i] if forked else [], None, None, None, events)
                 continue
             request.output.append(new[0])
             events.append((request, new[0]))
