@@ -15,6 +15,7 @@ from kiln.model.config import ModelConfig
 from kiln.model.generate import generate
 from kiln.model.gpt import GPT
 from kiln.pipeline.serve.engine import Engine
+from kiln.pipeline.serve.input_batch import slots_of
 from kiln.pipeline.serve.request import Request, SamplingParams, fork_groups
 
 VOCAB = 97
@@ -87,6 +88,7 @@ def run_arriving(engine: Engine, requests: list[Request], seed: int) -> None:
     ("llama", 64, 4, 7, None),         # 7-token steps: prompts prefill in chunks beside the decodes
     ("llama", 12, 4, 32, None),        # 12 blocks of 4 for 8 requests: preemption and recompute
     ("gpt2", 40, 8, 16, [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]),  # a shared system prompt
+    ("llama", 48, 5, 9, None),         # blocks of 5: slots found by division, not by shifts
 ])
 def test_greedy_engine_equals_generate_token_for_token(arch, blocks, block_size, budget, shared):
     model = tiny(arch)
@@ -641,3 +643,14 @@ def test_a_prompt_a_full_step_left_out_is_not_left_out_of_the_next():
         return [head, Request(list(range(20, 39)), SamplingParams(max_tokens=4, temperature=0.8, seed=9))]
 
     side_by_side(tiny(), make, blocks=200, budget=3, arriving=1.0)
+
+
+@pytest.mark.parametrize("block_size", [1, 3, 4, 5, 16])
+def test_a_slot_is_its_block_times_the_block_size_plus_its_offset(block_size):
+    rng = np.random.default_rng(block_size)
+    tables = rng.integers(0, 1000, (6, 5))
+    positions = rng.integers(0, 5 * block_size, (6, 7))
+    expected = [[tables[i, p // block_size] * block_size + p % block_size for p in row]
+                for i, row in enumerate(positions.tolist())]
+    assert slots_of(tables[:, None, :], positions, block_size).tolist() == expected
+    assert slots_of(tables, positions[:, 0], block_size).tolist() == [row[0] for row in expected]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kiln.model.modes import evaluating
-from kiln.pipeline.serve.kv_cache import PagedKVCache
+from kiln.pipeline.serve.kv_cache import EVERY_ROW, PagedKVCache
 
 GRAPH_BATCH = 256  # by default, decode batches up to this size replay graphs (vLLM captures up to 512)
 # the captured inputs: the token ids and the arrays of the cache's decode-only step
@@ -121,7 +121,6 @@ class DecodeGraphs:
         def forward() -> torch.Tensor:
             for name in INPUTS[1:]:
                 setattr(self.cache, name, views[name])
-            self.cache.decode_rows = None
-            self.cache.logit_rows = torch.arange(bucket, device=self.cache.device)
+            self.cache.decode_rows, self.cache.logit_rows = None, EVERY_ROW  # decodes only: every row's logits
             return self.model(views["ids"][None], cache=self.cache)[0]
         return forward

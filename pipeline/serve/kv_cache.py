@@ -33,6 +33,8 @@ from kiln.pipeline.serve import shared_prefix
 from kiln.pipeline.serve.input_batch import slots_of
 from kiln.pipeline.serve.transfer import HostToDevice
 
+EVERY_ROW = slice(None)  # a decode step's `logit_rows`: the model reads every row's logits, a view of them all
+
 
 class Segment(NamedTuple):
     """One sequence's share of a step: `count` new tokens at positions [start, start + count), in `table`, of
@@ -58,7 +60,6 @@ class PagedKVCache:
         self.max_blocks = -(-config.max_seq_len // block_size)  # the longest table a sequence can have
         self.triton = use_triton(backend, self.k)  # decodes by the paged kernel, else gathered for SDPA
         self.shared: dict[str, torch.Tensor] | None = None  # the step's shared-prefix groups (torch path)
-        self.arange = torch.arange(step_tokens, device=self.device)  # the rows of a decode step's logits (`_rows`)
         # room for most steps of `step_tokens` new tokens (ids, positions, slots, logit rows, block tables,
         # prefill contexts); one that needs more grows it
         self.transfer = HostToDevice(self.k.device, 8 * step_tokens + 4 * config.max_seq_len + num_blocks)
@@ -158,16 +159,9 @@ class PagedKVCache:
             host |= self._shared(tables, starts + 1)
         on_device = self._upload(host, extra)
         self.decode_rows = None  # None: every row is a decode
-        self.logit_rows = self._rows(len(starts))
+        self.logit_rows = EVERY_ROW
         self.longest_decode = int(starts[:n].max()) + 1 if n else 0
         return {name: on_device[name] for name in extra or {}}
-
-    def _rows(self, n: int) -> torch.Tensor:
-        """0..n-1 on the device, a view of one tensor made once (and again when a step is wider): nothing to send,
-        and no launch a step."""
-        if len(self.arange) < n:
-            self.arange = torch.arange(max(n, 2 * len(self.arange)), device=self.device)
-        return self.arange[:n]
 
     def _shared(self, tables: np.ndarray, lens: np.ndarray) -> dict[str, np.ndarray]:
         """The torch path's groups of decodes that share leading blocks (serve/shared_prefix.py), to upload with

@@ -30,6 +30,7 @@ WORTH = 0.5
 # 96 of 106 positions, 4 layers, plan included, medians of 30 on a CPU: 32 rows 1.25x the plain path's time, 64
 # even, 128 0.77x, 256 0.17x; GRPO's stage at the defaults decodes 32)
 MIN_ROWS = 64
+NO_LINK = np.iinfo(np.int64).max  # past a group's last row: no link to the next group
 
 
 def plan(tables: np.ndarray, lens: np.ndarray, block_size: int) -> dict[str, np.ndarray] | None:
@@ -47,41 +48,46 @@ def plan(tables: np.ndarray, lens: np.ndarray, block_size: int) -> dict[str, np.
     # share only a system prompt are split, each group at its own depth, the lone ones together at the system
     # prompt's.
     order = np.lexsort(tables.T[::-1])
-    full, ordered = lens[order] // block_size, tables[order]
+    ordered, sorted_lens = tables[order], lens[order]
+    full = sorted_lens // block_size
     same = ordered[1:] == ordered[:-1]
     common = np.where(same.all(axis=1), same.shape[1], same.argmin(axis=1))  # leading blocks alike
     link = np.minimum(common, np.minimum(full[1:], full[:-1]))
-    split = link == 0
-    split[1:] |= link[1:] < link[:-1]
-    split[:-1] |= link[:-1] < link[1:]
-    starts = np.concatenate(([0], 1 + np.flatnonzero(split)))
-    sizes = np.diff(np.append(starts, n))
-    if sizes.max() < 2:
+    first = np.empty(n, bool)  # where a group starts
+    first[0], first[1:] = True, link == 0
+    step = link[1:] - link[:-1]
+    first[2:] |= step < 0
+    first[1:-1] |= step > 0
+    starts = np.flatnonzero(first)
+    sizes = np.append(starts[1:], n) - starts
+    R = int(sizes.max())
+    if R < 2:
         return None
     # each group's shared blocks: the least link inside it (a group of one: all its full blocks, its own context
     # split in two parts, so that it does not widen every row's own part)
-    internal = np.append(link, 0)  # row i's link to row i + 1, but for each group's last row
-    internal[np.append(starts[1:], n) - 1] = np.iinfo(np.int64).max
+    internal = np.append(link, NO_LINK)  # row i's link to row i + 1, but for each group's last row
+    internal[starts[1:] - 1] = NO_LINK
     shared = np.where(sizes > 1, np.minimum.reduceat(internal, starts), full[starts])
-    leader = np.repeat(starts, sizes)
+    group = np.repeat(np.arange(len(starts)), sizes)  # each sorted row's
     prefix = shared * block_size
-    own = lens[order] - np.repeat(prefix, sizes)
-    G, R, P, S = len(starts), int(sizes.max()), int(prefix.max()), int(own.max())
+    sorted_prefix = prefix[group]
+    G, P, S = len(starts), int(prefix.max()), int((sorted_lens - sorted_prefix).max())
     if G * P + n * S > WORTH * n * int(lens.max()):
         return None
     # rows: each group's in a padded row, the padding repeating its first
-    column = np.arange(n) - leader
-    groups = np.repeat(order[starts][:, None], R, axis=1)
-    groups[np.repeat(np.arange(G), sizes), column] = order
+    column = np.arange(n) - starts[group]
+    heads = order[starts]
+    groups = np.repeat(heads[:, None], R, axis=1)
+    groups[group, column] = order
     places = np.empty(n, np.int64)
-    places[order] = np.repeat(np.arange(G), sizes) * R + column
+    places[order] = group * R + column
     # a group's shared blocks, whole; past them its first slot (padding must be slots of the context: one outside
     # every context may hold anything, NaN included, which a zero weight would not hide)
-    leaders = tables[order[starts]]
+    leaders = tables[heads]
     whole = (leaders[:, :P // block_size, None] * block_size + np.arange(block_size)).reshape(G, P)
     prefix_slots = np.where(np.arange(P) < prefix[:, None], whole, leaders[:, :1] * block_size)
     row_prefix = np.empty(n, np.int64)
-    row_prefix[order] = np.repeat(prefix, sizes)
+    row_prefix[order] = sorted_prefix
     suffix_lens = lens - row_prefix
     positions = row_prefix[:, None] + np.minimum(np.arange(S), suffix_lens[:, None] - 1)  # padding: its last
     suffix_slots = slots_of(tables[:, None, :], positions, block_size)
