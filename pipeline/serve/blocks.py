@@ -50,10 +50,12 @@ class BlockPool:
         self.refs[block] = 1
         return block
 
-    def _share(self, block: int) -> None:
-        if self.refs[block] == 0:
-            del self.free[block]
-        self.refs[block] += 1
+    def _share(self, blocks: list[int]) -> None:
+        refs, free = self.refs, self.free  # (a fork shares a whole prompt's blocks: one call, not one a block)
+        for block in blocks:
+            if not refs[block]:
+                del free[block]
+            refs[block] += 1
 
     def prefix_keys(self, tokens: Sequence[int], known: list[int] | None = None) -> list[int]:
         """The key of each full block of `tokens`, in order. `known`, the keys of its first blocks found before
@@ -84,8 +86,7 @@ class BlockPool:
         reclaimed = sum(self.refs[b] == 0 for b in shared)
         if fresh > self.available() - reclaimed:
             return None
-        for block in shared:
-            self._share(block)
+        self._share(shared)
         return shared + [self._take() for _ in range(fresh)], len(shared) * self.block_size
 
     def fork(self, table: list[int], tokens: int) -> tuple[list[int], tuple[int, int, int] | None] | None:
@@ -96,12 +97,12 @@ class BlockPool:
         full, partial = divmod(tokens, self.block_size)
         if partial and not self.available():
             return None
-        for block in table[:full]:
-            self._share(block)
+        shared = table[:full]
+        self._share(shared)
         if not partial:
-            return table[:full], None
+            return shared, None
         copy = self._take()
-        return table[:full] + [copy], (table[full], copy, partial)
+        return shared + [copy], (table[full], copy, partial)
 
     def grow(self, table: list[int], tokens: int) -> bool:
         """Extend `table` to hold `tokens` tokens; False, with the table unchanged, when the pool is short."""
