@@ -144,8 +144,9 @@ class PagedKVCache:
         """`begin` for a step of decodes only (one token each, every row gets logits): row i feeds position
         starts[i] of the sequence whose block table is tables[i] (zero-padded), with no Segment per row."""
         n = len(starts)
-        if n and starts.max() >= tables.shape[1] * self.block_size:
-            raise ValueError(f"a decode at position {starts.max()} does not fit {tables.shape[1]} blocks")
+        self.longest_decode = int(starts.max()) + 1 if n else 0
+        if self.longest_decode > tables.shape[1] * self.block_size:
+            raise ValueError(f"a decode at position {self.longest_decode - 1} does not fit {tables.shape[1]} blocks")
         if pad_to and pad_to < n:
             raise ValueError(f"pad_to={pad_to}: expected decodes only, at most that many")
         self.prefills, self.batched = [], False
@@ -153,14 +154,14 @@ class PagedKVCache:
             starts = np.pad(starts, (0, pad_to - n))
             tables = np.pad(tables, ((0, pad_to - n), (0, self.max_blocks - tables.shape[1])),
                             constant_values=self.scratch)
-        host = {"positions": starts, "decode_tables": tables, "decode_lens": starts + 1,
+        lens = starts + 1
+        host = {"positions": starts, "decode_tables": tables, "decode_lens": lens,
                 "slots": slots_of(tables, starts, self.block_size)}
         if not pad_to:
-            host |= self._shared(tables, starts + 1)
+            host |= self._shared(tables, lens)
         on_device = self._upload(host, extra)
         self.decode_rows = None  # None: every row is a decode
         self.logit_rows = EVERY_ROW
-        self.longest_decode = int(starts[:n].max()) + 1 if n else 0
         return {name: on_device[name] for name in extra or {}}
 
     def _shared(self, tables: np.ndarray, lens: np.ndarray) -> dict[str, np.ndarray]:
@@ -173,7 +174,7 @@ class PagedKVCache:
         """The step's indices and the caller's arrays to the device in one copy; the indices kept as attributes
         (the shared-prefix groups' in `shared`, None without)."""
         extra = extra or {}
-        if set(extra) & set(host):
+        if not extra.keys().isdisjoint(host):
             raise ValueError(f"extra arrays {sorted(set(extra) & set(host))}: names the cache uses")
         on_device = self.transfer.upload(host | extra)
         self.shared = {name[7:]: on_device[name] for name in host if name.startswith("shared_")} or None
