@@ -138,11 +138,12 @@ class InputBatch:
             self._stop_arrays[stop_ids] = array
         return array
 
-    def advance(self, slots: np.ndarray, counts: np.ndarray, sampled: np.ndarray, tokens: np.ndarray) -> None:
+    def advance(self, slots: np.ndarray, counts: np.ndarray | int, sampled: np.ndarray | None,
+                tokens: np.ndarray) -> None:
         """Move the rows of `slots` on by a step: counts[i] more tokens computed; the rows `sampled` (indices into
-        `slots`) got `tokens`, one each."""
+        `slots`; None: every one) got `tokens`, one each."""
         self.computed[slots] += counts
-        grown = slots[sampled]
+        grown = slots if sampled is None else slots[sampled]
         self.length[grown] += 1
         self.last[grown] = tokens
 

@@ -267,7 +267,7 @@ class ModelRunner:
         """A step of plain decodes (the steady state: every sequence feeds its last token and samples one, nothing
         else asked), all from the rows of `slots`: the tokens as they are, and the few rows the scheduler must
         look at (`StepResult.flagged`), found before the rows move on."""
-        b, n = self.batch, len(slots)
+        b = self.batch
         starts, lengths = b.computed[slots], b.length[slots]
         tables = b.block_tables(slots, lengths, self.cache.block_size)
         extra = {"ids": b.last[slots]}
@@ -282,7 +282,7 @@ class ModelRunner:
         sampled = new.cpu().numpy()  # the step's one read back
         tokens = sampled.tolist()
         flagged = b.flagged(slots, sampled, self.cache.block_size).tolist()
-        b.advance(slots, np.ones(n, np.int64), np.arange(n), sampled)
+        b.advance(slots, 1, None, sampled)
         self.decoded = slots
         return StepResult(None, None, decoded=tokens, flagged=flagged)
 
