@@ -54,6 +54,9 @@ def test_every_variant_serves_the_whole_workload(tmp_path):
     # prompt prefills first, the rest share the cached prompts, so a few steps more than the generator's
     assert 1 < generator["steps"] <= config.max_seq_len // 8
     assert generator["steps"] < engine["steps"] <= 1.5 * generator["steps"] + 4
+    # the torch path's rollouts again without the cascade: the same work, grouped on the host no more
+    plain = rows["rollouts 64 x 8: engine, no cascade"]
+    assert plain["requests"] == 512 and plain["prefill_tokens"] == engine["prefill_tokens"]
 
 
 def test_output_lengths_are_long_tailed_or_uniform_and_fit_the_context():

@@ -435,6 +435,10 @@ def test_groups_decoding_over_their_shared_prompt_draw_as_if_alone(monkeypatch):
     assert calls
     expected = generate(model, texts, 6, temperature=0.0)
     assert [r.output for r in greedy] == [e for e in expected for _ in range(8)]
+    calls.clear()  # turned off (vLLM's disable_cascade_attn), every decode gathers its whole context
+    plain = [Request(p, SamplingParams(max_tokens=6)) for p in texts for _ in range(8)]
+    Engine(model, num_blocks=256, block_size=4, cascade=False).run(fork_groups(plain, 8))
+    assert not calls and [r.output for r in plain] == [r.output for r in greedy]
 
 
 def test_a_fork_the_pool_cannot_hold_computes_its_prompt_itself():

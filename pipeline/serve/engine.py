@@ -27,11 +27,12 @@ from kiln.pipeline.serve.scheduler import ScheduledSequence, Scheduler
 
 class Engine:
     """`model` (a GPT in eval mode) serving requests from a pool of `num_blocks` blocks of `block_size` tokens.
-    On CUDA, decode-only steps of up to `graph_batch` sequences replay CUDA graphs (0: never)."""
+    On CUDA, decode-only steps of up to `graph_batch` sequences replay CUDA graphs (0: never). `cascade`: on the
+    torch attention path, decodes that share a prompt read it once (PagedKVCache)."""
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, max_batch_tokens: int = 256,
                  prefix_caching: bool = True, dtype: torch.dtype | None = None, backend: str = "auto",
-                 draft=None, speculate: int = 4, graph_batch: int = GRAPH_BATCH):
+                 draft=None, speculate: int = 4, graph_batch: int = GRAPH_BATCH, cascade: bool = True):
         if max_batch_tokens < 1 or speculate < 1 or graph_batch < 0:
             raise ValueError(f"max_batch_tokens={max_batch_tokens}, speculate={speculate}, graph_batch={graph_batch}: "
                              "expected positive integers (graph_batch may be 0)")
@@ -39,7 +40,8 @@ class Engine:
         device = next(p.device for p in model.parameters())
         dtype = dtype or next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.pool = BlockPool(num_blocks, block_size)
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, device, dtype, backend, max_batch_tokens)
+        self.cache = PagedKVCache(model.config, num_blocks, block_size, device, dtype, backend, max_batch_tokens,
+                                  cascade)
         # Speculative decoding: the draft keeps its own cache with the same block tables as the target's.
         draft_cache = None
         if draft is not None:
@@ -48,14 +50,15 @@ class Engine:
                 raise ValueError(f"draft: vocabulary {d.vocab_size} and context {d.max_seq_len}; the model has "
                                  f"{c.vocab_size} and {c.max_seq_len} (the draft needs the same vocabulary and at "
                                  "least its context)")
-            draft_cache = PagedKVCache(d, num_blocks, block_size, device, dtype, backend, max_batch_tokens)
+            draft_cache = PagedKVCache(d, num_blocks, block_size, device, dtype, backend, max_batch_tokens, cascade)
         self.scheduler = Scheduler(self.pool, model.config.max_seq_len, max_batch_tokens, prefix_caching,
                                    speculate if draft is not None else 0)
         self.runner = ModelRunner(model, self.cache, draft, draft_cache, graph_batch)
 
     @classmethod
     def sized_for(cls, model, requests: list[Request], concurrent: int | None = None, block_size: int = 16,
-                  max_batch_tokens: int = 2048, dtype: torch.dtype | None = None, graph_batch: int = 0) -> Engine:
+                  max_batch_tokens: int = 2048, dtype: torch.dtype | None = None, graph_batch: int = 0,
+                  cascade: bool = True) -> Engine:
         """An engine whose cache holds `concurrent` of `requests` (all, by default) at their longest, so the batch
         stays full and nothing is preempted while the rest wait their turn. `dtype`: the cache's (default the
         parameters'). `graph_batch`: on CUDA, decode steps of up to that many sequences replay graphs captured
@@ -70,7 +73,7 @@ class Engine:
             need += [blocks(r), *(blocks(f) - len(f.prompt) // block_size for f in r.forks)]
         need.sort(reverse=True)
         return cls(model, max(1, sum(need[:concurrent])), block_size, max_batch_tokens, dtype=dtype,
-                   graph_batch=graph_batch)
+                   graph_batch=graph_batch, cascade=cascade)
 
     def add(self, request: Request) -> Request:
         """Queue a request (checked: it must fit the model's context and, alone, the pool)."""

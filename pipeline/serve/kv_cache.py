@@ -51,7 +51,7 @@ class PagedKVCache:
     """Keys and values for `num_blocks` blocks of `block_size` tokens, every layer, and the step being run."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=None,
-                 backend: str = "auto", step_tokens: int = 256):
+                 backend: str = "auto", step_tokens: int = 256, cascade: bool = True):
         # one block more than the pool hands out: the scratch block, where a CUDA graph's padding rows write
         shape = (config.n_layer, num_blocks + 1, block_size, config.n_kv_head, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
@@ -59,6 +59,10 @@ class PagedKVCache:
         self.block_size, self.backend, self.scratch = block_size, backend, num_blocks
         self.max_blocks = -(-config.max_seq_len // block_size)  # the longest table a sequence can have
         self.triton = use_triton(backend, self.k)  # decodes by the paged kernel, else gathered for SDPA
+        # the torch path's cascade attention for decodes that share leading blocks (serve/shared_prefix.py); off,
+        # every decode gathers its whole context (vLLM's disable_cascade_attn: the same attention, summed in
+        # another order)
+        self.cascade = cascade and not self.triton
         self.shared: dict[str, torch.Tensor] | None = None  # the step's shared-prefix groups (torch path)
         # room for most steps of `step_tokens` new tokens (ids, positions, slots, logit rows, block tables,
         # prefill contexts); one that needs more grows it
@@ -167,7 +171,7 @@ class PagedKVCache:
     def _shared(self, tables: np.ndarray, lens: np.ndarray) -> dict[str, np.ndarray]:
         """The torch path's groups of decodes that share leading blocks (serve/shared_prefix.py), to upload with
         the step's indices under a `shared_` prefix; none on the paged kernel or when sharing saves too little."""
-        found = None if self.triton else shared_prefix.plan(tables, lens, self.block_size)
+        found = shared_prefix.plan(tables, lens, self.block_size) if self.cascade else None
         return {f"shared_{name}": a for name, a in (found or {}).items()}
 
     def _upload(self, host: dict[str, np.ndarray], extra: dict[str, np.ndarray] | None) -> dict[str, torch.Tensor]:

@@ -21,6 +21,9 @@ token's wall-clock time), and the KV cache held.
 - batch 1: 8 requests one after another, each answering at length (half a context, or the room its prompt
   leaves), on an engine whose cache holds one context; with `--draft` (a model with the same vocabulary) also with speculative decoding (`--speculate`
   tokens a step), with the draft's acceptance rate.
+- rollouts: GRPO's shape (64 prompts x 8 completions at temperature 1) by the batched generator and by the
+  engine, a group as one request and its forks; on the torch attention path also without its cascade (the
+  groups' shared prompts then gathered for every row, and nothing grouped on the host).
 - transformers: `generate` of the model exported as `kiln convert to-hf` would (the same config and tensor
   mapping), one request at a time, when transformers is installed.
 
@@ -172,23 +175,29 @@ def run_rollouts(model: GPT, prompts: list[list[int]], group: int, new_tokens: i
     out.append({"variant": f"rollouts {len(prompts)} x {group}: batched generator", "requests": len(rows),
                 "output_tokens": tokens, "output_tokens_per_s": round(tokens / seconds, 1),
                 "seconds": round(seconds, 3), "steps": len(forwards)})
-    requests = [Request(p, SamplingParams(new_tokens, 1.0, seed=seed + j, stop_ids=stops)) for j, p in enumerate(rows)]
-    heads = fork_groups(requests, group)  # a group is one request and its forks, as GRPO samples
-    engine = Engine.sized_for(model, heads)
-    engine.runner.timing = True
-    start, steps = time.perf_counter(), 0
-    for request in heads:
-        engine.add(request)
-    while engine.has_work():
-        engine.step()
-        steps += 1
-    seconds = time.perf_counter() - start
-    tokens = sum(len(r.output) for r in requests)
-    out.append({"variant": f"rollouts {len(prompts)} x {group}: engine", "requests": len(rows),
-                "output_tokens": tokens, "output_tokens_per_s": round(tokens / seconds, 1),
-                "seconds": round(seconds, 3), "prefill_tokens": engine.scheduler.prefill_tokens,
-                "speedup_vs_generator": round(tokens / seconds / out[0]["output_tokens_per_s"], 3),
-                **step_costs(engine, steps, seconds)})
+    # the torch attention path runs the rollouts twice: with its cascade (the shared prompts read once, grouped
+    # on the host every step) and without, what the cascade costs the host and saves the device
+    for cascade in (True, False):
+        requests = [Request(p, SamplingParams(new_tokens, 1.0, seed=seed + j, stop_ids=stops))
+                    for j, p in enumerate(rows)]
+        heads = fork_groups(requests, group)  # a group is one request and its forks, as GRPO samples
+        engine = Engine.sized_for(model, heads, cascade=cascade)
+        if not cascade and engine.cache.triton:  # the paged kernel has no cascade to turn off
+            break
+        engine.runner.timing = True
+        start, steps = time.perf_counter(), 0
+        for request in heads:
+            engine.add(request)
+        while engine.has_work():
+            engine.step()
+            steps += 1
+        seconds = time.perf_counter() - start
+        tokens = sum(len(r.output) for r in requests)
+        out.append({"variant": f"rollouts {len(prompts)} x {group}: engine{'' if cascade else ', no cascade'}",
+                    "requests": len(rows), "output_tokens": tokens, "output_tokens_per_s": round(tokens / seconds, 1),
+                    "seconds": round(seconds, 3), "prefill_tokens": engine.scheduler.prefill_tokens,
+                    "speedup_vs_generator": round(tokens / seconds / out[0]["output_tokens_per_s"], 3),
+                    **step_costs(engine, steps, seconds)})
     return out
 
 
