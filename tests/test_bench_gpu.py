@@ -89,6 +89,20 @@ def test_generate_bench_wrote_rows(smoke):
     assert rows and all(r["decode_tokens_per_s"] > 0 for r in rows)
 
 
+def test_grpo_ran_from_the_pretrained_model_graphed_and_eager(smoke):
+    """The grpo step: the stage twice from pretrain's model, its rollouts with CUDA graphs asked for (none on a
+    CPU) and with grpo.enforce_eager, each run's timings collected and set side by side in the headline."""
+    _, out, work = smoke
+    runs = {how: json.loads((out / f"grpo_{how}.json").read_text()) for how in ("graphs", "eager")}
+    assert all(t["rollout_tokens_per_s"] > 0 and 0 < t["generate_share"] < 1 for t in runs.values())
+    assert (work / "run" / "grpo-eager" / "model" / "model.safetensors").is_file()
+    assert 'failures="0"' in (out / "grpo_tests.xml").read_text()  # the engine's graph tests, after them
+    found = json.loads((out / "summary.json").read_text())["headline"]
+    assert found["grpo_eager_rollout_tokens_per_s"] == runs["eager"]["rollout_tokens_per_s"]
+    assert found["grpo_graphs_speedup"] == round(runs["graphs"]["rollout_tokens_per_s"]
+                                                 / runs["eager"]["rollout_tokens_per_s"], 3)
+
+
 @pytest.mark.parametrize("args, named", [(["--size", "huge"], "--size 'huge'"),
                                          (["--steps", "env,lint"], "--steps lint"),
                                          (["--size", "quick"], "needs a CUDA GPU")])
@@ -158,7 +172,7 @@ def test_a_step_not_run_is_named_and_older_files_never_stand_in_for_it(tmp_path)
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["headline"] == {} and summary["not_run"] == [s for s in STEPS if s != "env"]
-    assert "not run: train, kernels, tests, pretrain, generate, serve" in result.output
+    assert "not run: train, kernels, tests, pretrain, generate, serve, grpo" in result.output
     assert "headline:" not in result.output and "pretrain_val_loss" not in result.output
 
 
@@ -174,6 +188,29 @@ def test_quick_fits_one_device_call_and_splits_the_step_by_op(tmp_path):
     variants = train[train.index("--variants") + 1].split(",")
     assert variants == ["bf16-compile-torch", "bf16-compile-triton", "bf16-compile-triton:head",
                         "bf16-compile-triton:attention"] and "--top-ops" in train
+    # grpo is named to run (`--steps pretrain,grpo`): bf16 on CUDA, graphed and then eager
+    assert "grpo" not in quick
+    graphed, eager, tests = steps["grpo"].commands
+    assert tests[3].endswith("test_serve_graphs.py")
+    assert "train.device=cuda" in graphed and "train.precision=bf16" in graphed
+    assert eager == [*graphed[:-1], "run/grpo-eager", "--set", "enforce_eager=true"]
+
+
+def test_a_step_named_runs_where_its_size_leaves_it_out(tmp_path, monkeypatch):
+    """Quick leaves grpo out unless --steps names it; named, it runs at quick's shapes."""
+    import sys
+
+    from kiln.pipeline.tools import bench_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # quick's check; the step itself is a stand-in
+    monkeypatch.setattr(bench_gpu, "plan", lambda size, out, work: [
+        bench_gpu.Step(name, [[sys.executable, "-c", f"print('{size} {name}')"]]) for name in ("serve", "grpo")])
+    result = CliRunner().invoke(app, ["bench", "gpu", "--steps", "grpo", "--out", str(tmp_path / "out"),
+                                      "--work", str(tmp_path / "work")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["size"] == "quick" and [s["step"] for s in summary["steps"]] == ["grpo"]
+    assert "quick grpo" in (tmp_path / "out" / "grpo.log").read_text() and "grpo" not in summary["not_run"]
 
 
 def test_a_running_step_is_packed_as_it_goes(tmp_path, monkeypatch):

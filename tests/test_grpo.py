@@ -202,6 +202,27 @@ def test_compiled_micro_batches_come_in_a_few_widths(tiny, project):
             assert torch.equal(x[:, :want], x0) and torch.equal(y[:, :want], y0) and (y[:, want:] == IGNORE).all()
 
 
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_the_kept_engine_is_graphed_for_a_rollout_batch_unless_eager(tiny, project, monkeypatch, eager):
+    """The stage's one engine asks for CUDA graphs up to a rollout batch's width (they exist on CUDA alone), and
+    for none with grpo.enforce_eager; it is built once, its cached prefixes reset at every later rollout."""
+    from kiln.pipeline.post import grpo
+
+    chat = ChatFormat(load_tokenizer(tiny.tokenizer, ordinary=True))
+    model, _ = load_model(project / "start")
+    rows = [PromptAnswer([{"role": "user", "content": f"Say x, {i} times."}], "x") for i in range(6)]
+    prompts = encode_prompts(rows, chat, model.config.max_seq_len, 4, "test")
+    params = build_section(GRPOParams, {**GRPO, "batch_examples": 16, "batch_size": 16, "group_size": 4,
+                                        "enforce_eager": eager})
+    built, sized_for = [], grpo.Engine.sized_for
+    monkeypatch.setattr(grpo.Engine, "sized_for",
+                        lambda *a, **k: built.append(k["graph_batch"]) or sized_for(*a, **k))
+    rollouts = Rollouts(model, prompts, params, chat, make_reward("contains"), "fp32", accum=1)
+    for _ in range(2):
+        next(rollouts)
+    assert built == [0 if eager else 16] and rollouts.batch_index == 1
+
 PARITY = """
 def parity(prompt, completion, answer):
     # the prompts that say "even" always score 1 (their groups have no spread); the others vary by completion

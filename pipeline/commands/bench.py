@@ -238,12 +238,12 @@ def bench_kernels(ops: Annotated[str | None, typer.Option(
 @app.command("gpu")
 @reports_errors
 def bench_gpu(size: Annotated[str, typer.Option(
-                  help="quick: every step but generate in one short pass (limits summing to 480 s); full: every "
-                       "step, every shape of the issue and the train grid (split it with --steps to fit 10-minute "
-                       "calls); smoke: toy shapes on a CPU, to check the command works.")] = "quick",
+                  help="quick: every step but generate and grpo in one short pass (limits summing to 480 s); full: "
+                       "every step, every shape of the issue and the train grid (split it with --steps to fit "
+                       "10-minute calls); smoke: toy shapes on a CPU, to check the command works.")] = "quick",
               steps: Annotated[str | None, typer.Option(
-                  help="Comma-separated subset of env, train, kernels, tests, pretrain, generate, serve (default: "
-                       "the size's steps, in this order).")]
+                  help="Comma-separated subset of env, train, kernels, tests, pretrain, generate, serve, grpo "
+                       "(default: the size's steps; run in this order; grpo starts from pretrain's model).")]
               = None,
               out: Annotated[Path, typer.Option(help="Folder for the JSON, logs and curves.")] =
               layout.BENCH / "gpu" / "new",

@@ -244,11 +244,11 @@ class Rollouts:
         captured as graphs up to the rollout's width (replays cast the weights as they are then); at each later
         rollout it only forgets its cached prefixes, which the optimizer steps since made stale (TRL's
         `reset_prefix_cache` after it moves the weights to vLLM). An FSDP policy's forward gathers its shards
-        with collectives: it decodes eagerly."""
+        with collectives: it decodes eagerly, as every policy does with grpo.enforce_eager."""
         if self.engine is None:
             p, G = self.params, self.params.group_size
             longest = [Request(max(self.prompts.ids, key=len), SamplingParams(p.max_new_tokens)) for _ in range(G)]
-            width = 0 if distributed.is_sharded(self.model) else self.per_rollout * G
+            width = 0 if p.enforce_eager or distributed.is_sharded(self.model) else self.per_rollout * G
             self.engine = Engine.sized_for(self.model, fork_groups(longest, G) * self.per_rollout,
                                            dtype=PRECISIONS[self.precision], graph_batch=width)
         else:

@@ -54,6 +54,9 @@ class GRPOParams(PostTrainParams):
     reward: str = "exact"  # exact | numeric | contains | regex | module:function | file.py:function
     reward_pattern: str | None = None  # the regex of reward=regex, {answer} standing for the escaped answer
     reward_timeout: float = 10.0  # seconds a reward of the user's own may take per completion
+    # rollouts launched step by step, no CUDA graphs (verl's rollout.enforce_eager, `kiln serve --enforce-eager`):
+    # to debug, or to measure what the graphs buy; a CPU captures none either way
+    enforce_eager: bool = False
 
     def check(self) -> None:
         super().check()

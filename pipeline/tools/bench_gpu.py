@@ -18,8 +18,12 @@ still run), the headline first:
 - generate: `kiln bench generate` on the 124M shape in bf16 (generate.json);
 - serve:    `kiln bench serve` on the default shape (serve.json): the engine (decode steps replaying CUDA
             graphs) against static batching and transformers, GRPO-shaped rollouts, and the engine step's host
-            microseconds, copies and graph replays.
-Quick runs all but generate, full all of them. Everything lands in `--out` (default metrics/bench/gpu/new/) with
+            microseconds, copies and graph replays;
+- grpo:     `kiln grpo` from the pretrain step's model, twice: its kept engine's rollouts replaying CUDA graphs,
+            then with grpo.enforce_eager (grpo_graphs.json, grpo_eager.json: the stage's timings, rollout
+            tokens/s and their share of the stage); then the engine's graph tests (grpo_tests.xml).
+Quick runs all but generate and grpo (name them with --steps, grpo beside pretrain, to run them at quick's
+shapes), full all of them. Everything lands in `--out` (default metrics/bench/gpu/new/) with
 one log per step and summary.json, which is rewritten after every step (and `--pack` re-archives the folder
 then), so a run cut off by a time limit keeps what the finished steps measured. The headline reads only files
 this run wrote: a step that did not run (or wrote nothing) is named as not run, never filled from an older
@@ -55,7 +59,7 @@ from kiln.pipeline.progress import console
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = ("quick", "full", "smoke")
-STEPS = ("env", "train", "kernels", "tests", "pretrain", "generate", "serve")
+STEPS = ("env", "train", "kernels", "tests", "pretrain", "generate", "serve", "grpo")
 
 # The GPT-2 124M shape (12 layers, 12 heads, d 768, T 1024) as `--set` overrides; the vocabulary is GPT-2's BPE
 # (50,257 + kiln's 3 chat tokens = 50,260, which the model pads to 50,304).
@@ -75,8 +79,9 @@ TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/
 
 PACK_EVERY = 30  # seconds: a call cut off at its limit still returns the rows its running step has written
 
-# The steps each size runs (--steps picks among them): quick leaves out generate, whose 24 runs did not fit its
-# 40 s on the H200 and which no recent change touches, to keep one call under 9 minutes.
+# The steps each size runs unless --steps names others: quick leaves out generate, whose 24 runs did not fit its
+# 40 s on the H200 and which no recent change touches, and grpo (two stage runs), to keep one call under 9
+# minutes.
 SIZE_STEPS = {"quick": ("env", "train", "kernels", "tests", "pretrain", "serve"), "full": STEPS, "smoke": STEPS}
 # Quick's kernel rows: the ops the GPT-2 step runs (flash attention, the fused head and its cross-entropy);
 # its tests: the head's and the custom ops' (flash attention's took too long beside them); full: all of both.
@@ -97,9 +102,14 @@ GPU_VARIANTS = "bf16-compile-torch,bf16-compile-triton,bf16-compile-triton:head,
 # the ops' file beside the two is not timed yet). A step cut at
 # its limit keeps the rows its JSON already holds (serve writes its JSON at the end: give it room). Full's
 # train (the compile modes, a max-autotune compile per kernel choice) takes a call of its own.
-LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "generate": 120, "serve": 120},
-          "quick": {"train": 200, "kernels": 90, "tests": 80, "pretrain": 70, "generate": 80, "serve": 40},
-          "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 180, "serve": 300}}
+# grpo (not yet run on a GPU): two runs of 20 steps from a cold start each, 124M in bf16 with prompts of up to
+# 1,000 tokens; its limit is a guess with room.
+LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "generate": 120, "serve": 120,
+                    "grpo": 240},
+          "quick": {"train": 200, "kernels": 90, "tests": 80, "pretrain": 70, "generate": 80, "serve": 40,
+                    "grpo": 240},
+          "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 180, "serve": 300,
+                   "grpo": 300}}
 
 
 @dataclass
@@ -141,6 +151,17 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
              f"train.max_steps={train_steps}", f"train.eval_every={max(train_steps // 3, 1)}",
              f"train.checkpoint_every={max(train_steps // 2, 1)}", "train.log_every=10"]
     params = str(REPO / "params.yaml")
+    # GRPO from the pretrain step's model, its prompts the built-in task's (passages fitted to the context); the
+    # toy model's 32 positions hold none of those, so the smoke run's prompts are a file of short ones
+    grpo = [*(["train.device=cpu", "max_steps=2", "batch_examples=8", "batch_size=8", "group_size=4",
+               "max_new_tokens=4", "data=run/grpo_prompts.jsonl"] if smoke else
+              ["train.device=cuda", "train.precision=bf16", "max_steps=20", "max_examples=200"]),
+            "val_examples=4", "eval_every=1000", "checkpoint_every=1000", "log_every=5"]
+    grpo_run = [kiln("grpo", "--params", params, *_sets(grpo), "--start", "run/model", "--tokenizer",
+                     "run/tokenizer/tokenizer.json", "--corpus", "run/corpus", "--out", f"run/grpo-{how}",
+                     *(["--set", "enforce_eager=true"] if how == "eager" else [])) for how in ("graphs", "eager")]
+    prompts = [[sys.executable, "-c", "import json; open('run/grpo_prompts.jsonl', 'w').writelines(json.dumps("
+                "{'prompt': f'Say {w}.', 'answer': w}) + chr(10) for w in 'abcdefgh')"]] if smoke else []
     return [
         Step("train", [kiln("bench", "train", "--params", params, *_sets(model), "--variants", variants, *grid, *shape,
                             "--top-ops", "--device", "cpu" if smoke else "cuda", "--out", str(out / "train.json"))]),
@@ -169,6 +190,12 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
                                "--device", "cpu"] if smoke else
                               ["--requests", "64" if size == "quick" else "256", "--device", "cuda"]),
                             "--rate", "0", "--out", str(out / "serve.json"))]),
+        # then the engine's graph tests, whose CUDA ones check that a kept graphed engine samples after a weight
+        # update as one captured afresh (quick's tests step leaves them out)
+        Step("grpo", [*prompts, *grpo_run,
+                      [sys.executable, "-m", "pytest", str(REPO / "tests" / "test_serve_graphs.py"), "-q", "-p",
+                       "no:cacheprovider", f"--junitxml={out / 'grpo_tests.xml'}"]], cwd=work,
+             collect={f"run/grpo-{how}/metrics/timings/grpo.json": f"grpo_{how}.json" for how in ("graphs", "eager")}),
     ]
 
 
@@ -238,7 +265,7 @@ def bench_gpu(size: str, steps: list[str] | None, out: Path, work: Path | None, 
         raise UserError(f"--steps {','.join(unknown)}: no such step (expected some of {', '.join(STEPS)})")
     if size != "smoke" and not torch.cuda.is_available():
         raise UserError("kiln bench gpu needs a CUDA GPU (`--size smoke` runs it at toy shapes on a CPU)")
-    selected = [s for s in SIZE_STEPS[size] if steps is None or s in steps]
+    selected = list(SIZE_STEPS[size]) if steps is None else [s for s in STEPS if s in steps]
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kiln-gpu-check-")) if work is None else work
     work.mkdir(parents=True, exist_ok=True)
@@ -327,6 +354,12 @@ def headline(out: Path, since: float = 0.0) -> dict:
             metrics = json.loads(path.read_text())
             metrics = metrics.get("pretrain", metrics)  # the timings file is flat
             found |= {f"pretrain_{k}": metrics[k] for k in ("val_loss", "tokens_per_s", "mfu") if k in metrics}
+    grpo = {how: json.loads(path.read_text()) for how in ("graphs", "eager") if (path := fresh(f"grpo_{how}.json"))}
+    for how, timings in grpo.items():
+        found |= {f"grpo_{how}_{k}": timings[k] for k in ("rollout_tokens_per_s", "generate_share", "seconds")}
+    if len(grpo) == 2 and grpo["eager"]["rollout_tokens_per_s"]:
+        found["grpo_graphs_speedup"] = round(grpo["graphs"]["rollout_tokens_per_s"]
+                                             / grpo["eager"]["rollout_tokens_per_s"], 3)
     return found
 
 

@@ -57,7 +57,7 @@ import json, sys, tempfile
 import kiln.pipeline.cli, kiln.pipeline.tools.bench_gpu, kiln.pipeline.tools.bench_kernels
 import kiln.pipeline.tools.bench_train, kiln.pipeline.tools.bench_generate
 import kiln.pipeline.text.prepare, kiln.pipeline.text.sources, kiln.pipeline.text.tokenizer, kiln.pipeline.text.shard
-import kiln.pipeline.train.pretrain, kiln.pipeline.train.curves
+import kiln.pipeline.train.pretrain, kiln.pipeline.train.curves, kiln.pipeline.post.grpo
 with tempfile.TemporaryDirectory() as d:
     run = kiln.pipeline.train.curves.Curves(d + "/run", 0)
     run.add(1, {"loss": 1.0})
