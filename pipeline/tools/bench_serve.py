@@ -182,8 +182,6 @@ def run_rollouts(model: GPT, prompts: list[list[int]], group: int, new_tokens: i
                     for j, p in enumerate(rows)]
         heads = fork_groups(requests, group)  # a group is one request and its forks, as GRPO samples
         engine = Engine.sized_for(model, heads, cascade=cascade)
-        if not cascade and engine.cache.triton:  # the paged kernel has no cascade to turn off
-            break
         engine.runner.timing = True
         start, steps = time.perf_counter(), 0
         for request in heads:
@@ -198,6 +196,8 @@ def run_rollouts(model: GPT, prompts: list[list[int]], group: int, new_tokens: i
                     "seconds": round(seconds, 3), "prefill_tokens": engine.scheduler.prefill_tokens,
                     "speedup_vs_generator": round(tokens / seconds / out[0]["output_tokens_per_s"], 3),
                     **step_costs(engine, steps, seconds)})
+        if engine.cache.triton:  # the paged kernel has no cascade to turn off
+            break
     return out
 
 
