@@ -170,7 +170,8 @@ class PagedKVCache:
 
     def _shared(self, tables: np.ndarray, lens: np.ndarray) -> dict[str, np.ndarray]:
         """The torch path's groups of decodes that share leading blocks (serve/shared_prefix.py), to upload with
-        the step's indices under a `shared_` prefix; none on the paged kernel or when sharing saves too little."""
+        the step's indices under a `shared_` prefix; none on the paged kernel, with the cascade off, or when
+        sharing saves too little."""
         found = shared_prefix.plan(tables, lens, self.block_size) if self.cascade else None
         return {f"shared_{name}": a for name, a in (found or {}).items()}
 
