@@ -1,14 +1,16 @@
-"""`kiln serve` as a client sees it: a real server process on 127.0.0.1 (a free port), driven by the `openai`
-Python client: completions and chat against greedy `generate`, streaming, 16 concurrent clients, a client that
-disconnects mid-stream, and every 4xx case."""
+"""`kiln serve` as a client sees it: a real server process on 127.0.0.1 (the port --port 0 got), driven by the
+`openai` Python client: completions and chat against greedy `generate`, streaming, 16 concurrent clients, a
+client that disconnects mid-stream, log-probabilities (echo, text offsets, streamed), the bound on a request's
+work, and every 4xx case."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import socket
+import re
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,39 +29,35 @@ from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.text.bpe import EOT, load_tokenizer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
-def running_server(tiny, root: Path, *args: str, env: dict | None = None, log=subprocess.PIPE):
-    """`kiln serve` in a process of its own on a free port, with a random model of a 512-token context (long
-    enough that a stream is still running when its client leaves) served as "tiny": (base URL, process)."""
+def running_server(tiny, root: Path, *args: str, env: dict | None = None, log=None):
+    """`kiln serve --port 0` in a process of its own, with a random model of a 512-token context (long enough that
+    a stream is still running when its client leaves) served as "tiny", its output in `log` (an open file;
+    default root/serve.log): (base URL, process). The address is the one the server prints, the port the system
+    gave it, which then answers /health."""
     torch.manual_seed(0)
     vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
     config = ModelConfig(vocab_size=vocab, n_layer=2, n_head=4, n_kv_head=2, d_model=128, max_seq_len=512)
     save_model(GPT(config), config, root / "tiny", {"tokenizer_sha256": sha256_file(tiny.tokenizer)})
-    port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "kiln.pipeline.cli", "serve", "--model", str(root / "tiny"),
-                                "--tokenizer", str(tiny.tokenizer), "--port", str(port), "--device", "cpu",
-                                "--kv-blocks", "256", "--block-size", "8", *args],
-                               stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
+    with contextlib.ExitStack() as stack:
+        log = log or stack.enter_context(open(root / "serve.log", "w"))
+        process = subprocess.Popen([sys.executable, "-m", "kiln.pipeline.cli", "serve", "--model", str(root / "tiny"),
+                                    "--tokenizer", str(tiny.tokenizer), "--port", "0", "--device", "cpu",
+                                    "--kv-blocks", "256", "--block-size", "8", *args],
+                                   stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        try:
+            for _ in range(1200):
+                said = re.search(r"http://127\.0\.0\.1:(\d+)/v1", Path(log.name).read_text())
+                if said or process.poll() is not None:
                     break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None, process.stdout.read() if process.stdout else "the server exited"
-            time.sleep(0.1)
-        yield base, process
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+                time.sleep(0.1)
+            assert said, Path(log.name).read_text()
+            base = f"http://127.0.0.1:{said.group(1)}"
+            assert int(said.group(1)) > 0 and httpx.get(f"{base}/health", timeout=60).status_code == 200
+            yield base, process
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -224,30 +222,78 @@ def reference_logprobs(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids]))[0].double().log_softmax(-1)
 
 
-def test_echo_scores_a_prompt_as_lm_eval_reads_it(tiny, server):
+def test_echo_scores_token_ids_exactly_as_sent(tiny, server):
     """lm-eval's `local-completions` sends context + continuation as token ids with echo, logprobs 1 and
-    max_tokens 1, and sums token_logprobs[len(context):-1]: the continuation's log-likelihood. max_tokens 0 (with
-    echo) scores only. The first prompt token has no value (null, as OpenAI's); every other is the model's."""
+    max_tokens 1, and sums token_logprobs[len(context):-1]: the continuation's log-likelihood. The ids are scored
+    exactly as sent, nothing put before them (as vLLM does): the first has no value (null, as OpenAI's), token j's
+    is the model's after ids[:j]. max_tokens 0 (with echo) scores only."""
     _, client, model = server
     tok = tokenizer(tiny)
-    eot = tok.token_to_id(EOT)
     context, continuation = tok.encode("the king of").ids, tok.encode(" the queen").ids
     ids = context + continuation
-    ref = reference_logprobs(model, [eot, *ids])
-    want = [ref[j, ids[j]].item() for j in range(len(ids))]  # ids[j] sits at position j + 1, after eot
+    ref = reference_logprobs(model, ids)
+    want = [ref[j - 1, ids[j]].item() for j in range(1, len(ids))]
     scored = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=0)
     lp = scored.choices[0].logprobs
-    assert scored.choices[0].text == tok.decode(ids) and scored.usage.completion_tokens == 0
+    assert scored.choices[0].text == "the king of the queen"
+    assert scored.usage.prompt_tokens == len(ids) and scored.usage.completion_tokens == 0
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
-    assert "".join(lp.tokens) == tok.decode(ids) and lp.text_offset[0] == 0
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert "".join(lp.tokens) == "the king of the queen"
+    assert lp.text_offset == [len(tok.decode(ids[:j])) for j in range(len(ids))]  # ASCII: a token is its text
     one = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=1, temperature=0)
     lp = one.choices[0].logprobs
     assert len(lp.token_logprobs) == len(ids) + 1
-    assert sum(lp.token_logprobs[len(context):-1]) == pytest.approx(sum(want[len(context):]), abs=1e-4)
+    assert sum(lp.token_logprobs[len(context):-1]) == pytest.approx(sum(want[len(context) - 1:]), abs=1e-4)
     # the generated token is greedy here: its value is the best of its alternatives (lm-eval's is_greedy)
     assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-6)
     assert lp.token_logprobs[-1] == pytest.approx(ref[-1].max().item(), abs=1e-4)
+
+
+def test_a_text_prompt_starts_a_document_and_says_so(tiny, server):
+    """A string prompt is read after <|endoftext|> (a document's start): the usage counts it and echo lists it
+    first, with null, so the text's first token has its value, the model's after <|endoftext|>."""
+    _, client, model = server
+    tok = tokenizer(tiny)
+    eot, ids = tok.token_to_id(EOT), tok.encode("the king of").ids
+    ref = reference_logprobs(model, [eot, *ids])
+    scored = client.completions.create(model="tiny", prompt="the king of", echo=True, logprobs=2, max_tokens=0)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == "the king of" and scored.usage.prompt_tokens == 1 + len(ids)
+    assert lp.tokens == [EOT, *(tok.decode([t]) for t in ids)] and lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([ref[j, t].item() for j, t in enumerate(ids)], abs=1e-4)
+    assert lp.text_offset == [0, *(len(tok.decode(ids[:j])) for j in range(len(ids)))]  # <|endoftext|> adds none
+    as_ids = client.completions.create(model="tiny", prompt=[eot, *ids], echo=True, logprobs=2, max_tokens=0)
+    assert as_ids.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+def test_text_offsets_stay_in_the_text_past_special_and_split_tokens(tiny, server):
+    """text_offset is where a token's text begins in the choice's text: a special token adds nothing to the text
+    (and so nothing to the offsets after it), the tokens of a character split across them point where it
+    begins; never past the text's end, echoed or generated."""
+    _, client, _ = server
+    tok = tokenizer(tiny)
+    king, of = tok.encode("the king").ids, tok.encode(" of").ids
+    lp = client.completions.create(model="tiny", prompt=[*king, tok.token_to_id("<|im_start|>"), *of], echo=True,
+                                   logprobs=0, max_tokens=0).choices[0].logprobs
+    assert lp.tokens[len(king)] == "<|im_start|>"
+    assert lp.text_offset == [0, 3, 8, 8] and [tok.id_to_token(t) for t in king + of] == ["the", "Ġking", "Ġof"]
+    naive = tok.encode("naïve").ids  # ï's two bytes are two tokens of a 300-token vocabulary
+    lp = client.completions.create(model="tiny", prompt=naive, echo=True, logprobs=0, max_tokens=0).choices[0].logprobs
+    assert len(naive) == 6 and lp.text_offset == [0, 1, 2, 2, 3, 4]
+    # generated: sampled hot from a random model, 4 choices of up to 100 tokens draw special tokens beside the text
+    done = client.completions.create(model="tiny", prompt="the", max_tokens=100, temperature=2.0, seed=0, n=4,
+                                     logprobs=0)
+    special = {"<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"}
+    assert sum(t in special - {EOT} for c in done.choices for t in c.logprobs.tokens) >= 2
+    for choice in done.choices:
+        offsets, tokens = choice.logprobs.text_offset, choice.logprobs.tokens
+        assert offsets == sorted(offsets) and offsets[-1] <= len(choice.text)
+        for before, at, token, after in zip(["", *tokens], offsets, tokens, [*offsets[1:], len(choice.text)]):
+            if token in special and "\ufffd" not in before:  # (bytes held before it may yet form a character)
+                assert after == at  # the next token's text begins where this one's would have
+            elif token not in special and "\ufffd" not in token:  # whole characters: the text's there
+                assert choice.text[at:at + len(token)] == token
 
 
 def test_generated_tokens_report_their_logprobs_whole_and_streamed(tiny, server):
@@ -268,6 +314,81 @@ def test_generated_tokens_report_their_logprobs_whole_and_streamed(tiny, server)
                                               stream=True))
     assert sum((c.choices[0].logprobs.token_logprobs for c in streamed if c.choices[0].logprobs), []) == \
         pytest.approx(lp.token_logprobs, abs=1e-5)  # another request, other step shapes: float32 rounding apart
+
+
+def events(base: str, body: dict) -> list:
+    """A streamed completion's events, parsed, the last "[DONE]" if the stream ended as it should."""
+    with httpx.stream("POST", f"{base}/v1/completions", json=body | {"stream": True}, timeout=120) as response:
+        assert response.status_code == 200
+        return [line[6:] if line == "data: [DONE]" else json.loads(line[6:])
+                for line in response.iter_lines() if line.startswith("data: ")]
+
+
+def test_echo_with_logprobs_streams_whole_twenty_at_once(server):
+    """stream + echo + logprobs: each choice's echoed prompt comes first, once its log-probabilities exist (its
+    prompt computed); 20 such streams at once, of 1 to 3 choices over 1 or 2 prompts, each ends with [DONE] and
+    carries what the same request answered whole does."""
+    base, _, _ = server
+
+    def body(i: int) -> dict:
+        prompts = [[7 + i, 40, 41, 42, 43, 44][:2 + i % 5], [50 + i, 51, 52]][:1 + i % 2]
+        return {"model": "tiny", "prompt": prompts, "echo": True, "logprobs": 2, "max_tokens": 4, "temperature": 0,
+                "n": 1 + i % 3}
+
+    with ThreadPoolExecutor(20) as pool:
+        streams = list(pool.map(lambda i: events(base, body(i)), range(20)))
+    for i, stream in enumerate(streams):
+        assert stream[-1] == "[DONE]", (i, stream[-3:])
+        whole = httpx.post(f"{base}/v1/completions", json=body(i), timeout=60).json()
+        for choice in whole["choices"]:
+            mine = [e["choices"][0] for e in stream[:-1] if e["choices"][0]["index"] == choice["index"]]
+            prompt = body(i)["prompt"][choice["index"] // body(i)["n"]]
+            assert len(mine[0]["logprobs"]["tokens"]) == len(prompt)  # the echo, first
+            assert "".join(c["text"] for c in mine) == choice["text"]
+            streamed = {key: sum((c["logprobs"][key] for c in mine), []) for key in choice["logprobs"]}
+            assert streamed["tokens"] == choice["logprobs"]["tokens"]
+            assert streamed["text_offset"] == choice["logprobs"]["text_offset"]
+            assert streamed["token_logprobs"][0] is None is choice["logprobs"]["token_logprobs"][0]
+            assert streamed["token_logprobs"][1:] == pytest.approx(choice["logprobs"]["token_logprobs"][1:],
+                                                                   abs=1e-5)
+
+
+def test_a_request_asking_for_too_much_is_a_400_naming_the_product(server):
+    """The audit's 68 KB body (128 token-id prompts x n=128 x echo x 20 alternatives) asks for an answer of 35M
+    token entries: refused before anything runs, the product and the limit named; the server keeps serving."""
+    base, _, _ = server
+    body = {"model": "tiny", "prompt": [[5 + i % 90] * 100 for i in range(128)], "n": 128, "echo": True,
+            "logprobs": 20, "max_tokens": 1}
+    started = time.perf_counter()
+    response = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400, error
+    # n x (128 prompts x (100 echoed + 1 generated) tokens) x (1 + 20 alternatives)
+    assert error["message"].startswith("this request asks for 34,750,464 token entries: n=128 x 12,928 tokens (")
+    assert "x (1 + logprobs=20)" in error["message"] and "at most 2,000,000" in error["message"]
+    assert time.perf_counter() - started < 10 and httpx.get(f"{base}/health").json()["running"] == 0
+
+
+def test_health_answers_while_a_large_answer_is_built(server):
+    """An allowed but large answer (128 prompts x n=2 x 61 tokens x 21 entries: 328K token entries, 6 MB of JSON)
+    is built and encoded off the event loop: /health answers within a second all along (built on the loop, this
+    one held it for 2 s on two busy cores, the audit's 35M-entry answer for 60 s)."""
+    base, _, _ = server
+    body = {"model": "tiny", "prompt": [[5 + i, *range(20, 79)] for i in range(128)], "n": 2, "echo": True,
+            "logprobs": 20, "max_tokens": 1}
+    done = {}
+    worker = threading.Thread(target=lambda: done.setdefault("response", httpx.post(
+        f"{base}/v1/completions", json=body, timeout=300)))
+    worker.start()
+    waits = []
+    while worker.is_alive():
+        started = time.perf_counter()
+        assert httpx.get(f"{base}/health", timeout=30).status_code == 200
+        waits.append(time.perf_counter() - started)
+    worker.join()
+    answer = done["response"].json()
+    assert len(answer["choices"]) == 256 and all(len(c["logprobs"]["tokens"]) == 61 for c in answer["choices"])
+    assert len(waits) >= 3 and max(waits) < 1.0, waits
 
 
 def test_several_prompts_are_a_choice_block_each(tiny, server):
@@ -355,7 +476,8 @@ def test_metrics_parse_as_prometheus_and_count_what_was_served(server):
 
 def test_openapi_lists_both_routes_with_their_fields(server):
     """/openapi.json (FastAPI's, from the request models): both routes, each with the fields the server reads and
-    their bounds; unknown fields in a request are ignored, as OpenAI's API does; /docs only with --docs."""
+    their bounds, no others allowed (additionalProperties: false, as the server refuses unknown fields), and the
+    OpenAI fields kiln does not implement with the only values it accepts; /docs only with --docs."""
     base, _, _ = server
     spec = httpx.get(f"{base}/openapi.json").json()
     schemas = spec["components"]["schemas"]
@@ -364,11 +486,92 @@ def test_openapi_lists_both_routes_with_their_fields(server):
         assert body == {"$ref": f"#/components/schemas/{name}"}
     completion, chat = schemas["CompletionRequest"]["properties"], schemas["ChatCompletionRequest"]["properties"]
     assert {"prompt", "echo", "logprobs", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
-            "stream"} <= set(completion)
-    assert {"messages", "logprobs", "top_logprobs", "max_completion_tokens"} <= set(chat)
+            "stream", "user"} <= set(completion)
+    assert {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools"} <= set(chat)
     assert completion["temperature"]["maximum"] == 2.0 and completion["n"]["maximum"] == 128
+    assert completion["presence_penalty"]["x-kiln-unsupported"] == [None, 0]
+    assert chat["tools"]["x-kiln-unsupported"] == [None, []] and "tools" not in completion
+    assert all(schemas[name]["additionalProperties"] is False for name in
+               ("CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextPart", "StreamOptions"))
     assert schemas["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant"]
     assert httpx.get(f"{base}/docs").status_code == 404
+
+
+@pytest.mark.parametrize(("path", "extra", "param", "words"), [
+    ("/v1/completions", {"max_token": 5}, "max_token", "Unrecognized request argument supplied: max_token"),
+    ("/v1/chat/completions", {"frobnicate": {"a": 1}}, "frobnicate", "Unrecognized request argument"),
+    ("/v1/completions", {"messages": []}, "messages", "Unrecognized request argument"),  # the other route's
+    ("/v1/chat/completions", {"echo": True}, "echo", "not supported by kiln serve"),
+    ("/v1/chat/completions", {"stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra",
+     "Unrecognized"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "nme": "a"}]}, "messages[0].nme",
+     "Unrecognized"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "ann"}]}, "messages[0].name",
+     "not supported by kiln serve"),
+    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty", "presence_penalty=0.5: not supported"),
+    ("/v1/completions", {"frequency_penalty": -1}, "frequency_penalty", "not supported by kiln serve"),
+    ("/v1/completions", {"logit_bias": {"50": 100}}, "logit_bias", "not supported by kiln serve"),
+    ("/v1/completions", {"suffix": "end"}, "suffix", "not supported by kiln serve"),
+    ("/v1/completions", {"best_of": 3}, "best_of", "not supported by kiln serve"),
+    ("/v1/completions", {"presence_penalty": False}, "presence_penalty", "not supported"),  # false is not 0
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "not supported by kiln serve"),
+    ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice", "not supported by kiln serve"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ("/v1/chat/completions", {"min_p": 0.1}, "min_p", "not supported by kiln serve"),
+])
+def test_unknown_and_unsupported_fields_are_400s_naming_them(server, path, extra, param, words):
+    """A misspelt or unknown field is refused as OpenAI's API refuses it, a field OpenAI or vLLM define that kiln
+    does not implement is refused when it asks for anything: never answered as if it had been honoured."""
+    base, _, _ = server
+    body = {"model": "tiny", "max_tokens": 1} | ({"prompt": "x"} if path == "/v1/completions" else
+                                                 {"messages": [{"role": "user", "content": "x"}]}) | extra
+    response = httpx.post(f"{base}{path}", json=body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == param and words in error["message"], error
+    assert httpx.get(f"{base}/health").status_code == 200
+
+
+def test_the_values_clients_send_as_defaults_are_accepted(server):
+    """What asks for nothing passes: the openai client's own arguments at their defaults, null, an empty
+    logit_bias or tool list, the assistant message the client hands back with its empty fields."""
+    base, client, _ = server
+    done = client.completions.create(model="tiny", prompt="the", max_tokens=2, presence_penalty=0,
+                                     frequency_penalty=0.0, logit_bias={}, user="u-1", best_of=1, suffix=None)
+    assert done.choices[0].finish_reason in ("length", "stop")
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           tools=[], tool_choice="none", parallel_tool_calls=False, store=False,
+                                           response_format={"type": "text"}, extra_body={"top_k": 5, "min_p": 0})
+    history = [{"role": "user", "content": "hi"}, reply.choices[0].message.model_dump(), {"role": "user",
+                                                                                          "content": "and?"}]
+    again = client.chat.completions.create(model="tiny", messages=history, max_tokens=2)
+    assert again.choices[0].message.role == "assistant"
     response = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1,
-                                                           "user": "u", "frobnicate": {"a": 1}})
+                                                           "presence_penalty": None, "seed": None, "n": 1})
     assert response.status_code == 200, response.text
+
+
+def test_generate_and_chat_refuse_a_temperature_past_two_in_one_line(tiny, tmp_path):
+    """1e308 overflowed the sampler's float32 (numpy warnings, then uniform noise): refused, with the range."""
+    from conftest import fails_in_one_line
+
+    config = ModelConfig(vocab_size=load_tokenizer(tiny.tokenizer).get_vocab_size(), n_layer=1, n_head=2,
+                         n_kv_head=2, d_model=16, max_seq_len=32)
+    save_model(GPT(config), config, tmp_path / "m", {"tokenizer_sha256": sha256_file(tiny.tokenizer)})
+    for command in (["generate", "--prompt", "x"], ["chat"]):
+        fails_in_one_line([*command, "--model", str(tmp_path / "m"), "--tokenizer", str(tiny.tokenizer), "--device",
+                           "cpu", "--temperature", "1e308"], 2, "--temperature=1e+308", "0 (greedy) to 2.0")
+
+
+def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path):
+    """The address is taken before the model loads: a port another program listens on is one line, at once."""
+    import socket
+
+    from conftest import fails_in_one_line
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        fails_in_one_line(["serve", "--port", str(port), "--model", str(tmp_path / "none"), "--device", "cpu"], 2,
+                          f"--port={port}", "Address already in use")

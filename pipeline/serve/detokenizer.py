@@ -38,7 +38,7 @@ class Job:
     finish_reason: str | None = None
     echo: bool = False  # the prompt's text (and log-probabilities) come first in the choice
     hidden: bool = False  # `max_tokens: 0` with echo: the one token the engine generates is not the answer's
-    reported: int = 0  # generated tokens whose log-probabilities a stream has sent
+    reported: int = 0  # generated tokens whose log-probabilities the answer has listed so far
     fork: bool = False  # a further choice of a prompt another job already computes
     started: float = field(default_factory=time.perf_counter)  # for its latencies (/metrics)
     last_token: float | None = None

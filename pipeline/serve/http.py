@@ -4,9 +4,10 @@ request log.
 /health, /v1/models, /v1/completions and /v1/chat/completions. With `--api-key` every /v1 route wants
 `Authorization: Bearer <key>` (401 otherwise), as vLLM's and OpenAI's servers do. Hostile input is bounded
 before it costs anything: a body past `--max-request-bytes` is refused (413) from its Content-Length or as it
-arrives, JSON nested too deeply, an integer beyond int64 or a lone surrogate is a 400 naming the field, and a
-client that leaves mid-body costs one log line; a client that disconnects mid-stream has its requests aborted,
-so their blocks go back at once. 404 for an unknown model.
+arrives, JSON nested too deeply, an integer beyond int64 or a lone surrogate is a 400 naming the field, so is a
+field the route does not know (protocol.py), a request whose answer would pass protocol.MAX_WORK token entries
+is a 400 naming the product, and a client that leaves mid-body costs one log line; a client that disconnects
+mid-stream has its requests aborted, so their blocks go back at once. 404 for an unknown model.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def add_completion_routes(app, service: Service) -> None:
         # every prompt checked before any starts
         samplings = [service.sampling(body, len(ids), (service.eot,), default_max=16, logprobs=k,
                                       prompt_logprobs=k if echo else None, score_only=echo) for ids in prompts]
+        service.check_work(body, prompts, samplings[0][0].max_tokens, echo, "logprobs")
         hidden = echo and body.get("max_completion_tokens", body.get("max_tokens")) == 0
         jobs = [job for ids, sampling in zip(prompts, samplings)
                 for job in service.start_jobs(ids, sampling, stops, echo=echo, hidden=hidden)]
@@ -190,6 +192,7 @@ def add_completion_routes(app, service: Service) -> None:
         chat = service.chat
         sampling = service.sampling(body, len(ids), (chat.im_end, chat.eot), default_max=None,
                                     logprobs=service.chat_logprobs(body))
+        service.check_work(body, [ids], sampling[0].max_tokens, False, "top_logprobs")
         jobs = service.start_jobs(ids, sampling, service.stops(body), chat=True)
         return await respond(service, http, body, jobs, chat=True)
 

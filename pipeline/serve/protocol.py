@@ -1,7 +1,12 @@
 """The OpenAI API's request side as kiln serve reads it: the limits, the typed request of each route (pydantic
-models: every field the server reads, with its bounds; unknown fields ignored, as OpenAI does; FastAPI serves
-them as /openapi.json), the error a bad request gets (OpenAI's shape, {"error": {"message", "type", "param",
-"code"}}, 400 naming the field), and the checks every value passes before it costs anything.
+models: every field the server reads, with its bounds; FastAPI serves them as /openapi.json), the error a bad
+request gets (OpenAI's shape, {"error": {"message", "type", "param", "code"}}, 400 naming the field), and the
+checks every value passes before it costs anything.
+
+A field the models do not declare is refused as OpenAI's API refuses it ("Unrecognized request argument
+supplied: X"): a misspelt key must not be answered as if it had been honoured. A field OpenAI or vLLM define
+that kiln does not implement (penalties, logit_bias, tools, ...) is declared `unsupported`: accepted with a
+value that asks for nothing (null, a penalty of 0: what clients send as defaults), a 400 naming it otherwise.
 
 A body is read and bounded by http.py first (size, nesting, surrogates), then validated against its model in
 strict mode (no "1" for 1, no true for 1, no NaN); what depends on the model served (the context's room, the
@@ -10,11 +15,13 @@ vocabulary, the chat template) is checked by service.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kiln.pipeline.errors import shown
+from kiln.pipeline.serve.request import MAX_TEMPERATURE
 
 MAX_CHOICES = 128  # `n`: choices of one request, each an engine request
 MAX_BODY_BYTES = 1_000_000  # a request body's default limit (`--max-request-bytes`): 413 beyond it
@@ -22,8 +29,11 @@ MAX_STOP_CHARS = 256  # a stop string's length: each is looked for in the text a
 INT64 = 2**63  # integer fields beyond int64 are refused (numpy and torch take nothing wider)
 MAX_LOGPROBS = 20  # alternatives a token's log-probabilities may list (`logprobs`, `top_logprobs`), as vLLM's
 MAX_PROMPTS = 128  # prompts of one /v1/completions request (a list: a choice block each)
-# OpenAI options kiln does not implement, and the values of each that ask for nothing (clients send defaults)
-UNSUPPORTED = {"best_of": (None, False, 1)}
+# Token entries one answer may hold: every choice's tokens (its echoed prompt's too), each with its alternatives.
+# A small body can ask for a huge answer (128 prompts x n=128 x echo x 20 alternatives: 35M entries, 67 s and
+# 1.1 GB before this bound); 2M entries are about 35 MB of JSON, seconds to build.
+MAX_WORK = 2_000_000
+UNSUPPORTED = "x-kiln-unsupported"  # the schema key of an `unsupported` field: the values it accepts
 
 
 class BadRequest(Exception):
@@ -56,58 +66,104 @@ def unpaired_surrogate(body: dict) -> str | None:
     return None
 
 
+def unsupported(*harmless) -> Any:
+    """A field OpenAI or vLLM define that kiln does not implement: null or one of `harmless` (values that ask for
+    nothing) accepted, anything else refused by `validated`."""
+    accepted = [None, *harmless]
+    return Field(None, description="Not supported by kiln serve; accepted only as "
+                                   + " or ".join(json.dumps(v) for v in accepted),
+                 json_schema_extra={UNSUPPORTED: accepted})
+
+
 Int64 = Annotated[int, Field(ge=-INT64, le=INT64 - 1)]
+STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class Request(BaseModel):
     """What both routes read. `max_completion_tokens` is read before `max_tokens`; `top_k` is vLLM's extension
     (-1 or null: none), sent by the openai client through `extra_body`."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = STRICT
     model: str = Field(description="The served model's name (GET /v1/models)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_CHOICES, description="Choices, each its own draw of one prompt")
     max_tokens: int | None = Field(None, ge=0, le=INT64 - 1)
     max_completion_tokens: int | None = Field(None, ge=0, le=INT64 - 1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: Int64 | None = None
     seed: Int64 | None = Field(None, description="Choice i draws with seed + i")
     stop: str | list[str] | None = Field(None, description=f"Up to 4 strings of 1 to {MAX_STOP_CHARS} characters")
-    best_of: int | None = Field(None, description="Not supported: only null or 1")
+    user: str | None = Field(None, description="The end user's id: accepted, not used")
+    presence_penalty: Any = unsupported(0)
+    frequency_penalty: Any = unsupported(0)
+    logit_bias: Any = unsupported({})
+    response_format: Any = unsupported({"type": "text"})
+    # vLLM's sampling extensions
+    min_p: Any = unsupported(0)
+    repetition_penalty: Any = unsupported(1)
+    min_tokens: Any = unsupported(0)
+    stop_token_ids: Any = unsupported([])
+    ignore_eos: Any = unsupported(False)
+    include_stop_str_in_output: Any = unsupported(False)
+    use_beam_search: Any = unsupported(False)
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = STRICT
     include_usage: bool = False
 
 
 class CompletionRequest(Request):
     prompt: str | list = Field(
         description=f"A string, a list of token ids, or a list of up to {MAX_PROMPTS} of either (a choice block "
-                    "each); each starts a document, after <|endoftext|>")
+                    "each). Token ids are used exactly as sent; a string starts a document: it is read after "
+                    "<|endoftext|>, which the usage counts and echo lists first")
     echo: bool = Field(False, description="The prompt's text (and log-probabilities) before the completion")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                  description="Log-probabilities of each token, with this many alternatives")
+    best_of: Any = unsupported(1)
+    suffix: Any = unsupported("")
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = STRICT
     type: Literal["text"]
     text: str = ""
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
+    name: Any = unsupported()  # the chat template has no place for a participant's name
+    # what the openai client's assistant message carries back into a conversation, empty
+    refusal: Any = unsupported()
+    tool_calls: Any = unsupported([])
+    function_call: Any = unsupported()
+    audio: Any = unsupported()
+    annotations: Any = unsupported([])
 
 
 class ChatCompletionRequest(Request):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = Field(False, description="Log-probabilities of each token of the answer")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Alternatives per token, with logprobs")
+    tools: Any = unsupported([])
+    tool_choice: Any = unsupported("none")
+    parallel_tool_calls: Any = unsupported(True, False)  # with no tools it asks for nothing
+    functions: Any = unsupported([])
+    function_call: Any = unsupported("none")
+    modalities: Any = unsupported(["text"])
+    audio: Any = unsupported()
+    prediction: Any = unsupported()
+    reasoning_effort: Any = unsupported()
+    store: Any = unsupported(False)
+    # vLLM's: the template is always applied with the assistant's turn opened, never continuing the last message
+    echo: Any = unsupported(False)
+    add_generation_prompt: Any = unsupported(True)
+    continue_final_message: Any = unsupported(False)
 
 
 Request.model_rebuild()
@@ -118,17 +174,42 @@ FIELDS = {name for kind in (CompletionRequest, ChatCompletionRequest, ChatMessag
 
 
 def validated(kind: type[BaseModel], body: dict) -> dict:
-    """`body` checked against the route's model: the fields the client sent, as it sent them (unknown ones
-    dropped); a BadRequest naming the first field that does not fit."""
+    """`body` checked against the route's model: the fields the client sent, as it sent them; a BadRequest naming
+    the first field that does not fit, is not the route's, or asks for what kiln does not implement."""
     try:
-        return kind.model_validate(body).model_dump(exclude_unset=True)
+        request = kind.model_validate(body)
     except ValidationError as e:
         error = e.errors()[0]
         where = ""
-        for part in error["loc"]:  # a union's member names (`str`, `list[int]`) are not part of the path
-            if isinstance(part, int):
+        for part in error["loc"][:-1] if error["type"] == "extra_forbidden" else error["loc"]:
+            if isinstance(part, int):  # a union's member names (`str`, `list[int]`) are not part of the path
                 where += f"[{part}]"
             elif part in FIELDS:
                 where += f".{part}" if where else part
+        if error["type"] == "extra_forbidden":
+            key = shown(error["loc"][-1], 60).strip("'")
+            where = f"{where}.{key}" if where else key
+            raise BadRequest(f"Unrecognized request argument supplied: {where}", where) from None
         given = f"={shown(error['input'])}" if error["type"] != "missing" else ""
         raise BadRequest(f"{where or 'the request body'}{given}: {error['msg']}", where or None) from None
+    refuse_unsupported(request, "")
+    return request.model_dump(exclude_unset=True)
+
+
+def refuse_unsupported(model: BaseModel, where: str) -> None:
+    """A BadRequest naming the first `unsupported` field of `model` (or of a model it holds) set to a value that
+    asks for something."""
+    for name, info in type(model).model_fields.items():
+        value, path = getattr(model, name), f"{where}.{name}" if where else name
+        accepted = (info.json_schema_extra or {}).get(UNSUPPORTED)
+        if accepted is not None and not any(asks_nothing(value, a) for a in accepted):
+            raise BadRequest(f"{path}={shown(value)}: not supported by kiln serve (accepted only as "
+                             f"{' or '.join(json.dumps(a) for a in accepted)})", path)
+        for i, item in enumerate(value if isinstance(value, list) else []):
+            if isinstance(item, BaseModel):
+                refuse_unsupported(item, f"{path}[{i}]")
+
+
+def asks_nothing(value, accepted) -> bool:
+    """Whether `value` is `accepted`: equal, and a number only where a number is (JSON's false is not 0)."""
+    return value == accepted and isinstance(value, bool) == isinstance(accepted, bool)

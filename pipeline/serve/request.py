@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 # What `kiln generate` and `kiln chat` sample with unless told otherwise (serve/text_model.py's Sampling; their
 # --help quotes these). evaluate's samples are greedy, set by the eval section, so its report is the same every run.
 TOOLS_TEMPERATURE, TOOLS_TOP_K, TOOLS_TOP_P = 0.8, None, 0.95
+# The hottest sampling kiln generate, chat and serve accept: OpenAI's API bound. Past it a trained model's
+# distribution is close to uniform noise, and a huge value (1e308) overflows the sampler's float32 to inf.
+MAX_TEMPERATURE = 2.0
 
 
 @dataclass(frozen=True)

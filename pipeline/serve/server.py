@@ -14,7 +14,11 @@ Log-probabilities (`logprobs: k` and `echo` on /v1/completions, `logprobs: true`
 chat) are the model's log-softmax at temperature 1 over the whole vocabulary, whatever the sampling settings,
 computed by the engine in the step that has the logits (serve/runner.py). An echoed prompt's first token has
 none (null, as OpenAI's); `max_tokens: 0` with echo scores the prompt only: how lm-evaluation-harness's
-`local-completions` model reads a served model's log-likelihoods (token_logprobs[len(context):-1]).
+`local-completions` model reads a served model's log-likelihoods (token_logprobs[len(context):-1]) of the token
+ids it sent, exactly as sent.
+
+The address is taken before the model loads, so a port in use is said at once, and the line that says the
+server is up names the port it got (`--port 0`: whichever is free).
 """
 
 from __future__ import annotations
@@ -67,6 +71,8 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
         raise UserError(f"--keep-alive={keep_alive}: expected seconds in (0, 3600]")
     if not 0 <= port < 65536:
         raise UserError(f"--port={port}: expected 0..65535")
+    listener = listen(host, port)
+    port = listener.getsockname()[1]  # --port 0: the one the system picked
     lm = TextModel(model_dir, tokenizer_path, pick_device(device), quantize)
     lm.model.eval()
     context = lm.model.config.max_seq_len
@@ -91,13 +97,17 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key: expected a non-empty key")
     service = Service(name or Path(model_dir).name, engine, lm.tokenizer, chat, lm.eot, api_key, max_body)
+    config = uvicorn.Config(create_app(service, log_requests=not quiet, docs=docs), log_level="warning",
+                            limit_concurrency=max_connections, timeout_keep_alive=keep_alive)
+    listener.listen(config.backlog)  # from here a client that read the address below waits for uvicorn
     megabytes = kv_blocks * engine.cache.bytes_per_block() / 1e6
     console.print(f"kiln serve: model {service.name!r} ({context}-token context"
                   + (f", {quantize} weights" if quantize else "") + f") on {engine.cache.device}, KV cache "
                   f"{kv_blocks:,} blocks of {block_size} tokens ({megabytes:.1f} MB), steps of up to "
                   f"{max_batch_tokens} tokens" + (f", {speculate} tokens drafted by {draft_dir}" if draft else "")
                   + (", decode steps as CUDA graphs" if engine.runner.graphs else "")
-                  + f"; http://{host}:{port}/v1" + (", API key required" if api_key else ""), highlight=False)
+                  + f"; http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+                  + (", API key required" if api_key else ""), highlight=False)
     if api_key is None and not loopback(host):
         console.print(f"kiln serve: warning: listening on {host} without an API key: anyone who can reach this "
                       "port can use the model (set --api-key or KILN_API_KEY)", highlight=False)
@@ -106,8 +116,24 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
         handler.setFormatter(logging.Formatter("%(asctime)s kiln serve: %(message)s", "%H:%M:%S"))
         logging.getLogger("kiln.serve").addHandler(handler)
         logging.getLogger("kiln.serve").setLevel(logging.INFO)
-    uvicorn.run(create_app(service, log_requests=not quiet, docs=docs), host=host, port=port, log_level="warning",
-                limit_concurrency=max_connections, timeout_keep_alive=keep_alive)
+    uvicorn.Server(config).run(sockets=[listener])
+
+
+def listen(host: str, port: int):
+    """A socket bound to `host`:`port`, before the model loads: an address that cannot be had is said at once
+    (UserError), and the port the system picks for --port 0 is known, to be printed."""
+    import socket
+
+    from kiln.pipeline.errors import UserError
+
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted server rebinds at once
+    try:
+        listener.bind((host, port))
+    except OSError as e:  # in use, not this machine's address, or a name that does not resolve
+        listener.close()
+        raise UserError(f"--host={host} --port={port}: cannot listen there ({e.strerror or e})") from None
+    return listener
 
 
 def loopback(host: str) -> bool:

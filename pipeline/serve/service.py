@@ -1,10 +1,15 @@
 """What the HTTP handlers share: the model's name and limits, the tokenizer and chat format, the engine thread;
 reading a request body into prompts and sampling settings, and starting a choice's job on the engine.
 
-Text: a completion's prompt starts a document, as every pretraining document follows `<|endoftext|>`; a chat
-is rendered with the model's ChatML template (tasks/chat_format.py, what SFT taught). Prompts are tokenized on
-a thread, so one long prompt never stalls the others; a choice's text is decoded a token at a time
-(detokenizer.py), the same cost for every token however long the output.
+Prompts: a completion's prompt given as token ids is used exactly as sent, as vLLM does: a client that tokenizes
+itself (lm-evaluation-harness) is scored on exactly its ids, and puts <|endoftext|> first itself if it wants a
+document's start. A prompt given as text starts a document, as every pretraining document follows
+<|endoftext|> (kiln generate and kiln evaluate read text so too): the server puts it first, as a tokenizer adds
+its BOS, and says so: the usage counts it and echo's log-probabilities list it (with null, the first token's),
+so that the next token, the text's first, has its log-probability. A chat is rendered with the model's ChatML
+template (tasks/chat_format.py, what SFT taught). Prompts are tokenized on a thread, so one long prompt never
+stalls the others; a choice's text is decoded a token at a time (detokenizer.py), the same cost for every token
+however long the output.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from kiln.pipeline.serve.protocol import (
     MAX_BODY_BYTES,
     MAX_PROMPTS,
     MAX_STOP_CHARS,
-    UNSUPPORTED,
+    MAX_WORK,
     BadRequest,
 )
 from kiln.pipeline.serve.request import Request, RequestStatus, SamplingParams
@@ -40,6 +45,8 @@ class Service:
         self.metrics = ServeMetrics(engine)
         self.created = int(time.time())
         self.token_names: dict[int, tuple[str, bytes]] = {}
+        # tokens a completion's text leaves out (decoded with skip_special_tokens): they add nothing to its text
+        self.special = frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
 
     def sampling(self, body: dict, prompt_tokens: int, stop_ids: tuple[int, ...], default_max: int | None,
                  logprobs: int | None = None, prompt_logprobs: int | None = None,
@@ -49,9 +56,6 @@ class Service:
         `max_tokens` may be 0, and the request then generates the one token the engine must (its caller hides
         it)."""
         n = body.get("n", 1)
-        for key, harmless in UNSUPPORTED.items():
-            if body.get(key) not in harmless:
-                raise BadRequest(f"{key}: not supported by kiln serve", key)
         room = self.context + 1 - prompt_tokens
         if room < 1:
             raise BadRequest(f"prompt: {prompt_tokens} tokens; this model's maximum context length is "
@@ -78,6 +82,20 @@ class Service:
                                stop_ids=stop_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
                 for i in range(n)]
 
+    def check_work(self, body: dict, prompts: list[list[int]], max_tokens: int, echo: bool, alternatives: str) -> None:
+        """Refuse (400) a request whose answer would hold more than MAX_WORK token entries: each choice's tokens
+        (max_tokens, and its prompt's with echo), each with its log-probability alternatives (the field named
+        `alternatives`)."""
+        n, k = body.get("n", 1), body.get(alternatives) or 0
+        tokens = sum(max_tokens + (len(ids) if echo else 0) for ids in prompts)
+        work = n * tokens * (1 + k)
+        if work > MAX_WORK:
+            echoed = f", and {tokens - max_tokens * len(prompts):,} echoed" if echo else ""
+            raise BadRequest(f"this request asks for {work:,} token entries: n={n} x {tokens:,} tokens (max_tokens="
+                             f"{max_tokens} for each of {len(prompts)} prompts{echoed}) x (1 + {alternatives}={k}); "
+                             f"kiln serve answers at most {MAX_WORK:,} per request: ask for fewer prompts, n, tokens "
+                             f"or {alternatives}")  # no one field: the product is the fault
+
     def completion_logprobs(self, body: dict) -> tuple[int | None, bool]:
         """/v1/completions' `logprobs` (how many alternatives per token, or none) and `echo`."""
         return body.get("logprobs"), body.get("echo", False)
@@ -97,6 +115,10 @@ class Service:
             self.token_names[token_id] = (raw.decode("utf-8", errors="replace"), raw)
         return self.token_names[token_id]
 
+    def text_bytes(self, token_id: int) -> bytes:
+        """The bytes a token adds to a completion's text: none for a special token (left out of the text)."""
+        return b"" if token_id in self.special else self.token(token_id)[1]
+
     def stops(self, body: dict) -> list[str]:
         stop = body.get("stop")
         if stop is None:
@@ -108,8 +130,8 @@ class Service:
         return stops
 
     def completion_prompts(self, body: dict) -> list[list[int]]:
-        """The prompts of /v1/completions, each as ids after <|endoftext|> (a document's start): a string, a list
-        of token ids, or a list of either (a choice block each)."""
+        """The prompts of /v1/completions as the engine reads them: a list of token ids as sent, a string after
+        <|endoftext|> (a document's start), or a list of either (a choice block each)."""
         prompt = body.get("prompt")
         single = isinstance(prompt, str) or isinstance(prompt, list) and prompt and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt)
@@ -123,7 +145,7 @@ class Service:
             if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                 if not all(0 <= t < self.tokenizer.get_vocab_size() for t in p):
                     raise BadRequest(f"{where}: token ids out of the vocabulary", where)
-                out.append([self.eot, *p])
+                out.append(p)
             elif isinstance(p, str):
                 out.append([self.eot, *encode_ids(self.tokenizer, p)])
             else:

@@ -24,7 +24,14 @@ from kiln.model.quantize import quantize as quantize_model
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.serve.engine import Engine, complete
-from kiln.pipeline.serve.request import TOOLS_TEMPERATURE, TOOLS_TOP_K, TOOLS_TOP_P, Request, SamplingParams
+from kiln.pipeline.serve.request import (
+    MAX_TEMPERATURE,
+    TOOLS_TEMPERATURE,
+    TOOLS_TOP_K,
+    TOOLS_TOP_P,
+    Request,
+    SamplingParams,
+)
 from kiln.pipeline.text.bpe import EOT, load_tokenizer
 from kiln.pipeline.text.corpus import SURROGATE
 
@@ -52,8 +59,8 @@ class Sampling:
     def check(self) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise UserError(f"--max-new-tokens={self.max_new_tokens}: expected at least 1")
-        if self.temperature < 0:
-            raise UserError(f"--temperature={self.temperature}: expected 0 (greedy) or more")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise UserError(f"--temperature={self.temperature}: expected 0 (greedy) to {MAX_TEMPERATURE}")
         if self.top_k is not None and self.top_k < 1:
             raise UserError(f"--top-k={self.top_k}: expected at least 1")
         if self.top_p is not None and not 0 < self.top_p <= 1:
