@@ -150,6 +150,7 @@ def test_prompts_too_long_are_counted_and_left_out_for_every_model(tmp_path, cha
 @pytest.mark.parametrize("entry, message", [
     ({"samples": -1}, "params: eval.tasks[1].samples=-1: expected 0 (greedy only) or more"),
     ({"temperature": 0}, "params: eval.tasks[1].temperature=0.0: expected a number above 0"),
+    ({"temperature": 1e308}, "params: eval.tasks[1].temperature=1e+308: expected a number above 0 and at most 2"),
     ({"format": "query"}, "params: eval.tasks[1].format='query': expected auto or one of prompt_answer, gsm8k"),
     ({"limit": None}, "params: eval.tasks[1].limit: the number of speaker questions to derive"),
     ({"max_new_tokens": 0}, "params: eval.tasks[1].max_new_tokens=0: expected a positive integer"),

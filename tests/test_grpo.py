@@ -16,7 +16,9 @@ from kiln.pipeline.errors import UserError
 from kiln.pipeline.tasks.chat_data import PromptAnswer
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.post.common import IGNORE
-from kiln.pipeline.post.grpo import Prompts, Rollouts, completion_rows, encode_prompts
+from kiln.pipeline.code_digest import stage_code_sha256
+from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.post.grpo import Prompts, Rollouts, completion_rows, encode_prompts, reward_sha256
 from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.tasks.rewards import make_reward
 from kiln.pipeline.text.bpe import load_tokenizer
@@ -119,6 +121,11 @@ def test_killed_run_resumes_to_the_same_model(tiny, project):
     again = kiln(project, *args)  # from the final checkpoint: nothing to train, the same totals
     final = json.loads((project / "resumed/metrics/timings/grpo.json").read_text())
     assert again.returncode == 0 and final["rollout_tokens_per_s"] == timings["rollout_tokens_per_s"]
+    # which it would be after a fix to the reward's file or the stage's code too, were they not the run's
+    (checkpoint,) = (project / "ckpt-resumed").glob("*/step_00000006")
+    fingerprint = json.loads((checkpoint / "state.json").read_text())["fingerprint"]
+    assert fingerprint["grpo"]["reward_sha256"] == sha256_file(project / "rewards.py")
+    assert fingerprint["code"] == stage_code_sha256("grpo")
     # The share is a ratio of two wall times, this run's own final evaluation among them: on a busy machine it
     # moves either way (0.364 against 0.358 once, 0.322 against 0.303 on a fresh clone), so only its range is
     # checked; the totals carried by the checkpoint are the equality above.
@@ -264,6 +271,24 @@ def test_dynamic_sampling_trains_on_groups_with_a_spread(tiny, project):
     assert again[0] == dynamic and torch.equal(again[2], dynamic_adv)  # the same rounds, the same draws
 
 
+def test_a_rewards_fingerprint_is_its_files_content(project, monkeypatch):
+    """grpo.reward names a file or module; the run is fingerprinted by what that file holds, so a fix to it
+    (which makes DVC rerun grpo) is another run, not the old one's final checkpoint resumed."""
+    before = reward_sha256("rewards.py:share")
+    assert before == sha256_file(project / "rewards.py")
+    (project / "rewards.py").write_text(REWARDS.replace("/ 16", "/ 8"))
+    assert reward_sha256("rewards.py:share") not in (before, None)
+    # a module named by its import path: its file, found without running the module or its package
+    (project / "pkg").mkdir()
+    (project / "pkg/__init__.py").write_text("raise SystemExit('a package of the user's ran in the stage')\n")
+    (project / "pkg/scores.py").write_text(REWARDS)
+    monkeypatch.syspath_prepend(project)
+    assert reward_sha256("pkg.scores:share") == sha256_file(project / "pkg/scores.py")
+    assert reward_sha256("exact") is None and reward_sha256("regex") is None  # kiln's: the stage's code
+    with pytest.raises(UserError, match=r"grpo\.reward='pkg\.nope:share': found no file for module 'pkg\.nope'"):
+        reward_sha256("pkg.nope:share")
+
+
 def test_completion_rows_target_the_completion_only():
     x, y = completion_rows([[1, 2, 3], [4]], [[7, 8], [9, 10, 11]], pad=0)
     assert x.tolist() == [[1, 2, 3, 7], [4, 9, 10, 0]]
@@ -284,6 +309,7 @@ def test_prompts_too_long_for_the_completion_are_counted_and_skipped(tiny, capsy
     ("group_size", 6, "grpo.batch_examples=32: expected a multiple of grpo.group_size=6"),
     ("group_size", 1, "2 or more"),
     ("checkpoint_every", 3, "a multiple of grpo.epochs=2"), ("temperature", 0, "a positive number"),
+    ("temperature", 1e308, "a positive number up to 2.0"),
     ("loss_type", "ppo", "one of grpo, bnpo, dr_grpo, dapo"), ("init", "base", "sft or dpo"),
     ("format", "messages", "prompt_answer"), ("reward", "fuzzy", "exact, numeric"),
     ("sampling_rounds", 0, "grpo.sampling_rounds=0: expected a positive integer")])

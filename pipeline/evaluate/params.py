@@ -11,6 +11,7 @@ from typing import ClassVar
 
 from kiln.pipeline.config import Section, coerce
 from kiln.pipeline.errors import UserError, shown
+from kiln.pipeline.serve.request import MAX_TEMPERATURE
 from kiln.pipeline.tasks.chat_data import PROMPT_FORMATS
 from kiln.pipeline.tasks.tasks import TASK_FORMATS, TaskSpec
 from kiln.pipeline.text.corpus import SURROGATE
@@ -46,8 +47,9 @@ class GenTaskSpec:
             raise UserError(f"params: {key}.limit: the number of speaker questions to derive when data is builtin")
         if self.samples < 0:
             raise bad("samples", "0 (greedy only) or more")
-        if self.samples and self.temperature <= 0:
-            raise bad("temperature", "a number above 0 (the samples' temperature; samples: 0 for greedy only)")
+        if self.samples and not 0 < self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"a number above 0 and at most {MAX_TEMPERATURE} (the samples' temperature; "
+                      "samples: 0 for greedy only)")
         if self.max_new_tokens < 1:
             raise bad("max_new_tokens", "a positive integer")
         if not 0 < self.reward_timeout < math.inf:
@@ -99,8 +101,8 @@ class EvalParams(Section):
         for name in ("tokens", "batch_size", "gen_batch_size", "max_new_tokens"):
             if getattr(self, name) < 1:
                 raise self.bad(name, "a positive integer")
-        if self.temperature < 0:
-            raise self.bad("temperature", "0 (greedy) or more")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise self.bad("temperature", f"0 (greedy) to {MAX_TEMPERATURE}")
         if self.top_k is not None and self.top_k < 1:
             raise self.bad("top_k", "a positive integer or null")
         if self.top_p is not None and not 0 < self.top_p <= 1:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from kiln.pipeline.post.params import PostTrainParams
+from kiln.pipeline.serve.request import MAX_TEMPERATURE
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # how the per-token losses aggregate (post/grpo_loss.py)
 
@@ -74,8 +75,9 @@ class GRPOParams(PostTrainParams):
         for name in ("checkpoint_every", "max_steps"):
             if getattr(self, name) % self.epochs:
                 raise self.bad(name, f"a multiple of grpo.epochs={self.epochs}")
-        if not self.temperature > 0:
-            raise self.bad("temperature", "a positive number (GRPO needs different samples of one prompt)")
+        if not 0 < self.temperature <= MAX_TEMPERATURE:
+            raise self.bad("temperature", f"a positive number up to {MAX_TEMPERATURE} (GRPO needs different samples "
+                           "of one prompt)")
         if not 0 < self.top_p <= 1:
             raise self.bad("top_p", "a number in (0, 1]")
         if not 0 <= self.epsilon_low < 1:

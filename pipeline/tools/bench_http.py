@@ -49,9 +49,10 @@ def run_http(model: GPT, model_dir: Path | None, tokenizer: Path, clients: int, 
     eot = tok.token_to_id(EOT)
     c = model.config
     # token ids the server takes (within both the tokenizer's vocabulary and the model's), and a context one token
-    # short: the server starts each prompt with <|endoftext|>
+    # short for the <|endoftext|> each prompt starts with: the server takes token ids as sent, so both rows send it
     load = workload(clients, 0.0, dataclasses.replace(c, vocab_size=min(c.vocab_size, tok.get_vocab_size()),
                                                       max_seq_len=c.max_seq_len - 1), seed)
+    prompts = [[eot, *p] for p in load.prompts]
     with tempfile.TemporaryDirectory(prefix="kiln-bench-http-") as scratch:
         if model_dir is None:
             model_dir = Path(scratch) / "model"
@@ -60,14 +61,14 @@ def run_http(model: GPT, model_dir: Path | None, tokenizer: Path, clients: int, 
         with served(model_dir, tokenizer, device) as (base, pid):
             client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=600)
             server_cpu, client_cpu = cpu_seconds(pid), time.process_time()
-            http = asyncio.run(stream_all(client, model_dir.name, load))
+            http = asyncio.run(stream_all(client, model_dir.name, prompts, load.outputs))
             # on a machine of few cores the clients' parsing competes with the server: say what each spent
             http["client_cpu_s"] = round(time.process_time() - client_cpu, 3)
             if server_cpu is not None:
                 http["server_cpu_s"] = round(cpu_seconds(pid) - server_cpu, 3)
     engine = Engine(model, SERVER_CONTEXTS * math.ceil(c.max_seq_len / SERVER_BLOCK_SIZE), SERVER_BLOCK_SIZE,
                     SERVER_STEP_TOKENS)
-    requests = [Request([eot, *p], SamplingParams(n, stop_ids=(eot,))) for p, n in zip(load.prompts, load.outputs)]
+    requests = [Request(p, SamplingParams(n, stop_ids=(eot,))) for p, n in zip(prompts, load.outputs)]
     start, cpu = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         engine.run(requests)
@@ -91,7 +92,7 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def stream_all(client, name: str, load) -> dict:
+async def stream_all(client, name: str, prompts: list[list[int]], outputs: list[int]) -> dict:
     """Every request streamed at once; tokens counted from each stream's usage chunk."""
     async def one(prompt: list[int], n: int, start: float):
         first, usage = None, None
@@ -105,7 +106,7 @@ async def stream_all(client, name: str, load) -> dict:
         return first, usage
 
     start = time.perf_counter()
-    results = await asyncio.gather(*(one(p, n, start) for p, n in zip(load.prompts, load.outputs)),
+    results = await asyncio.gather(*(one(p, n, start) for p, n in zip(prompts, outputs)),
                                    return_exceptions=True)
     seconds = time.perf_counter() - start
     done = [r for r in results if not isinstance(r, BaseException)]
