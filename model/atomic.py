@@ -164,11 +164,16 @@ def replacing(force: bool) -> Iterator[None]:
         _replace_foreign.reset(token)
 
 
+def forced() -> bool:
+    """Whether outputs may replace whatever is in the way here (`replacing`, `--force`)."""
+    return _replace_foreign.get()
+
+
 def check_replaceable(final: Path, holds: tuple[str, ...], what: str) -> None:
     """Refuse (UserError) to replace `final` if it is a file, or a folder with an entry none of the `holds`
     patterns match: what this kind of output holds. Such a folder is the user's, not an earlier run's (`kiln
     convert to-hf ... p` replaced a folder `p` that held someone's notes.txt)."""
-    if _replace_foreign.get() or not os.path.lexists(final):
+    if forced() or not os.path.lexists(final):
         return
     if not final.is_dir() or final.is_symlink():
         raise UserError(f"{final}: a file, not a {what} folder; choose another --out, or pass --force to replace it")

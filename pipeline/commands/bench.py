@@ -1,4 +1,7 @@
-"""`kiln bench`: benchmarks that print a table and write JSON."""
+"""`kiln bench`: benchmarks that print a table and write JSON.
+
+Their results go to metrics/bench/ (layout.BENCH), committed on purpose: there a named output may replace what is
+tracked. Anywhere else an output path the user names goes through the rule of pipeline/protected.py."""
 
 from __future__ import annotations
 
@@ -8,13 +11,14 @@ from typing import Annotated
 import typer
 
 from kiln.pipeline import layout
-from kiln.pipeline.commands.shared import CorpusOpt, ParamsOpt, SetOpt, TokenizerOpt, reports_errors
+from kiln.pipeline.commands.shared import CorpusOpt, ParamsOpt, SetOpt, TokenizerOpt, reports_errors, writes
 
 app = typer.Typer(help="Benchmarks that print a table and write JSON.", no_args_is_help=True)
 
 
 @app.command("shard")
 @reports_errors
+@writes(layout.BENCH, out=False)
 def bench_shard(corpus: CorpusOpt = layout.CORPUS, tokenizer: TokenizerOpt = layout.TOKENIZER,
                 split: str = "train",
                 max_mb: Annotated[float, typer.Option(help="Encode at most this many MB of text.")] = 8.0,
@@ -28,6 +32,7 @@ def bench_shard(corpus: CorpusOpt = layout.CORPUS, tokenizer: TokenizerOpt = lay
 
 @app.command("data")
 @reports_errors
+@writes(layout.BENCH, out=False)
 def bench_data(params: ParamsOpt = layout.PARAMS,
                scales: Annotated[str, typer.Option(help="Corpus sizes: copies of Shakespeare, comma-separated "
                                                         "(x8, 40 MB, is past the size prepare starts workers at).")] =
@@ -49,6 +54,7 @@ def bench_data(params: ParamsOpt = layout.PARAMS,
 
 @app.command("train")
 @reports_errors
+@writes(layout.BENCH, out=False, profile=True)
 def bench_train(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 variants: Annotated[str, typer.Option(
                     help="Comma-separated PRECISION-MODE[-KERNELS[:OP+OP...]] list: PRECISION "
@@ -125,6 +131,7 @@ def parse_kinds(text: str) -> list[str]:
 
 @app.command("generate")
 @reports_errors
+@writes(layout.BENCH, out=False)
 def bench_generate(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                    model: Annotated[Path | None, typer.Option(
                        help="A trained model folder (default: random weights in the `model` section's shape).")] = None,
@@ -158,6 +165,7 @@ def bench_generate(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 
 @app.command("serve")
 @reports_errors
+@writes(layout.BENCH, out=False)
 def bench_serve(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 model: Annotated[Path | None, typer.Option(
                     help="A trained model folder (default: random weights in the `model` section's shape).")] = None,
@@ -195,6 +203,7 @@ def bench_serve(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 
 @app.command("adapters")
 @reports_errors
+@writes(layout.BENCH, out=False)
 def bench_adapters(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                    tokenizer: TokenizerOpt = layout.TOKENIZER,
                    tokens: Annotated[int, typer.Option(help="Tokens in the one training step taken.")] = 64,
@@ -217,6 +226,7 @@ def bench_adapters(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 
 @app.command("kernels")
 @reports_errors
+@writes(layout.BENCH, out=False)
 def bench_kernels(ops: Annotated[str | None, typer.Option(
                       help="Comma-separated subset: rms_norm, swiglu, rope, cross_entropy, linear_cross_entropy, "
                            "flash_attention, nf4_dequantize (default: all).")] = None,
@@ -237,6 +247,7 @@ def bench_kernels(ops: Annotated[str | None, typer.Option(
 
 @app.command("gpu")
 @reports_errors
+@writes(layout.BENCH, out=True, work=True, pack=False)
 def bench_gpu(size: Annotated[str, typer.Option(
                   help="quick: every step but generate and grpo in one short pass (limits summing to 480 s); full: "
                        "every step, every shape of the issue and the train grid (split it with --steps to fit "

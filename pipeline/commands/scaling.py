@@ -18,7 +18,7 @@ from kiln.pipeline.commands.shared import (
     print_metrics,
     reports_errors,
 )
-from kiln.pipeline.protected import check_output
+from kiln.pipeline.protected import check_output, refuse_links
 
 app = typer.Typer(help="Scaling laws: an IsoFLOP sweep, Chinchilla's approaches 2 and 3 fitted to it, the model size "
                                "they give.",
@@ -100,9 +100,12 @@ def scaling_fit_command(
     dag = (layout.SCALING / "runs.csv", layout.FIT, layout.METRICS / "scaling", layout.METRICS / "scaling.json",
            None, None, 0, layout.PARAMS, [])
     if (runs, out, plots, metrics, target_flops, bootstrap, seed, params, set_) != dag:
-        for option, path, folder in (("--out", out, False), ("--plots", plots, True), ("--metrics", metrics, False)):
-            if path is not None:
-                check_output(path, option, folder)
+        given = plots
+        out, plots, metrics = (None if path is None else check_output(path, option, folder, params)
+                               for option, path, folder in (("--out", out, False), ("--plots", plots, True),
+                                                            ("--metrics", metrics, False)))
+        if plots is not None:
+            refuse_links(plots, f"--plots {given}")
     scaling = load_section(ScalingParams, params, set_)
     target_flops = scaling.target_flops if target_flops is None else target_flops
     bootstrap = scaling.bootstrap if bootstrap is None else bootstrap

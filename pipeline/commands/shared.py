@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import glob
 import hashlib
 import inspect
 import json
@@ -18,9 +19,9 @@ from kiln.model.atomic import foreign
 from kiln.pipeline import layout
 from kiln.pipeline.config import check_seed
 from kiln.pipeline.errors import KilnError, UserError
-from kiln.pipeline.outputs import replacing
+from kiln.pipeline.outputs import LOCK_SUFFIX, replacing
 from kiln.pipeline.progress import console, print_columns
-from kiln.pipeline.protected import check_output
+from kiln.pipeline.protected import check_output, refuse_links
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="The params file to read.")]
 SetOpt = Annotated[list[str], typer.Option("--set", help="Override a param: key=value (repeatable).")]
@@ -86,9 +87,10 @@ def hand_runs(stage: str, output: str, out: str = "out", one_file: bool = False)
     `<run>/checkpoints/<stage>` (a --checkpoints option left at its default is moved there too). A stage that
     writes `one_file` and nothing else takes a named --out as that file.
 
-    Before any work the folder is checked: never in the project's source, its tracked files or the DAG's paths
-    (pipeline/protected.py), and, when it exists, holding only what such a run writes there (--force lets it
-    hold other files, which the run leaves alone)."""
+    Before any work the folder is checked: never in a project's source, its tracked files or the DAG's paths
+    (pipeline/protected.py), nor a named --checkpoints; no symbolic link among what the run writes there; and,
+    when it exists, holding only what such a run writes there (--force lets it hold other files, which the run
+    leaves alone). The stage is handed the folder as resolved then."""
 
     def wrap(fn):
         defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
@@ -100,19 +102,24 @@ def hand_runs(stage: str, output: str, out: str = "out", one_file: bool = False)
                     if k not in ("set_", "force") and not _same(v, defaults[k])]
             if not why:
                 return fn(**kwargs)
-            named = not _same(kwargs[out], defaults[out])
+            named, params = not _same(kwargs[out], defaults[out]), kwargs.get("params")
             if named and one_file:
-                check_output(kwargs[out], "--out", folder=False)
-                root = kwargs[out].parent
+                kwargs[out] = check_output(kwargs[out], "--out", folder=False, params=params)
+                shown = kwargs[out].parent
             else:
-                root = kwargs[out] if named else run_folder(stage, why, kwargs.get("params"))
-                kwargs[out] = root / output
-            check_output(root, "--out" if named else "the hand run's folder")
+                shown = kwargs[out] if named else run_folder(stage, why, params)
+            root = check_output(shown, "--out" if named else "the hand run's folder", params=params)
             if not (named and one_file):  # a named file's folder may hold anything: only the file is replaced
+                kwargs[out] = root / output
                 _check_run_folder(root, bool(kwargs.get("force")), stage)
+            if "checkpoints" in kwargs and not _same(kwargs["checkpoints"], defaults["checkpoints"]):
+                checkpoints = kwargs["checkpoints"]
+                kwargs["checkpoints"] = check_output(checkpoints, "--checkpoints", params=params)
+                refuse_links(kwargs["checkpoints"].parent, f"--checkpoints {checkpoints}",
+                             tuple(glob.escape(kwargs["checkpoints"].name) + end for end in ("", LOCK_SUFFIX)))
             main = os.environ.get("RANK", "0") == "0"
             if main:
-                console.print(f"{stage}: a hand run ({'; '.join(why)}), writing under {root}/ (the same command "
+                console.print(f"{stage}: a hand run ({'; '.join(why)}), writing under {shown}/ (the same command "
                               "goes on from its last checkpoint if stopped)", highlight=False, markup=False,
                               soft_wrap=True)
             with layout.hand_run(root):
@@ -122,9 +129,34 @@ def hand_runs(stage: str, output: str, out: str = "out", one_file: bool = False)
             if main:  # said last, after the stage's own lines: what is there now, read back
                 wrote = sorted(p.name + ("/" if p.is_dir() else "") for p in Path(root).iterdir()
                                if p.name in RUN_FOLDER)
-                console.print(f"{stage}: the hand run wrote {', '.join(wrote) or 'nothing'} under {root}/",
+                console.print(f"{stage}: the hand run wrote {', '.join(wrote) or 'nothing'} under {shown}/",
                               highlight=False, markup=False, soft_wrap=True)
             return result
+
+        return wrapper
+
+    return wrap
+
+
+def writes(area: Path | None = None, **outputs: bool):
+    """Put every output path a command's user names (`outputs`: option name -> whether it is a folder; an
+    option left at its default, or None, is the command's own) through the rule of pipeline/protected.py before
+    any work, `area` allowed (`check_output`), and hand the command the paths as resolved then; a named folder
+    may hold no symbolic link."""
+
+    def wrap(fn):
+        defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
+
+        @functools.wraps(fn)
+        def wrapper(**kwargs):
+            for name, folder in outputs.items():
+                if kwargs[name] is None or _same(kwargs[name], defaults[name]):
+                    continue
+                option, given = f"--{name.replace('_', '-')}", kwargs[name]
+                kwargs[name] = check_output(given, option, folder, kwargs.get("params"), area)
+                if folder:
+                    refuse_links(kwargs[name], f"{option} {given}")
+            return fn(**kwargs)
 
         return wrapper
 
@@ -139,10 +171,12 @@ RUN_FOLDER_HOLDS = tuple(f"{name}{end}" for name in RUN_FOLDER for end in ("", "
 
 
 def _check_run_folder(root: Path, force: bool, stage: str) -> None:
-    """A hand run's existing folder holds only what hand runs write there, unless --force."""
-    if force or not root.is_dir():
+    """A hand run's existing folder: no symbolic link among what hand runs write there, and nothing else there
+    unless --force."""
+    if not root.is_dir():
         return
-    if names := foreign(root, RUN_FOLDER_HOLDS):
+    refuse_links(root, f"--out {root}", RUN_FOLDER_HOLDS)
+    if not force and (names := foreign(root, RUN_FOLDER_HOLDS)):
         raise UserError(f"--out {root}: holds {names}, which no kiln hand run writes there; choose another --out "
                         f"for this {stage} run, or pass --force to write beside them (they are left alone)")
 

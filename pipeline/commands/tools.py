@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from kiln.pipeline import layout
-from kiln.pipeline.commands.shared import ForceOpt, ParamsOpt, SetOpt, TokenizerOpt, reports_errors
+from kiln.pipeline.commands.shared import ForceOpt, ParamsOpt, SetOpt, TokenizerOpt, reports_errors, writes
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.protected import check_output
 
@@ -21,6 +21,7 @@ plan_app = typer.Typer(help="What a configuration will need, before it runs.", n
 
 @debug_app.command("overfit")
 @reports_errors
+@writes(out=False)
 def debug_overfit(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                   shards: Annotated[Path, typer.Option(help="Shard folder with manifest.json.")] = layout.SHARDS,
                   tokenizer: TokenizerOpt = layout.TOKENIZER,
@@ -36,8 +37,6 @@ def debug_overfit(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.tools.overfit import overfit
     from kiln.pipeline.train.params import ModelParams, TrainParams
 
-    if out is not None:
-        check_output(out, "--out", folder=False)
     train, model = load_sections((TrainParams, ModelParams), params, set_)
     if not overfit(model, train, shards, tokenizer, steps, target, lr, out).learned:
         raise typer.Exit(1)
@@ -45,6 +44,7 @@ def debug_overfit(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
 
 @plan_app.command("memory")
 @reports_errors
+@writes(out=False)
 def plan_memory(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 batch_size: Annotated[int | None, typer.Option(help="Sequences per micro-batch (default: "
                                                                      "train.batch_size).")] = None,
@@ -67,8 +67,6 @@ def plan_memory(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.tools.plan_memory import plan_memory as run
     from kiln.pipeline.train.params import ModelParams, TrainParams
 
-    if out is not None:
-        check_output(out, "--out", folder=False)
     train, model, tokenizer = load_sections((TrainParams, ModelParams, TokenizerParams), params, set_)
     vocab_size = tokenizer.vocab_size if vocab_size is None else vocab_size
     if vocab_size < 1:
@@ -89,8 +87,7 @@ def convert_from_hf(
     refusing any setting kiln's model would not compute exactly."""
     from kiln.pipeline.tools.convert import from_hf
 
-    check_output(out, "OUT")
-    from_hf(src, out)
+    from_hf(src, check_output(out, "OUT"))
 
 
 @convert_app.command("to-hf")
@@ -107,7 +104,7 @@ def convert_to_hf(
     """Convert a kiln model into a folder that transformers' AutoModelForCausalLM and AutoTokenizer load."""
     from kiln.pipeline.tools.convert import to_hf
 
-    check_output(out, "OUT")
+    out = check_output(out, "OUT")
     if tokenizer is None:
         tokenizer = model / "tokenizer.json" if (model / "tokenizer.json").is_file() else layout.TOKENIZER
     to_hf(model, out, tokenizer, adapter)

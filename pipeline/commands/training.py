@@ -74,6 +74,7 @@ def sft_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.train.params import TrainParams
 
     sft_params, train = load_sections((SFTParams, TrainParams), params, set_)
+    sft_params.check_train(train)
     # the stage's code (torch) is imported once the params are known good: a bad value fails in a blink
     from kiln.pipeline.post.sft import sft
     train_stage("sft", train, lambda: sft(sft_params, train, base, tokenizer, corpus, out, checkpoints,
@@ -100,6 +101,7 @@ def dpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.train.params import TrainParams
 
     dpo_params, train = load_sections((DPOParams, TrainParams), params, set_)
+    dpo_params.check_train(train)
     # the stage's code (torch) is imported once the params are known good: a bad value fails in a blink
     from kiln.pipeline.post.dpo import dpo
     train_stage("dpo", train, lambda: dpo(dpo_params, train, sft_model, tokenizer, corpus, out, checkpoints,
@@ -126,6 +128,7 @@ def grpo_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
     from kiln.pipeline.train.params import TrainParams
 
     grpo_params, train = load_sections((GRPOParams, TrainParams), params, set_)
+    grpo_params.check_train(train)
     # the stage's code (torch) is imported once the params are known good: a bad value fails in a blink
     from kiln.pipeline.post.grpo import grpo
     start = layout.MODELS / grpo_params.init if start is None else start
@@ -153,13 +156,19 @@ def seeds_command(stage: Annotated[str, typer.Argument(help="pretrain | sft | dp
 
 def train_stage(stage: str, train, run) -> None:
     """Run a training stage's `run()`: with `train.nproc_per_node` > 1 and no launcher around this process, under
-    torchrun on this machine instead; the process group is left however it ends, and rank 0 alone prints."""
+    torchrun on this machine instead; the process group is left however it ends, and rank 0 alone prints. A hand
+    run's model/ holding what no model folder holds is refused here, before training, not when the model is saved
+    (--force lets the run replace it)."""
+    from kiln.model.atomic import check_replaceable
+    from kiln.model.checkpoint import MODEL_FOLDER
     from kiln.pipeline import runtime
     from kiln.pipeline.train import distributed
 
+    if (root := layout.hand_run_root()) is not None:
+        check_replaceable(root / "model", MODEL_FOLDER, "model")
     if train.nproc_per_node > 1 and not runtime.launched():
         args = sys.argv[1:]
-        if (root := layout.hand_run_root()) is not None and "--out" not in args:  # every rank writes the one run
+        if root is not None and "--out" not in args:  # every rank writes the one run
             args = [*args, "--out", str(root)]
         raise typer.Exit(distributed.relaunch(train.nproc_per_node, args))
     try:

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.model.adapter_spec import TOKEN_ROWS, spec_problem
+from kiln.model.atomic import check_replaceable, forced
 from kiln.model.checkpoint import ADAPTER_WEIGHTS, MODEL_FOLDER, read_json_object, save_model
 from kiln.model.config import ModelConfig
 from kiln.model.hf import (
@@ -78,6 +79,7 @@ CHATML_TEMPLATE = (
 
 def from_hf(src: str, out: Path) -> None:
     """Write the kiln model folder `out` from an HF folder or hub id `src`."""
+    _check_out(out, MODEL_FOLDER, "model", kiln=True)
     src_dir = source_dir(src)
     _not_over(out, src_dir)
     config = read_hf_config(src_dir / CONFIG)
@@ -227,6 +229,24 @@ def _not_over(out: Path, src: Path) -> None:
                         f"folder")
 
 
+def _check_out(out: Path, holds: tuple[str, ...], what: str, kiln: bool) -> None:
+    """Refuse, before any work and unless --force, an `out` in the way that is not a folder of the kind written
+    there: one holding other files (`check_replaceable`), or whose config.json is the other kind's (a kiln model
+    folder holds only names a transformers folder also holds, so to-hf would replace one with no question)."""
+    check_replaceable(out, holds, what)
+    config = Path(out) / CONFIG
+    if forced() or not config.is_file():
+        return
+    try:
+        found = "a kiln model's" if isinstance(read_json_object(config).get("model"), dict) else \
+            "a transformers model's"
+    except ValueError:
+        found = "unreadable"
+    if found != ("a kiln model's" if kiln else "a transformers model's"):
+        raise UserError(f"{out}: its {CONFIG} is {found}, so it is not a {what} folder such as this command "
+                        "writes; choose another OUT, or pass --force to replace it")
+
+
 def _first_line(e: Exception, after: str = "") -> str:
     """The first line of an exception's message (past `after`, if there): library errors (torch.load's above
     all) span many lines."""
@@ -263,6 +283,7 @@ def to_hf(model_dir: Path, out: Path, tokenizer_path: Path, adapter: bool = Fals
     `adapter`, `out` holds the model the adapter was trained on (the merged weights minus its update, for QLoRA
     the dequantised base) and `out/adapter/` the adapter in PEFT's format, which PeftModel puts back."""
     _not_over(out, model_dir)
+    _check_out(out, HF_FOLDER, "transformers model", kiln=False)
     text = TextModel(model_dir, tokenizer_path)  # checks that the tokenizer is the model's
     model, meta, tok, config = text.model, text.meta, text.tokenizer, text.model.config
     if tok.get_vocab_size() > config.vocab_size:

@@ -41,7 +41,7 @@ def run_seeds(stage: str, seeds: list[int], params: Path, sets: list[str], root:
     key = SEED_KEYS[stage]
     if any(s.split("=", 1)[0].strip() in (key, key.split(".")[1]) for s in sets):
         raise UserError(f"kiln seeds: --set {key}: the seed is what --seeds varies; expected it left out")
-    check_output(root, "--out")
+    root = check_output(root, "--out", params=params)
     claim(root, {"stage": stage, "set": sets, "params_sha256": sha256_file(params) if params.is_file() else None})
     per_seed = {}
     for i, seed in enumerate(seeds, 1):
