@@ -17,6 +17,7 @@ from kiln.model.checkpoint import load_model, save_model
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 from kiln.pipeline.cli import app
+from kiln.pipeline.code_digest import stage_code_sha256
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
@@ -88,6 +89,14 @@ def test_sft_reproduces_its_examples(tiny, sft_model):
     assert sum(g == c[-1]["content"] for g, c in zip(got, conversations)) >= 6
     assert json.loads((tmp_path / "metrics/sft.json").read_text())["sft"]["examples"] == 6
     assert (tmp_path / "curves-sft/curves.png").is_file()
+    assert fingerprint(tmp_path / "ck-sft")["code"] == stage_code_sha256("sft")
+
+
+def fingerprint(checkpoints: Path) -> dict:
+    """The fingerprint of the one run in a checkpoint folder: a fix to the stage's code (which makes DVC rerun
+    it) must be another run, not the old one's final checkpoint resumed with nothing left to train."""
+    (state,) = checkpoints.glob("*/step_*/state.json")
+    return json.loads(state.read_text())["fingerprint"]
 
 
 def test_dpo_learns_every_preference(tiny, sft_model, tmp_path):
@@ -108,6 +117,7 @@ def test_dpo_learns_every_preference(tiny, sft_model, tmp_path):
     assert (tmp_path / "dpo/model.safetensors").is_file()
     curves = tmp_path / "curves-dpo/plots/metrics"
     assert (curves / "val/rewards/accuracies.tsv").is_file() and (curves / "loss.tsv").is_file()
+    assert fingerprint(tmp_path / "ck-dpo")["code"] == stage_code_sha256("dpo") != stage_code_sha256("sft")
 
 
 def pairs_of_many_lengths(n: int = 12) -> list[Pair]:

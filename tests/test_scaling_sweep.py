@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
+import fcntl
 import json
 import math
 import shutil
@@ -22,8 +24,12 @@ from kiln.pipeline.scaling.laws import compute_optimal
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.scaling.size import choose_size
 from kiln.pipeline.scaling.sweep import COLUMNS, plan, sweep
+from kiln.pipeline.outputs import exclusive, lock_path
+from kiln.pipeline.train.lm import LMData
 from kiln.pipeline.train.params import ModelParams, TrainParams
 from kiln.pipeline.train.pretrain import pretrain
+from tests.test_code_digest import edit_code
+from tests.test_train import fewer_shards
 
 MODEL = {"max_seq_len": 16}
 TRAIN = {"batch_size": 4, "lr": 1e-2, "min_lr": 1e-3, "device": "cpu"}  # the sweep's own copy of train.*
@@ -44,8 +50,13 @@ def run_sweep(tiny, root, **kw):
         return metrics, list(csv.DictReader(f))
 
 
-def test_plan_spends_each_budget_on_d_equal_c_over_6n():
-    runs = plan(*sections(scaling={"budgets": [1e9, 3e9], "depths": [4, 1, 2], "batch_tokens": 32}), 300, "sha")
+@pytest.fixture(scope="module")
+def data(tiny):
+    return LMData.load(tiny.shards, tiny.tokenizer)
+
+
+def test_plan_spends_each_budget_on_d_equal_c_over_6n(data):
+    runs = plan(*sections(scaling={"budgets": [1e9, 3e9], "depths": [4, 1, 2], "batch_tokens": 32}), data)
     assert [(r.budget, r.depth) for r in runs] == [(1e9, 1), (1e9, 2), (1e9, 4), (3e9, 1), (3e9, 2), (3e9, 4)]
     for run in runs:
         model = GPT(run.config)
@@ -61,14 +72,19 @@ def test_plan_spends_each_budget_on_d_equal_c_over_6n():
     assert runs[0].tokens > runs[1].tokens > runs[2].tokens
 
 
-def test_fingerprint_follows_what_is_trained_not_how():
-    base = plan(*sections(), 300, "sha")[0].fingerprint
-    assert plan(*sections(scaling={"device": "auto", "compile": True}), 300, "sha")[0].fingerprint == base
-    observed = plan(*sections(scaling={"stats_every": 5}), 300, "sha")[0]  # statistics: the same run, observed
+def test_fingerprint_follows_what_is_trained_not_how(tiny, data, tmp_path, monkeypatch):
+    base = plan(*sections(), data)[0].fingerprint
+    assert plan(*sections(scaling={"device": "auto", "compile": True}), data)[0].fingerprint == base
+    observed = plan(*sections(scaling={"stats_every": 5}), data)[0]  # statistics: the same run, observed
     assert observed.fingerprint == base and observed.train.stats_every == 5
-    assert plan(*sections(scaling={"lr": 2e-2}), 300, "sha")[0].fingerprint != base
-    assert plan(*sections(scaling={"eval_tokens": 512}), 300, "sha")[0].fingerprint != base
-    assert plan(*sections(), 300, "other tokenizer")[0].fingerprint != base
+    assert plan(*sections(scaling={"lr": 2e-2}), data)[0].fingerprint != base
+    assert plan(*sections(scaling={"eval_tokens": 512}), data)[0].fingerprint != base
+    assert plan(*sections(), dataclasses.replace(data, tokenizer_sha256="0" * 64))[0].fingerprint != base
+    # runs.csv persists: after a change to the shards or to the sweep's code, no row of before is this run's
+    fewer = LMData.load(fewer_shards(tiny.shards, tmp_path / "fewer"), tiny.tokenizer)
+    assert fewer.tokenizer_sha256 == data.tokenizer_sha256 and plan(*sections(), fewer)[0].fingerprint != base
+    edit_code("scaling_sweep", tmp_path / "fixed", monkeypatch)
+    assert plan(*sections(), data)[0].fingerprint != base
 
 
 def test_sweep_skips_finished_runs_and_resumes_an_interrupted_one(tiny, tmp_path, monkeypatch):
@@ -76,15 +92,32 @@ def test_sweep_skips_finished_runs_and_resumes_an_interrupted_one(tiny, tmp_path
     stranger = tmp_path / "ckpt" / "C2e+07_L1" / "0123456789ab" / "step_00000003" / "state.json"
     stranger.parent.mkdir(parents=True)
     stranger.write_text("{}")
+    opened, write_rows = [], scaling_sweep.write_rows
+
+    def opening(path, done):  # another sweep opens the lock file of the run just trained, before it is cleared
+        folder = tmp_path / "ckpt" / done[-1]["run"]
+        opened.append((folder, open(lock_path(folder), "a+")))
+        write_rows(path, done)
+
+    monkeypatch.setattr(scaling_sweep, "write_rows", opening)
     metrics, rows = run_sweep(tiny, tmp_path)
+    monkeypatch.setattr(scaling_sweep, "write_rows", write_rows)
     assert metrics["trained"] == 6 and len(rows) == 6 and list(rows[0]) == list(COLUMNS)
     assert "C2e+07_L1" in {r["run"] for r in rows} and stranger.read_text() == "{}"
     shutil.rmtree(tmp_path / "ckpt" / "C2e+07_L1")
+    # ... and locks it now: were the file removed, a third sweep would lock a new one, two in one folder
+    assert {folder.name for folder, _ in opened} == {r["run"] for r in rows}
+    for folder, second in opened:
+        with second:
+            fcntl.flock(second, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            with pytest.raises(UserError, match="in use by another kiln run"), exclusive(folder):
+                pass
     for row in rows:
         assert float(row["flops"]) == pytest.approx(6 * int(row["params"]) * int(row["tokens"]), rel=1e-5)
         assert float(row["flops"]) == pytest.approx(float(row["budget"]), rel=0.25)  # whole steps of 64 tokens
         assert 0 < float(row["loss"]) < math.log(300) + 0.5 and float(row["bpb"]) > 0
-    assert not any((tmp_path / "ckpt").iterdir())  # finished runs leave no resume state
+    # finished runs leave no resume state, only their lock files
+    assert {p.name for p in (tmp_path / "ckpt").iterdir()} == {f"{r['run']}.lock" for r in rows}
     assert (tmp_path / "scaling" / "curves" / rows[0]["run"] / "plots" / "metrics" / "val_loss.tsv").is_file()
 
     # Another budget trains only its three runs; the six earlier rows come back unchanged.

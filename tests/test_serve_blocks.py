@@ -127,3 +127,23 @@ def test_keys_extended_from_known_ones_are_the_keys_hashed_whole():
     assert pool.prefix_keys(tokens, known) is known and known == pool.prefix_keys(tokens) and len(known) == 7
     pool.commit(list(range(8)), tokens[:10], list(known))
     assert sorted(pool.cached.values()) == [0, 1] and [pool.cached[k] for k in known[:2]] == [0, 1]
+
+
+# Two first blocks with equal Python tuple hashes, so equal hash((parent, tokens)) keys (the audit found them by a
+# birthday search over CPython's tuple hash in minutes).
+COLLIDING = ([7, 7, 7, 7, 7, 7, 7, 7, 7, 977, 199, 525, 830, 231, 1001, 374],
+             [7, 7, 7, 7, 7, 7, 7, 7, 7, 21, 999, 329, 183, 527, 799, 0])
+
+
+def test_a_prompt_crafted_to_collide_with_another_shares_none_of_its_blocks():
+    """Sharing a block is reading another request's keys and values: a key two prefixes can be made to share
+    gives one client an answer computed from another's prompt."""
+    a, b = COLLIDING
+    assert a != b and hash((0, tuple(a))) == hash((0, tuple(b)))
+    pool = BlockPool(8, 16)
+    tail = [300, 41, 600]
+    first, _ = pool.allocate(a + tail, reserve=19)
+    pool.commit(first, a + tail)
+    second, cached = pool.allocate(b + tail, reserve=19)
+    assert cached == 0 and not set(first) & set(second)
+    assert pool.prefix_keys(a) != pool.prefix_keys(b)

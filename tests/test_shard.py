@@ -1,3 +1,4 @@
+import fcntl
 import hashlib
 import json
 import os
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 from kiln.pipeline.cli import app
 from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.outputs import exclusive, lock_path
 from kiln.pipeline.text.bpe import load_tokenizer
 from kiln.pipeline.text.loader import ShardSet, TokenBatches
 from kiln.pipeline.text.shard import ShardParams, shard
@@ -124,7 +126,26 @@ def test_a_killed_run_resumes_after_its_last_finished_shard(tiny, tmp_path, monk
     assert files(tmp_path / "shards") == {name: (os.stat(tmp_path / "shards" / name).st_ino, data)
                                           for name, (_, data) in files(tiny.shards).items()}
     assert {name: os.stat(tmp_path / "shards" / name).st_ino for name in finished} == kept  # the same files
-    assert not work.exists() and not (tmp_path / "data/checkpoints/shard.lock").exists()
+    assert not work.exists()
+
+
+def test_a_run_that_opened_the_lock_file_before_the_end_excludes_any_later_one(tiny, tmp_path, monkeypatch):
+    """Another run opens the lock file while this one holds it, and locks it once this one ends: were the file
+    removed at the end, a third run would create and lock a new one, and two runs would shard into one folder."""
+    import kiln.pipeline.text.shard as stage
+
+    work, opened, write_metrics = tmp_path / "data/checkpoints/shard", [], stage.write_metrics
+
+    def opening(*args, **kwargs):  # called while the lock is held
+        opened.append(open(lock_path(work), "a+"))
+        return write_metrics(*args, **kwargs)
+
+    monkeypatch.setattr(stage, "write_metrics", opening)
+    shard_run(tiny, tmp_path, monkeypatch)
+    with opened[0] as second:
+        fcntl.flock(second, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(UserError, match="in use by another kiln run"), exclusive(work):
+            pass
 
 
 def test_a_damaged_finished_shard_is_encoded_again(tiny, tmp_path, monkeypatch):

@@ -2,6 +2,7 @@ import contextlib
 import json
 import math
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from kiln.pipeline.train.loop import Run, build_optimizer, lr_at, train
 from kiln.pipeline.train.params import ModelParams, TrainParams
 from kiln.pipeline.train.pretrain import pretrain
 from tests.conftest import tree_bytes
+from tests.test_code_digest import edit_code
 
 MODEL = {"n_layer": 1, "n_head": 2, "n_kv_head": 1, "d_model": 32, "max_seq_len": 16}
 TRAIN = {"batch_size": 4, "batch_tokens": 128, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "eval_every": 4,
@@ -35,12 +37,36 @@ def checkpoints(root):
     return sorted((p for p in root.glob("*/step_*") if NAME.fullmatch(p.name)), key=lambda p: p.name)
 
 
-def run(tiny, root, **train):
+def run(tiny, root, shards=None, **train):
     root.mkdir(exist_ok=True)
     with contextlib.chdir(root):
         metrics = pretrain(build_section(ModelParams, MODEL), build_section(TrainParams, {**TRAIN, **train}),
-                           tiny.shards, tiny.tokenizer, root / "base", root / "ckpt")
+                           shards or tiny.shards, tiny.tokenizer, root / "base", root / "ckpt")
     return metrics, load_file(root / "base" / "model.safetensors")
+
+
+def fewer_shards(shards, out):
+    """A copy of a shard folder without its last train shard: other data, from the same tokenizer."""
+    shutil.copytree(shards, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    train = manifest["splits"]["train"]
+    dropped = train["shards"].pop()
+    train["tokens"] -= dropped["tokens"]
+    (out / dropped["file"]).unlink()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out
+
+
+def test_a_rerun_after_the_data_or_the_code_changed_trains_afresh(tiny, tmp_path, monkeypatch):
+    """A finished run keeps its final checkpoint, and the same run again resumes it with nothing left to train.
+    Other shards (the same tokenizer) or a fix to pretrain's code, which make DVC rerun the stage, are another
+    run: resumed, they would hand back the old model."""
+    _, first = run(tiny, tmp_path, max_steps=2)
+    _, other = run(tiny, tmp_path, fewer_shards(tiny.shards, tmp_path / "fewer"), max_steps=2)
+    assert len(checkpoints(tmp_path / "ckpt")) == 2 and not all(torch.equal(first[k], other[k]) for k in first)
+    edit_code("pretrain", tmp_path / "fixed", monkeypatch)
+    _, fixed = run(tiny, tmp_path, max_steps=2)
+    assert len(checkpoints(tmp_path / "ckpt")) == 3 and all(torch.equal(first[k], fixed[k]) for k in first)
 
 
 def test_resumed_run_equals_straight_run(tiny, tmp_path):
@@ -342,9 +368,16 @@ def test_resume_from_another_stages_checkpoint_is_refused(tiny, tmp_path):
     run(tiny, tmp_path, max_steps=4)
     pretrain_checkpoint = checkpoints(tmp_path / "ckpt")[-1]
     post = {"start": "0" * 64, "data": "1" * 64, "train": {"seed": 1}}
-    with pytest.raises(UserError, match="a checkpoint of another stage .*kiln sft's by data, start, train"):
+    with pytest.raises(UserError, match="a checkpoint of another stage .*kiln sft's by start, train"):
         Checkpoints(tmp_path / "sft-ckpt", post, keep=1, resume_from=pretrain_checkpoint, command="kiln sft")
     assert not (tmp_path / "sft-ckpt").exists()
+    # A pretrain checkpoint from before its data and code were fingerprinted is still pretrain's.
+    state = json.loads((pretrain_checkpoint / "state.json").read_text())
+    ours = dict(state["fingerprint"])
+    del state["fingerprint"]["data"], state["fingerprint"]["code"]
+    (pretrain_checkpoint / "state.json").write_text(json.dumps(state))
+    resumed = Checkpoints(tmp_path / "again", ours, keep=1, resume_from=pretrain_checkpoint, command="kiln pretrain")
+    assert resumed.newest().path == pretrain_checkpoint and resumed.fingerprint["resumed_from"]["step"] == 4
 
 
 def test_a_run_that_cannot_fit_its_device_is_refused_before_it_allocates(tiny, tmp_path, monkeypatch):

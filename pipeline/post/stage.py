@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from kiln.pipeline import layout
+from kiln.pipeline.code_digest import stage_code_sha256
 from kiln.pipeline.outputs import recover, write_metrics
 from kiln.pipeline.post.common import Start
 from kiln.pipeline.progress import Progress, console
@@ -28,7 +29,7 @@ from kiln.pipeline.train.params import run_identity
 class Stage:
     """What a post-training stage fills into `run_stage`."""
 
-    name: str  # the stage's, as DVC and the CLI call it: its checkpoints, logs and metrics file
+    name: str  # the stage's, as DVC and the CLI call it: its checkpoints, logs, metrics file and code digest
     loss_fn: Callable
     batches: Callable[[int], Iterator]  # the loop's micro-batches, given how many make up an optimizer step
     evaluate: Callable[[torch.nn.Module], dict]
@@ -59,7 +60,7 @@ def run_stage(s: Start, prepare: Callable[[], Stage], out_dir: Path, checkpoint_
     curves_dir = layout.curves(stage.name) if curves_dir is None else curves_dir
     with Progress(f"{stage.name}: scoring the start model on the held-out data"):
         before = stage.evaluate(model)
-    fingerprint = {**s.identity(), "data": stage.data, **stage.fingerprint,
+    fingerprint = {**s.identity(), "data": stage.data, **stage.fingerprint, "code": stage_code_sha256(stage.name),
                    "train": run_identity(loop)}
     micro = stage.micro_batch_tokens
     run = Run(params=loop, total_steps=loop.max_steps, micro_batch_tokens=micro, loss_fn=stage.loss_fn,

@@ -13,9 +13,10 @@ to `scaling.min_lr` exactly at its last step (a schedule cut short would handica
 One stage iterates over the grid instead of a DVC `foreach`/`matrix`: those make one stage per run, whose
 outputs a fit stage would have to list one by one in dvc.yaml, so a budget added in params.yaml would not
 reach the fit. Instead runs.csv persists across runs of the stage and a run is skipped when a row with its
-name and fingerprint (shape, tokens, optimiser, tokenizer, eval budget) is there: adding a budget trains only
-the new runs, and changing the learning rate retrains all. The CSV is rewritten after every run, so an
-interrupted sweep keeps what finished, and the run in progress resumes from its checkpoint.
+name and fingerprint (shape, tokens, optimiser, tokenizer, shards, the stage's code, eval budget) is there:
+adding a budget trains only the new runs, and changing the learning rate, the data or the code retrains all.
+The CSV is rewritten after every run, so an interrupted sweep keeps what finished, and the run in progress
+resumes from its checkpoint.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from pathlib import Path
 from kiln.model.config import ModelConfig
 from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.outputs import atomic_write_bytes, lock_path, write_json, write_metrics
+from kiln.pipeline.outputs import atomic_write_bytes, write_json, write_metrics
 from kiln.pipeline.progress import clock, console
 from kiln.pipeline.scaling.params import ScalingParams
 from kiln.pipeline.train.checkpoints import run_name
@@ -48,6 +49,7 @@ from kiln.pipeline.train.size_choice import count_params
 COLUMNS = ("run", "params", "non_embedding_params", "tokens", "flops", "loss", "bpb", "budget", "depth", "d_model",
            "n_head", "steps", "train_loss", "fingerprint")
 SECONDS = "seconds.json"
+STAGE = "scaling_sweep"  # dvc.yaml's name, whose code every run's fingerprint holds
 
 
 @dataclass
@@ -70,14 +72,14 @@ class SweepRun:
         return 6.0 * self.params * self.tokens
 
 
-def plan(scaling: ScalingParams, model: ModelParams, vocab_size: int, tokenizer_sha256: str) -> list[SweepRun]:
+def plan(scaling: ScalingParams, model: ModelParams, data: LMData) -> list[SweepRun]:
     if scaling.batch_tokens % model.max_seq_len:
         raise UserError(f"params: scaling.batch_tokens={scaling.batch_tokens}: expected a multiple of "
                         f"model.max_seq_len={model.max_seq_len}")
     train = scaling.train_params()
     # Micro-batches no larger than a step, so that a small sweep batch needs no small scaling.batch_size.
     batch_size = min(train.batch_size, scaling.batch_tokens // model.max_seq_len)
-    runs = []
+    vocab_size, runs = data.train.vocab_size, []
     for budget in sorted(set(scaling.budgets)):
         for depth in sorted(set(scaling.depths)):
             try:
@@ -90,8 +92,8 @@ def plan(scaling: ScalingParams, model: ModelParams, vocab_size: int, tokenizer_
                 train, batch_size=batch_size, batch_tokens=scaling.batch_tokens, max_steps=steps, tokens=None,
                 warmup_steps=round(scaling.warmup_fraction * steps), eval_every=steps,
                 eval_tokens=scaling.eval_tokens, log_every=min(train.log_every, steps), keep_checkpoints=1)
-            identity = {"model": config.to_dict(), "tokenizer_sha256": tokenizer_sha256,
-                        # pretrain's identity, plus the eval budget (here the final eval is the result) and
+            identity = {**lm_fingerprint(config, run_train, data, STAGE),
+                        # the checkpoints' identity, plus the eval budget (here the final eval is the result) and
                         # the micro-batch, which picks the windows a one-process run draws
                         "train": run_identity(run_train, ("eval_every", "eval_tokens", "batch_size"))}
             fingerprint = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
@@ -138,7 +140,7 @@ def sweep(scaling: ScalingParams, model: ModelParams, shards_dir: Path, tokenize
           out_dir: Path = layout.SCALING, checkpoint_dir: Path | None = None) -> dict:
     checkpoint_dir = layout.checkpoints("scaling") if checkpoint_dir is None else checkpoint_dir
     data = LMData.load(shards_dir, tokenizer_path)
-    runs = plan(scaling, model, data.train.vocab_size, data.tokenizer_sha256)
+    runs = plan(scaling, model, data)
     csv_path = out_dir / "runs.csv"
     rows = read_rows(csv_path)
     seconds = read_seconds(out_dir / SECONDS, rows)
@@ -150,7 +152,7 @@ def sweep(scaling: ScalingParams, model: ModelParams, shards_dir: Path, tokenize
     start, flops_done = time.perf_counter(), 0.0
     for i, run in enumerate(todo, start=1):
         _, result = train_lm(run.config, run.train, data, checkpoint_dir / run.name, out_dir / "curves" / run.name,
-                             f"sweep {i}/{len(todo)} {run.name}")
+                             f"sweep {i}/{len(todo)} {run.name}", stage=STAGE)
         rows[run.name] = {
             "run": run.name, "params": run.params, "non_embedding_params": run.non_embedding_params,
             "tokens": run.tokens, "flops": f"{run.flops:.6g}", "loss": result["val_loss"], "bpb": result["val_bpb"],
@@ -161,10 +163,10 @@ def sweep(scaling: ScalingParams, model: ModelParams, shards_dir: Path, tokenize
                               and rows[r.name]["fingerprint"] == r.fingerprint])
         seconds[run.name] = result["seconds"]
         write_json(out_dir / SECONDS, seconds)
-        # A finished run needs no resume state; other params' runs of this name keep theirs.
+        # A finished run needs no resume state; other params' runs of this name keep theirs. Its lock file stays:
+        # removed, a run that opened it before could lock it while a third locks a new file of the same name.
         own = checkpoint_dir / run.name
-        shutil.rmtree(own / run_name(lm_fingerprint(run.config, run.train, data.tokenizer_sha256)), ignore_errors=True)
-        lock_path(own).unlink(missing_ok=True)
+        shutil.rmtree(own / run_name(lm_fingerprint(run.config, run.train, data, STAGE)), ignore_errors=True)
         with contextlib.suppress(OSError):
             own.rmdir()  # only when nothing else is left in it
         flops_done += run.flops

@@ -5,8 +5,11 @@ A sequence holds a block table, its blocks in token order: token i lives in slot
 table[i // block_size]. Blocks come from one pool and go back to it when their last user leaves, so the cache
 holds what running requests need (within one block each) instead of max_seq_len for every row.
 
-Prefix caching: a block whose block_size tokens are all computed gets a key, the hash of (its parent's key,
-its tokens), so equal keys mean equal whole prefixes (up to a 64-bit hash collision, as in vLLM's default).
+Prefix caching: a block whose block_size tokens are all computed gets a key, a 128-bit BLAKE2b digest of its
+parent's key and its token ids, so equal keys mean equal whole prefixes. A shared block is another request's
+keys and values, so a key two prompts could be made to share would answer one client from another's prompt:
+Python's hash() of ints and tuples is not randomised, and 16-token blocks with equal hash((parent, tokens)) are
+found in minutes (the class of vLLM's CVE-2025-25183); matching a given block's digest takes about 2^128 tries.
 A new request walks its prompt's full blocks and takes every block already cached under the same key,
 sharing it (a reference count) instead of computing it again. Only full blocks are shared and a full block is
 never written again, so sharing needs no copy-on-write; a sequence's last, partly filled block is its own.
@@ -16,8 +19,10 @@ find them there until the pool hands them out again (least recently freed first)
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from hashlib import blake2b
 
 
 class BlockPool:
@@ -28,8 +33,9 @@ class BlockPool:
             raise ValueError(f"num_blocks={num_blocks}, block_size={block_size}: expected positive integers")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.refs = [0] * num_blocks
-        self.keys: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # key -> block holding that prefix
+        self.keys: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # key -> block holding that prefix
+        self._pack = struct.Struct(f"<{block_size}i").pack  # a block's token ids as 4 bytes each (ids < 2^31)
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # refs == 0, oldest first
 
     def in_use(self) -> int:
@@ -57,18 +63,19 @@ class BlockPool:
                 del free[block]
             refs[block] += 1
 
-    def prefix_keys(self, tokens: Sequence[int], known: list[int] | None = None) -> list[int]:
+    def prefix_keys(self, tokens: Sequence[int], known: list[bytes] | None = None) -> list[bytes]:
         """The key of each full block of `tokens`, in order. `known`, the keys of its first blocks found before
         (a sequence only grows), is extended in place and returned, so that only the new blocks are hashed."""
-        keys, B = ([] if known is None else known), self.block_size
-        parent = keys[-1] if keys else 0
+        keys, B, pack = ([] if known is None else known), self.block_size, self._pack
+        # every input is the parent's 16 bytes (none for the first block) then 4 * B: no two prefixes read alike
+        parent = keys[-1] if keys else b""
         for start in range(len(keys) * B, len(tokens) - B + 1, B):
-            parent = hash((parent, tuple(tokens[start:start + B])))
+            parent = blake2b(parent + pack(*tokens[start:start + B]), digest_size=16).digest()
             keys.append(parent)
         return keys
 
-    def allocate(self, tokens: Sequence[int], reserve: int, filling: Mapping[int, int] | None = None,
-                 known: list[int] | None = None) -> tuple[list[int], int] | None:
+    def allocate(self, tokens: Sequence[int], reserve: int, filling: Mapping[bytes, int] | None = None,
+                 known: list[bytes] | None = None) -> tuple[list[int], int] | None:
         """A block table for a new sequence of `tokens` with room for `reserve` tokens in all, and how many of
         its leading tokens are cached already (a multiple of block_size, never the whole prompt: its last
         token must run to give the next one's logits). `filling` (key -> block): blocks that other sequences'
@@ -120,7 +127,7 @@ class BlockPool:
             del table[keep:]
             self.release(tail)
 
-    def commit(self, table: list[int], tokens: Sequence[int], known: list[int] | None = None) -> None:
+    def commit(self, table: list[int], tokens: Sequence[int], known: list[bytes] | None = None) -> None:
         """Register the full blocks of `table` whose KV for `tokens` (the sequence so far) is now computed, so
         later requests can share them; `known` as in `prefix_keys`. A block already registered, or whose prefix
         another block holds, is left as it is."""

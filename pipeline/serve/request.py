@@ -73,7 +73,7 @@ class Request:
     computed: int = 0  # tokens whose keys and values are in the cache
     draft_computed: int = 0  # the same in the draft model's cache (speculative decoding)
     order: int = 0  # arrival: preemption takes the newest
-    block_keys: list[int] = field(default_factory=list)  # prefix-cache keys of its full blocks hashed so far
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full blocks hashed so far
     # Other samples of the same prompt (a request's `n`, a GRPO group). They are never queued: when this request's
     # prompt has been computed they fork onto its blocks and draw their first tokens from its last prompt
     # position's logits, so the prompt is computed once for all of them.

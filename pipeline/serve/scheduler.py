@@ -204,7 +204,7 @@ class Scheduler:
                 continue  # it was the newest: its own blocks went back
             plan.append(ScheduledSequence(request, 1, lookahead))
         budget = self.max_batch_tokens - len(plan)
-        filling: dict[int, int] = {}  # the prompt blocks this step's chunks fill (key -> block): shared as cached
+        filling: dict[bytes, int] = {}  # the prompt blocks this step's chunks fill (key -> block): shared as cached
         for request in prefilling:  # prefills, oldest first, within the budget
             if request.status is not running:  # preempted by a decode's growth since
                 continue
@@ -419,7 +419,7 @@ class Scheduler:
         self.waiting.appendleft(victim)
         return victim
 
-    def _admit(self, budget: int, filling: dict[int, int]) -> list[ScheduledSequence]:
+    def _admit(self, budget: int, filling: dict[bytes, int]) -> list[ScheduledSequence]:
         """Admit waiting requests in arrival order while the step has room, each with its first chunk. A prompt
         block that a chunk planned before it fills in this step is shared as if cached (`filling`): the step
         writes every chunk's keys and values before any chunk attends (`PagedKVCache.attend`), so requests that
@@ -460,7 +460,7 @@ class Scheduler:
             self.running = dict.fromkeys(sorted(self.running, key=lambda r: r.order))
             self.unsorted = False
 
-    def _filling(self, request: Request, count: int, filling: dict[int, int]) -> None:
+    def _filling(self, request: Request, count: int, filling: dict[bytes, int]) -> None:
         """Add the prompt blocks that `request`'s chunk of `count` tokens fills this step to `filling` (key -> the
         block), for requests admitted after it to share. The keys are the request's own (`Request.block_keys`,
         extended here): a long prompt in chunks is hashed once, not every step."""

@@ -37,7 +37,6 @@ from kiln.pipeline.outputs import (
     atomic_dir,
     atomic_write_bytes,
     exclusive,
-    lock_path,
     sha256_file,
     write_json,
     write_metrics,
@@ -250,7 +249,7 @@ def shard(params: ShardParams, corpus_dir: Path, tokenizer_path: Path, out_dir: 
             write_json(tmp / MANIFEST, manifest)
             write_metrics("shard", metrics)
         shutil.rmtree(work)
-    lock_path(work).unlink(missing_ok=True)
+    # The lock file stays: removed, a run that opened it before could lock it while a third locks a new file.
     return metrics
 
 

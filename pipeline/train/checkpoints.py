@@ -9,11 +9,12 @@ saves its own shards into `dcp/` (safetensors files whose metadata records each 
 pickle), and a run with any number of processes, FSDP or not, reads back the pieces it needs. Rank 0 writes
 the rest (`rng.safetensors`, `state.json`) and renames the folder into place once every rank is done.
 
-The fingerprint is everything that shapes the trajectory (model config, tokenizer, the optimisation params),
-and RUN is its hash: a run resumes only from its own folder, and prunes only its own checkpoints. Changing a
-param (lowering the lr after a divergence, a `dvc exp run -S`) starts afresh in a folder beside the others,
-which are never touched; `--resume-from STEP_FOLDER` goes on from any checkpoint (another run's, one written
-before this layout) with the params of this run, whose own checkpoints then go into a folder of their own.
+The fingerprint is everything that shapes the trajectory (model config, tokenizer, the data, the optimisation
+params, the stage's code: pipeline/code_digest.py), and RUN is its hash: a run resumes only from its own folder,
+and prunes only its own checkpoints. Changing a param (lowering the lr after a divergence, a `dvc exp run -S`),
+the data or the code starts afresh in a folder beside the others, which are never touched; `--resume-from
+STEP_FOLDER` goes on from any checkpoint (another run's, one written before this layout) with the params of
+this run, whose own checkpoints then go into a folder of their own.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from kiln.pipeline.train import distributed
 
 NAME = re.compile(r"step_\d{8}")
 SHARDED = "dcp"
+ANY_STAGE = frozenset({"data", "code", "resumed_from"})
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -123,9 +125,10 @@ class Checkpoints:
         self.resume_from = None if resume_from is None else Path(resume_from)
         if self.resume_from is not None:
             origin = read_state(self.resume_from)
-            # a stage's runs share the fingerprint's keys (pretrain: model, tokenizer; post-training: start, data
-            # and its own section): other keys are another stage's checkpoint, whose tensors may even fit
-            theirs, ours = (sorted(set(f) - {"resumed_from"}) for f in (origin["fingerprint"], fingerprint))
+            # a stage's runs share the fingerprint's keys (pretrain: model, tokenizer; post-training: start and
+            # its own section): other keys are another stage's checkpoint, whose tensors may even fit. The keys
+            # every stage has (data, code) tell none apart, and a checkpoint from before them lacks them.
+            theirs, ours = (sorted(set(f) - ANY_STAGE) for f in (origin["fingerprint"], fingerprint))
             if theirs != ours:
                 raise UserError(f"{self.resume_from}: a checkpoint of another stage (its run is fingerprinted by "
                                 f"{', '.join(theirs)}; {command or 'this run'}'s by {', '.join(ours)}); "

@@ -11,11 +11,13 @@ import torch
 
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
+from kiln.pipeline.code_digest import stage_code_sha256
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.progress import console
 from kiln.pipeline.runtime import from_env, prepare_device
 from kiln.pipeline.text.loader import ShardSet, TokenBatches
+from kiln.pipeline.text.shard_format import MANIFEST
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.lm_eval import byte_lengths, evaluate_lm
@@ -41,14 +43,16 @@ class LMData:
     val: ShardSet
     bytes_per_token: torch.Tensor
     tokenizer_sha256: str
+    # of the manifest both splits are read from, which holds every shard's sha256 (each checked as it opens)
+    manifest_sha256: str
 
     @classmethod
     def load(cls, shards_dir: Path, tokenizer_path: Path) -> LMData:
         if not tokenizer_path.is_file():
             raise UserError(f"{tokenizer_path}: tokenizer not found (run `kiln tokenizer train` first)")
         sha = sha256_file(tokenizer_path)
-        return cls(ShardSet(shards_dir, "train", tokenizer_sha256=sha),
-                   ShardSet(shards_dir, "val", tokenizer_sha256=sha), byte_lengths(tokenizer_path), sha)
+        train, val = (ShardSet(shards_dir, split, tokenizer_sha256=sha) for split in ("train", "val"))
+        return cls(train, val, byte_lengths(tokenizer_path), sha, sha256_file(shards_dir / MANIFEST))
 
 
 def total_steps(params: TrainParams, per_pass: int) -> int:
@@ -59,19 +63,20 @@ def total_steps(params: TrainParams, per_pass: int) -> int:
     return BatchRamp(params.batch_tokens, per_pass, params.batch_ramp_tokens).steps_for(params.tokens)
 
 
-def lm_fingerprint(config: ModelConfig, params: TrainParams, tokenizer_sha256: str) -> dict:
-    """What makes two runs the same run: checkpoints of another fingerprint are another run's."""
+def lm_fingerprint(config: ModelConfig, params: TrainParams, data: LMData, stage: str) -> dict:
+    """What makes two runs of `stage` the same run: checkpoints of another fingerprint are another run's."""
     keep = RAMP_SHAPE if params.batch_ramp_tokens else ()
-    return {"model": config.to_dict(), "tokenizer_sha256": tokenizer_sha256,
-            "train": run_identity(params, keep)}
+    return {"model": config.to_dict(), "tokenizer_sha256": data.tokenizer_sha256, "data": data.manifest_sha256,
+            "code": stage_code_sha256(stage), "train": run_identity(params, keep)}
 
 
 def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_dir: Path, curves_dir: Path,
-             name: str, resume_from: Path | None = None, command: str | None = None) -> tuple[GPT, dict]:
+             name: str, resume_from: Path | None = None, command: str | None = None,
+             stage: str = "pretrain") -> tuple[GPT, dict]:
     """Next-token training of a fresh model on `data` with the one loop; the pretrain stage and every run of the
     scaling sweep go through here, so they share the data order, the schedule and the evaluation. Under
     torchrun every rank calls it; the model it returns is then wrapped (see `distributed.full_state_dict`).
-    `resume_from` and `command`: see `Checkpoints`."""
+    `resume_from` and `command`: see `Checkpoints`; `stage`: dvc.yaml's (pretrain or scaling_sweep)."""
     seq_len = config.max_seq_len
     world = from_env()
     torch.manual_seed(params.seed)  # every rank builds the same initial weights
@@ -84,7 +89,7 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
         raise UserError(f"model.{e}") from None
     model = GPT(config).to(device).set_kernels(params.kernels).set_checkpointing(params.activation_checkpointing)
     steps = total_steps(params, params.batch_size * seq_len * world.size)
-    fingerprint = lm_fingerprint(config, params, data.tokenizer_sha256)
+    fingerprint = lm_fingerprint(config, params, data, stage)
     run = Run(
         params=params, total_steps=steps, micro_batch_tokens=params.batch_size * seq_len, loss_fn=lm_loss,
         batches=TokenBatches(data.train, params.batch_size, seq_len, seed=params.seed, rank=world.rank,
@@ -93,7 +98,7 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
                                        params.eval_tokens, params.precision, world),
         checkpoints=Checkpoints(checkpoint_dir, fingerprint, params.keep_checkpoints, world, resume_from, command),
         curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name=name, world=world,
-        section="train" if name == "pretrain" else "scaling",
+        section="train" if stage == "pretrain" else "scaling",
     )
     console.print(f"{name}: {config.arch} {model.num_params() / 1e6:.3g}M params "
                   f"({model.num_params(embeddings=False) / 1e6:.3g}M non-embedding), {steps} steps x "
