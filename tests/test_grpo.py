@@ -310,6 +310,7 @@ def test_prompts_too_long_for_the_completion_are_counted_and_skipped(tiny, capsy
     ("group_size", 1, "2 or more"),
     ("checkpoint_every", 3, "a multiple of grpo.epochs=2"), ("temperature", 0, "a positive number"),
     ("temperature", 1e308, "a positive number up to 2.0"),
+    ("reward_memory_gib", 0, "a positive number of GiB"), ("reward_processes", 0, "a positive integer"),
     ("loss_type", "ppo", "one of grpo, bnpo, dr_grpo, dapo"), ("init", "base", "sft or dpo"),
     ("format", "messages", "prompt_answer"), ("reward", "fuzzy", "exact, numeric"),
     ("sampling_rounds", 0, "grpo.sampling_rounds=0: expected a positive integer")])

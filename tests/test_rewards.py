@@ -408,12 +408,16 @@ def stubborn(prompt, completion, answer):
         pass
 
 def forks(prompt, completion, answer):
-    pid = os.fork()
-    if pid == 0:
-        time.sleep(120)
+    # a daemon's double fork: a child in a session of its own forks, then ends, and its child lives on orphaned
+    if os.fork() == 0:
+        os.setsid()
+        grandchild = os.fork()
+        if grandchild == 0:
+            time.sleep(120)
+            os._exit(0)
+        with open(prompt, "a") as f:
+            f.write(f"{grandchild}\\n")
         os._exit(0)
-    with open("child.pid", "w") as f:
-        f.write(str(pid))
     print("a print goes to stderr, not into the replies")
     return 1.0
 '''
@@ -446,15 +450,21 @@ def test_a_reward_that_attacks_its_process_is_one_line(tmp_path, monkeypatch, fn
     assert score(make_reward("exact"), [("p", "a", "a")], "after") == [1.0]  # and this process goes on
 
 
-def test_a_reward_s_forks_end_with_its_worker(tmp_path, monkeypatch):
+def test_a_reward_s_forks_end_with_its_worker(tmp_path, tmp_path_factory, monkeypatch):
+    """Even one that left the worker's process group and session (setsid): the worker's supervisor adopts them."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "hostile.py").write_text(HOSTILE_MODULE, encoding="utf-8")
+    pids = tmp_path_factory.mktemp("pids") / "children"  # outside the project, which the reward cannot write
+    pids.touch()
     reward = make_reward("hostile.py:forks", timeout=5)
-    assert score(reward, [("p", "c", "a")] * 2, "rollouts") == [1.0, 1.0]
-    child = int((tmp_path / "child.pid").read_text())
-    assert alive(child)
+    assert score(reward, [(str(pids), "c", "a")] * 2, "rollouts") == [1.0, 1.0]
+    deadline = time.monotonic() + 5
+    while len(pids.read_text().split()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    daemons = [int(pid) for pid in pids.read_text().split()]
+    assert len(daemons) == 2 and all(map(alive, daemons))
     reward.process.close()
     deadline = time.monotonic() + 5
-    while alive(child) and time.monotonic() < deadline:
+    while any(map(alive, daemons)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not alive(child)
+    assert not any(map(alive, daemons))

@@ -37,6 +37,7 @@ from kiln.pipeline.tasks.chat_data import load_prompts
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.tasks.corpus_task import held_out_items
 from kiln.pipeline.tasks.rewards import NamedReward, make_reward, score
+from kiln.pipeline.tasks.user_reward import Limits
 
 PLAIN_SUFFIX = "\n\nAnswer:"
 
@@ -78,7 +79,8 @@ def plain_prompt(messages: list[dict]) -> str:
 def load_gen_task(spec: GenTaskSpec, key: str, chat: ChatFormat, corpus_dir: Path, seq_len: int,
                   seed: int) -> GenTask:
     """The task's prompts, both renderings of each, and its reward; a bad reward fails before any model runs."""
-    reward = make_reward(spec.reward, spec.reward_pattern, key, spec.reward_timeout)
+    reward = make_reward(spec.reward, spec.reward_pattern, key, spec.reward_timeout,
+                         Limits(int(spec.reward_memory_gib * 2**30), spec.reward_processes))
     if spec.max_new_tokens >= seq_len:
         raise UserError(f"params: {key}.max_new_tokens={spec.max_new_tokens}: expected fewer than the models' "
                         f"max_seq_len={seq_len}")

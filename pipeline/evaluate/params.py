@@ -34,6 +34,8 @@ class GenTaskSpec:
     temperature: float = 1.0           # of the samples
     max_new_tokens: int = 16
     reward_timeout: float = 10.0       # seconds a reward of the user's own may take per completion
+    reward_memory_gib: float = 16.0    # address space per process of a reward of the user's own (RLIMIT_AS)
+    reward_processes: int = 1024       # processes a reward of the user's own may run at once
 
     def check(self, key: str) -> None:
         def bad(name: str, expected: str) -> UserError:
@@ -54,6 +56,10 @@ class GenTaskSpec:
             raise bad("max_new_tokens", "a positive integer")
         if not 0 < self.reward_timeout < math.inf:
             raise bad("reward_timeout", "a positive number of seconds")
+        if not 0 < self.reward_memory_gib < math.inf:
+            raise bad("reward_memory_gib", "a positive number of GiB")
+        if self.reward_processes < 1:
+            raise bad("reward_processes", "a positive integer")
 
     def ks(self) -> list[int]:
         """The k of each sampled/pass@k: powers of two up to n."""
@@ -70,7 +76,7 @@ class EvalParams(Section):
     batch_size: int = 16  # rows per forward
     # A multiple-choice task: {name, data, format, split, shots, limit, delimiter}; data `builtin` is the corpus
     # cloze task. A generative task has a reward: {name, data, reward, reward_pattern, format, split, limit,
-    # samples, temperature, max_new_tokens}; data `builtin` is the built-in task's held-out speaker questions.
+    # samples, temperature, max_new_tokens, reward_timeout, reward_memory_gib, reward_processes}; data `builtin` is the built-in task's held-out speaker questions.
     tasks: list[dict] = dataclasses.field(default_factory=lambda: [
         {"name": "cloze", "data": "builtin", "limit": 500},
         {"name": "speaker", "data": "builtin", "reward": "exact", "limit": 300, "samples": 8, "temperature": 1.0,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.machinery
 import json
 import time
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ import torch
 from kiln.model.lora import adapters_off, is_adapted
 from kiln.model.modes import evaluating
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.post.common import IGNORE, ExampleBatches, Start, start
 from kiln.pipeline.post.grpo_loss import group_advantages, policy_loss
 from kiln.pipeline.post.grpo_params import GRPOParams
@@ -51,6 +53,7 @@ from kiln.pipeline.serve.request import Request, SamplingParams, fork_groups
 from kiln.pipeline.tasks.chat_data import PromptAnswer
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.tasks.rewards import NamedReward, make_reward, score
+from kiln.pipeline.tasks.user_reward import Limits, is_file
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.curves import Panel
 from kiln.pipeline.train.loop import accumulation_steps
@@ -345,7 +348,8 @@ def grpo(params: GRPOParams, train_params: TrainParams, start_dir: Path, tokeniz
          out_dir: Path, checkpoint_dir: Path, curves_dir: Path | None = None,
          resume_from: Path | None = None) -> dict:
     # a bad reward fails before the model loads
-    reward = make_reward(params.reward, params.reward_pattern, timeout=params.reward_timeout)
+    reward = make_reward(params.reward, params.reward_pattern, timeout=params.reward_timeout,
+                         limits=Limits(int(params.reward_memory_gib * 2**30), params.reward_processes))
     s = start(params, train_params, start_dir, tokenizer_path, corpus_dir)
     return run_stage(s, lambda: grpo_stage(params, s, reward, start_dir), out_dir, checkpoint_dir, curves_dir,
                      resume_from)
@@ -383,7 +387,8 @@ def grpo_stage(params: GRPOParams, s: Start, reward: NamedReward, start_dir: Pat
         fingerprint={"grpo": {k: getattr(params, k) for k in ("group_size", "epochs", "temperature", "top_p",
                                                               "max_new_tokens", "epsilon_low", "epsilon_high",
                                                               "beta", "loss_type", "scale_rewards", "reward",
-                                                              "reward_pattern")},
+                                                              "reward_pattern")}
+                     | {"reward_sha256": reward_sha256(params.reward)},
                      # how rollouts are drawn: a checkpoint of the batched generator's draws is another run's
                      "rollouts": ROLLOUT_SAMPLER},
         micro_batch_tokens=micro,
@@ -396,3 +401,28 @@ def grpo_stage(params: GRPOParams, s: Start, reward: NamedReward, start_dir: Pat
         flops_per_token=0.0, log_metrics=rollouts.log_metrics, show=("reward",),
         suspect=f"The advantages come from {reward.label}: a reward of large magnitude (or unscaled, with "
                 "grpo.scale_rewards false) can overflow the loss.")
+
+
+def reward_sha256(spec: str) -> str | None:
+    """sha256 of the file a reward of the user's own (`file.py:function`, `module:function`) is defined in, so
+    that a run after the file changed starts afresh; None for kiln's own rewards, which the code digest covers."""
+    if ":" not in spec:
+        return None
+    target = spec.rpartition(":")[0]
+    return sha256_file(Path(target) if is_file(target) else module_file(target, spec))
+
+
+def module_file(name: str, spec: str) -> Path:
+    """The file an import of module `name` from sys.path finds, looked up without running its code or its
+    packages' (the reward runs in a process of its own, never in the stage's)."""
+    found, search = None, None
+    parts = name.split(".")
+    for i in range(1, len(parts) + 1):
+        found = importlib.machinery.PathFinder.find_spec(".".join(parts[:i]), search)
+        if found is None:
+            break
+        search = found.submodule_search_locations
+    if found is None or not found.has_location:
+        raise UserError(f"params: grpo.reward={spec!r}: found no file for module {name!r} to fingerprint the run "
+                        "with; name the file instead (path/to/file.py:function)")
+    return Path(found.origin)

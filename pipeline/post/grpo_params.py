@@ -55,6 +55,8 @@ class GRPOParams(PostTrainParams):
     reward: str = "exact"  # exact | numeric | contains | regex | module:function | file.py:function
     reward_pattern: str | None = None  # the regex of reward=regex, {answer} standing for the escaped answer
     reward_timeout: float = 10.0  # seconds a reward of the user's own may take per completion
+    reward_memory_gib: float = 16.0  # address space per process of a reward of the user's own (RLIMIT_AS)
+    reward_processes: int = 1024  # processes a reward of the user's own may run at once
     # rollouts launched step by step, no CUDA graphs (verl's rollout.enforce_eager, `kiln serve --enforce-eager`):
     # to debug, or to measure what the graphs buy; a CPU captures none either way
     enforce_eager: bool = False
@@ -88,6 +90,10 @@ class GRPOParams(PostTrainParams):
             raise self.bad("beta", "a number >= 0")
         if not 0 < self.reward_timeout < math.inf:
             raise self.bad("reward_timeout", "a positive number of seconds")
+        if not 0 < self.reward_memory_gib < math.inf:
+            raise self.bad("reward_memory_gib", "a positive number of GiB")
+        if self.reward_processes < 1:
+            raise self.bad("reward_processes", "a positive integer")
         if self.loss_type not in LOSS_TYPES:
             raise self.bad("loss_type", f"one of {', '.join(LOSS_TYPES)}")
 

@@ -7,7 +7,8 @@ functions, and `score` refuses (with a one-line `UserError` naming the row) any 
 something other than a finite real number within +-1e6 (GRPO divides by a group's spread: 1e308 overflows the
 advantages and then the loss). A reward of the user's own runs in a worker process (tasks/user_reward.py) and
 gets `reward_timeout` seconds a call: one that never returns, exits or crashes stops the run naming it and the
-row, and the worker is killed, whatever the function did to signals.
+row, and the worker is killed with all it started, whatever the function did to signals. The worker's memory and
+processes are bounded, and the project is read-only to it where the kernel allows (tasks/user_reward.py).
 
 `grpo.reward` picks the reward: `exact`, `numeric`, `contains`, `regex` (with `grpo.reward_pattern`), or
 `module:function` / `path/to/file.py:function` for a reward of your own. A generative eval task
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 
 from kiln.pipeline.errors import UserError, shown
-from kiln.pipeline.tasks.user_reward import Reward, RewardProcess, judge
+from kiln.pipeline.tasks.user_reward import Limits, Reward, RewardProcess, judge
 
 CHOICES = "exact, numeric, regex, contains, or module:function (a module on sys.path or a .py file)"
 
@@ -134,10 +135,11 @@ def regex_reward(pattern: str, key: str = "grpo") -> Reward:
 BUILTIN = {"exact": exact_reward, "numeric": numeric_reward, "contains": contains_reward}
 
 
-def make_reward(spec: str, pattern: str | None = None, key: str = "grpo", timeout: float | None = None) -> NamedReward:
+def make_reward(spec: str, pattern: str | None = None, key: str = "grpo", timeout: float | None = None,
+                limits: Limits = Limits()) -> NamedReward:
     """The reward `<key>.reward=spec` names (`pattern` is `<key>.reward_pattern`, used only by `regex`); `key`
     is the params entry every message names (`grpo`, `eval.tasks[1]`); a function of the user's own gets
-    `timeout` seconds a call."""
+    `timeout` seconds a call, and its processes `limits`."""
     if spec not in BUILTIN and spec != "regex" and ":" not in spec:
         raise UserError(f"params: {key}.reward={spec!r}: expected one of {CHOICES}")
     # A pattern that would be ignored is most likely a reward switched without its pattern: say so.
@@ -152,7 +154,7 @@ def make_reward(spec: str, pattern: str | None = None, key: str = "grpo", timeou
     if spec in BUILTIN:
         return NamedReward(f"{key}.reward={spec!r}", BUILTIN[spec])
     label = f"{key}.reward={spec!r}"
-    return NamedReward(label, process=RewardProcess(spec, key, timeout, label), timeout=timeout)
+    return NamedReward(label, process=RewardProcess(spec, key, timeout, label, limits), timeout=timeout)
 
 
 def score(reward: NamedReward, rows: Sequence[tuple[str, str, str]], what: str) -> list[float]:
@@ -169,6 +171,10 @@ def score(reward: NamedReward, rows: Sequence[tuple[str, str, str]], what: str) 
         if "died" in got:
             raise UserError(f"{where}: the reward's process {got['died']} (a reward must return a number, not "
                             "end its process)")
+        if "limit" in got:
+            raise UserError(f"{where}: the reward's process {got['limit']}")
+        if "broken" in got:
+            raise UserError(f"{where}: {got['broken']}")
         if "user_error" in got:
             raise UserError(f"{where}: {got['user_error']}")
         if "raised" in got:
