@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import typer
 
-from kiln.pipeline.commands import bench, data, evaluate, scaling, serving, tokenizer, tools, training
+from kiln.pipeline.commands import bench, data, evaluate, params_check, scaling, serving, tokenizer, tools, training
 
 app = typer.Typer(help="kiln: an LLM training pipeline, one command per DVC stage.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)
@@ -30,6 +30,7 @@ def options(_version: bool = typer.Option(False, "--version", callback=show_vers
     """kiln: an LLM training pipeline, one command per DVC stage."""
 
 
+app.add_typer(params_check.app, name="params")
 app.add_typer(data.app, name="data")
 app.add_typer(tokenizer.app, name="tokenizer")
 app.add_typer(scaling.app, name="scaling")

@@ -99,8 +99,8 @@ def project(tmp_path):
 
 def test_repro_noop_clean_tree_and_hand_runs(project):
     first = run(project, "dvc", "repro")
-    assert ran_stages(first) == {"prepare", "tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size",
-                                 "pretrain", "sft", "dpo", "grpo", "evaluate"}
+    assert ran_stages(first) == {"params_check", "prepare", "tokenizer", "shard", "scaling_sweep", "scaling_fit",
+                                 "scaling_size", "pretrain", "sft", "dpo", "grpo", "evaluate"}
     for out in ("data/corpus/train.parquet", "data/tokenizer/tokenizer.json", "data/shards/manifest.json",
                 "data/models/base/model.safetensors", "metrics/pretrain/curves.png", "data/scaling/fit.json",
                 "metrics/scaling/isoflops.png", "data/models/sft/model.safetensors",
@@ -181,14 +181,15 @@ def test_experiments_rerun_only_what_they_change(project):
 
     # Another budget: the sweep trains only its 3 runs, and with model.size fixed pretrain is left alone.
     exp = run(project, "dvc", "exp", "run", "-S", "scaling.budgets=[2e7,4e7,8e7]")
-    assert ran_stages(exp) == {"scaling_sweep", "scaling_fit", "scaling_size"}
+    assert ran_stages(exp) == {"params_check", "scaling_sweep", "scaling_fit", "scaling_size"}
     assert json.loads((project / "metrics/timings/scaling_sweep.json").read_text())["trained"] == 3
     run(project, "dvc", "exp", "apply", "HEAD")
 
     # model.size=auto: pretrain takes the shape the fit gives for scaling.target_flops, and says so.
     exp = run(project, "dvc", "exp", "run", "-S", "model.size=auto", "-S", "scaling.approach=parametric")
     # the sweep's stage runs and finds every run done
-    assert ran_stages(exp) == {"scaling_sweep", "scaling_size", "pretrain", "sft", "dpo", "grpo", "evaluate"}
+    assert ran_stages(exp) == {"params_check", "scaling_sweep", "scaling_size", "pretrain", "sft", "dpo", "grpo",
+                               "evaluate"}
     size = json.loads((project / "data/scaling/size.json").read_text())
     pretrained = json.loads((project / "metrics/pretrain.json").read_text())["pretrain"]
     assert pretrained["size_auto"]["n_layer"] == size["n_layer"] and pretrained["tokens"] <= size["tokens"]
@@ -196,8 +197,8 @@ def test_experiments_rerun_only_what_they_change(project):
     run(project, "dvc", "exp", "apply", "HEAD")
 
     exp = run(project, "dvc", "exp", "run", "-S", "tokenizer.vocab_size=330")
-    assert ran_stages(exp) == {"tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size", "pretrain",
-                               "sft", "dpo", "grpo", "evaluate"}
+    assert ran_stages(exp) == {"params_check", "tokenizer", "shard", "scaling_sweep", "scaling_fit", "scaling_size",
+                               "pretrain", "sft", "dpo", "grpo", "evaluate"}
     assert json.loads((project / "metrics/tokenizer.json").read_text())["tokenizer"]["vocab_size"] == 330
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))
     change = diff["metrics/tokenizer.json"]["tokenizer.vocab_size"]
@@ -206,7 +207,7 @@ def test_experiments_rerun_only_what_they_change(project):
 
     exp = run(project, "dvc", "exp", "run", "-S", "train.precision=bf16")
     # pretraining and what follows; the sweep trains with its own scaling.* keys, so it is left alone
-    assert ran_stages(exp) == {"pretrain", "sft", "dpo", "grpo", "evaluate"}
+    assert ran_stages(exp) == {"params_check", "pretrain", "sft", "dpo", "grpo", "evaluate"}
     assert "bf16" in exp  # the run says what it trains in
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))["metrics/pretrain.json"]
     diff = diff["pretrain.val_loss"]
@@ -217,7 +218,7 @@ def test_experiments_rerun_only_what_they_change(project):
     # persist outside the cache, so DVC would see them changed), a DPO knob reruns DPO alone.
     before = json.loads((project / "metrics/eval.json").read_text())["eval"]
     exp = run(project, "dvc", "exp", "run", "-S", "dpo.beta=0.3")
-    assert ran_stages(exp) == {"dpo", "evaluate"}
+    assert ran_stages(exp) == {"params_check", "dpo", "evaluate"}
     diff = json.loads(run(project, "dvc", "metrics", "diff", "--json"))
     margins = diff["metrics/dpo.json"]["dpo.val/rewards/margins"]
     assert margins["old"] != margins["new"]
@@ -230,7 +231,7 @@ def test_experiments_rerun_only_what_they_change(project):
 
     # GRPO's KL to its start: the grpo stage and the evaluation rerun, nothing upstream; the KL is now logged.
     exp = run(project, "dvc", "exp", "run", "-S", "grpo.beta=0.04")
-    assert ran_stages(exp) == {"grpo", "evaluate"}
+    assert ran_stages(exp) == {"params_check", "grpo", "evaluate"}
     assert (project / "metrics/grpo/plots/metrics/kl.tsv").is_file()
     final = json.loads((project / "metrics/eval.json").read_text())["eval"]
     assert final["val_loss"]["grpo"] != after["val_loss"]["grpo"]

@@ -251,6 +251,37 @@ def test_any_jsonl_bytes_give_a_corpus_or_user_error(raw):
             assert "\n" not in str(e)
 
 
+# --- sources too large to hold (issue 68, finding 11b): refused in one line, never read whole ------------------
+
+
+def test_a_3gb_txt_source_is_refused_by_its_size_before_it_is_read(corpus_run):
+    from kiln.pipeline.text.sources import MAX_DOCUMENT_BYTES
+
+    with open("big.txt", "wb") as f:
+        f.truncate(3 << 30)  # sparse: no disk spent; read whole, it ended in Arrow's capacity error
+    prepare_fails("big.txt", "3,221,225,472 bytes", "a .txt file (one document)", f"at most {MAX_DOCUMENT_BYTES:,}")
+    assert tree_bytes(Path("corpus")) == corpus_run
+
+
+# The whole file one unit (the line inside it), or units of 64 bytes (the line runs past where planning looks).
+@pytest.mark.parametrize("unit_bytes", [1 << 20, 64])
+def test_a_jsonl_line_longer_than_a_document_names_its_line(corpus_run, monkeypatch, unit_bytes):
+    monkeypatch.setattr("kiln.pipeline.text.sources.MAX_DOCUMENT_BYTES", 1000)
+    monkeypatch.setattr("kiln.pipeline.text.sources.JSONL_UNIT_BYTES", unit_bytes)
+    lines = Path("good.jsonl").read_text(encoding="utf-8").splitlines(keepends=True)
+    lines[150] = json.dumps({"text": "x" * 5000}) + "\n"
+    Path("long.jsonl").write_text("".join(lines), encoding="utf-8")
+    prepare_fails("long.jsonl", "long.jsonl:151", "more than 1,000 bytes")
+    assert tree_bytes(Path("corpus")) == corpus_run
+
+
+def test_a_parquet_value_longer_than_a_document_is_refused(corpus_run, monkeypatch):
+    monkeypatch.setattr("kiln.pipeline.text.sources.MAX_DOCUMENT_BYTES", 1000)
+    pq.write_table(pa.table({"text": [f"row {i}" for i in range(20)] + ["é" * 501]}), "long.parquet")
+    prepare_fails("long.parquet", "a document of 1,002 bytes", "at most 1,000 bytes")
+    assert tree_bytes(Path("corpus")) == corpus_run
+
+
 def test_shard_refuses_a_truncated_corpus_split(workdir, tiny):
     corpus = workdir / "corpus"
     shutil.copytree(tiny.corpus, corpus)

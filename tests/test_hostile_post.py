@@ -4,6 +4,7 @@ model untouched; a file whose every row has fields of the wrong type is refused 
 
 import gzip
 import json
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -101,3 +102,37 @@ def test_files_that_are_no_dataset(workdir, tiny, start_model, stage, name, said
     if name != "gone.jsonl":
         path.write_text(lines([{"question": "q", "answer": "a"}]) if name == "odd.jsonl" else "")
     refused(workdir, tiny, start_model, stage, path, str(path), said)
+
+
+# --- params that cannot train together: refused as they are loaded (issue 68, finding 15a) --------------------
+
+# (stage, params.yaml's sections, what the one line names): each was refused only once the start model was loaded
+# and the rows built (fp8 with an adapter after 14-16 s, leaving the checkpoints' lock file behind).
+CANNOT_TRAIN = [
+    ("sft", {"train": {"precision": "fp8"}, "sft": {"adapter": "lora"}}, "sft.adapter=lora"),
+    ("dpo", {"train": {"precision": "fp8"}, "dpo": {"adapter": "qlora"}}, "dpo.adapter=qlora"),
+    ("grpo", {"train": {"precision": "fp8"}, "grpo": {"adapter": "lora"}}, "grpo.adapter=lora"),
+    ("sft", {"train": {"nproc_per_node": 2}, "sft": {"batch_size": 4, "batch_examples": 4}},
+     "sft.batch_examples=4: expected a multiple of sft.batch_size x train.nproc_per_node = 8"),
+    ("grpo", {"grpo": {"data": "builtin", "max_examples": None}}, "grpo.max_examples=null"),
+]
+
+
+@pytest.mark.parametrize(("stage", "sections", "named"), CANNOT_TRAIN)
+@pytest.mark.parametrize("how", ["dag", "by hand"])
+def test_params_that_cannot_train_together_are_refused_before_any_work(tmp_path, monkeypatch, stage, sections,
+                                                                       named, how):
+    """As the DAG runs the stage (params.yaml alone) and by hand (--set): exit 2 in one line at once, with no
+    start model needed and no file written (no lock, no run folder)."""
+    monkeypatch.chdir(tmp_path)
+    if how == "dag":
+        write_params(tmp_path / "params.yaml", sections)
+        args = [stage]
+    else:
+        write_params(tmp_path / "params.yaml", {})
+        args = [stage, *(part for section, values in sections.items() for key, value in values.items()
+                         for part in ("--set", f"{section}.{key}={json.dumps(value)}"))]
+    start = time.monotonic()
+    fails_in_one_line(args, 2, named)
+    assert time.monotonic() - start < 2
+    assert [p.name for p in tmp_path.iterdir()] == ["params.yaml"]

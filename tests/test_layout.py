@@ -169,7 +169,8 @@ MODULES = {module_name(p): p for folder in ("kernels", "model", "pipeline") for 
 
 
 def test_every_stage_has_its_module():
-    assert set(STAGE_MODULES) == set(STAGES)
+    # params_check loads the params classes of every stage and has no module of its own
+    assert set(STAGE_MODULES) == set(STAGES) - {"params_check"}
     for stage, module in STAGE_MODULES.items():
         assert module in stage_entry_modules(STAGES[stage]["cmd"]), f"{stage}: its command does not import {module}"
 

@@ -514,6 +514,24 @@ def test_rows_are_written_in_row_groups_of_1024():
     assert sizes[:-1] == [1024] * (len(sizes) - 1) and sum(sizes) == meta.num_rows > 2048
 
 
+def test_row_groups_stop_at_row_group_bytes_of_text(monkeypatch):
+    """A row group of large documents holds fewer than 1024 rows, so that none passes the bound an Arrow array
+    must stay under; one document larger than the bound is a row group of its own."""
+    monkeypatch.setattr("kiln.pipeline.text.prepare.ROW_GROUP_BYTES", 1000)
+    texts = numbered("doc", 60)
+    texts[30] = "a long document " * 100
+    write_jsonl(Path("in.jsonl"), texts)
+    prepare(params(source="in.jsonl", val_fraction=0.1), Path("out"))
+    pf = pq.ParquetFile("out/train.parquet")
+    groups = [pf.read_row_group(i).column("text").to_pylist() for i in range(pf.num_row_groups)]
+    assert [t for group in groups for t in group] == [t for t in texts if not is_val(t, 0.1)]
+    assert [texts[30]] in groups and utf8_len(texts[30]) > 1000
+    for group, after in zip(groups, groups[1:]):
+        # as full as the bound lets it be: the next group's first row would not have fitted
+        assert len(group) == 1 or utf8_len(group) <= 1000
+        assert utf8_len(group) + utf8_len(after[:1]) > 1000
+
+
 def test_a_jsonl_error_in_a_later_unit_names_the_files_line(many_units):
     lines = Path("corpus/b.jsonl").read_text(encoding="utf-8").splitlines()
     lines[27] = '{"text": broken'

@@ -69,3 +69,24 @@ def test_evaluate_takes_anything_under_tasks_and_a_hand_run_anything(dag, monkey
 def test_a_stage_kiln_cannot_find_in_dvc_yaml_is_not_checked(dag, monkeypatch):
     monkeypatch.setenv("DVC_STAGE", "other/dvc.yaml:train")
     assert score(make_reward("elsewhere/mine.py:score"), [("", "a", "a")], "t") == [1.0]
+
+
+def test_a_corpus_of_the_user_s_own_must_be_a_dep_of_prepare(tmp_path, monkeypatch):
+    from kiln.pipeline.text.sources import local_units
+
+    (tmp_path / "tasks/data").mkdir(parents=True)
+    (tmp_path / "books").mkdir()
+    for where in ("tasks/data/a.txt", "books/b.txt"):
+        (tmp_path / where).write_text("to be or not to be\n")
+    stages = {"prepare": {"cmd": "kiln data prepare", "deps": ["tasks/data"]}}
+    (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DVC_ROOT", str(tmp_path))
+    monkeypatch.setenv("DVC_STAGE", "prepare")
+    assert len(list(local_units("tasks/data/*.txt", "text"))) == 1
+    with pytest.raises(UserError, match=r"^params: data.source: books/b.txt is not among the prepare stage's deps in "
+                                        r"dvc.yaml, so DVC would not rerun prepare when it changes; expected it "
+                                        r"under tasks/data/"):
+        local_units("books/*.txt", "text")
+    monkeypatch.delenv("DVC_STAGE")  # by hand, any file
+    assert len(list(local_units("books/*.txt", "text"))) == 1

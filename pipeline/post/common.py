@@ -239,8 +239,6 @@ def load_chat_data(params: PostTrainParams, chat: ChatFormat, seq_len: int, corp
     """The section's examples: its built-in task's, or its dataset's rows split by hash (post/params.py has what
     each section's data is)."""
     if params.data == "builtin":
-        if params.max_examples is None:
-            raise params.bad("max_examples", "the number of items to derive when data is builtin")
         return ChatData(*params.builtin(corpus_dir, chat, seq_len))
     cap = None if params.max_examples is None else params.max_examples + params.val_examples
     rows = params.loader()(params.data, params.format, params.split, cap, f"{params.SECTION}.data")

@@ -110,6 +110,9 @@ class PostTrainParams(Section):
         if unknown or not self.lora_targets or len(set(self.lora_targets)) < len(self.lora_targets):
             raise self.bad("lora_targets", f"distinct names among {', '.join(TARGETS)}"
                            + (f" ({unknown[0]!r} is none)" if unknown else ""))
+        if self.data == "builtin" and self.max_examples is None:
+            raise UserError(f"params: {self.SECTION}.max_examples=null: expected the number of items to derive when "
+                            f"{self.SECTION}.data is builtin")
         tokens = self.lora_trainable_tokens
         if isinstance(tokens, str) and tokens not in TRAINABLE_TOKENS:
             raise self.bad("lora_trainable_tokens", f"{' | '.join(TRAINABLE_TOKENS)} or a list of token ids")
@@ -119,6 +122,19 @@ class PostTrainParams(Section):
             self.loop_params(TrainParams(), 1)
         except UserError as e:
             raise UserError(str(e).replace("params: train.", f"params: {self.SECTION}.", 1)) from None
+
+    def check_train(self, train: TrainParams) -> None:
+        """What this section and `train` must agree on, checked as the params are loaded: the loop refused these
+        only once the start model was loaded and the rows built (fp8 with an adapter after ~15 s, and holding
+        the checkpoints' lock)."""
+        if train.precision == "fp8" and self.adapter != "full":
+            raise UserError(f"params: train.precision=fp8 trains every weight, and {self.SECTION}.adapter="
+                            f"{self.adapter} freezes the base (its layers are not converted to fp8); use "
+                            f"train.precision=bf16 with an adapter, or {self.SECTION}.adapter=full")
+        per_step = self.batch_size * train.nproc_per_node  # every process takes batch_size examples a micro-step
+        if self.batch_examples % per_step:
+            raise self.bad("batch_examples", f"a multiple of {self.SECTION}.batch_size x train.nproc_per_node = "
+                                             f"{per_step}")
 
     def loop_params(self, train: TrainParams, seq_len: int) -> TrainParams:
         """The one loop's params: this section's keys of the same name as `train`'s (its schedule, seed and

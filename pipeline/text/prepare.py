@@ -39,10 +39,16 @@ from kiln.pipeline.errors import StageError, UserError
 from kiln.pipeline.outputs import atomic_dir, write_metrics
 from kiln.pipeline.progress import Progress
 from kiln.pipeline.text.corpus import SPLITS, SURROGATE
-from kiln.pipeline.text.sources import DataParams, DecodeStats, Document, Unit, plan_units
+from kiln.pipeline.text.sources import DataParams, DecodeStats, Document, Unit, check_size, plan_units
 
 SCHEMA = pa.schema([("text", pa.string()), ("source", pa.string())])
+# A unit's documents before they are written: 64-bit offsets, as a parquet row group or an hf: batch may hold more
+# than the 2 GiB of text one Arrow string array can.
+UNIT_SCHEMA = pa.schema([("text", pa.large_string()), ("source", pa.large_string())])
 ROWS_PER_WRITE = 1024  # rows per parquet row group
+# ... or fewer, when that many would hold more text than this: a row group is one Arrow string array when written
+# and read back (2 GiB at most), and a reader holds one whole.
+ROW_GROUP_BYTES = 64 << 20
 KEY_BYTES = 16
 # Below this much input one process is faster: a worker process starts by importing kiln (torch with it), about
 # a second, and this process reads ~10 MB/s.
@@ -89,12 +95,13 @@ class Cleaned:
 
 def clean(unit: Unit, params: DataParams) -> Cleaned:
     """A worker's job: read one unit, normalise and hash each document."""
-    stats, texts, sources, out = DecodeStats(), [], [], Cleaned(SCHEMA.empty_table())
+    stats, texts, sources, out = DecodeStats(), [], [], Cleaned(UNIT_SCHEMA.empty_table())
     replaced = 0
     try:
         for doc in unit.documents(params.text_field, params.decode_errors, stats):
             text = unicodedata.normalize("NFC", valid_unicode(doc, params.decode_errors, stats))
             data = text.encode("utf-8")
+            check_size(doc, len(data))
             empty = not text.strip()
             texts.append(text)
             sources.append(doc.source)
@@ -106,7 +113,7 @@ def clean(unit: Unit, params: DataParams) -> Cleaned:
             replaced = stats.replaced
     except UserError as e:
         out.error = e
-    out.table = pa.table({"text": texts, "source": sources}, SCHEMA)
+    out.table = pa.table({"text": texts, "source": sources}, UNIT_SCHEMA)
     return out
 
 
@@ -144,37 +151,50 @@ def ordered_map(fn: Callable, units: Iterable[Unit], workers: int) -> Iterator:
 
 @dataclass
 class SplitWriter:
-    """Appends rows to one parquet file in row groups of exactly ROWS_PER_WRITE rows (the last one shorter)."""
+    """Appends rows to one parquet file in row groups of ROWS_PER_WRITE rows (the last one shorter), or of fewer
+    where that many would hold more than ROW_GROUP_BYTES of text (at least one row)."""
 
     path: Path
     documents: int = 0
     bytes: int = 0
     _pending: list[pa.Table] = field(default_factory=list)
-    _pending_rows: int = 0
+    _sizes: deque[int] = field(default_factory=deque)  # each pending row's UTF-8 bytes
     _writer: pq.ParquetWriter | None = None
 
-    def add(self, rows: pa.Table, size: int) -> None:
+    def add(self, rows: pa.Table, sizes: list[int]) -> None:
         self._pending.append(rows)
-        self._pending_rows += rows.num_rows
+        self._sizes.extend(sizes)
         self.documents += rows.num_rows
-        self.bytes += size
-        while self._pending_rows >= ROWS_PER_WRITE:
-            self._write(ROWS_PER_WRITE)
+        self.bytes += sum(sizes)
+        while (n := self._group()) < len(self._sizes):
+            self._write(n)
 
     def close(self) -> None:
-        if self._pending_rows or self._writer is None:
-            self._write(self._pending_rows)
+        while self._sizes:
+            self._write(self._group())
+        if self._writer is None:
+            self._write(0)
         self._writer.close()
+
+    def _group(self) -> int:
+        """How many pending rows the next row group takes: as many as fit its bounds, and at least one."""
+        n, size = 0, 0
+        for row in itertools.islice(self._sizes, ROWS_PER_WRITE):
+            if n and size + row > ROW_GROUP_BYTES:
+                break
+            n, size = n + 1, size + row
+        return n
 
     def _write(self, n: int) -> None:
         if self._writer is None:
             self._writer = pq.ParquetWriter(self.path, SCHEMA, compression="zstd")
-        rows = pa.concat_tables(self._pending).combine_chunks() if self._pending \
-            else SCHEMA.empty_table()
+        rows = pa.concat_tables(self._pending).combine_chunks() if self._pending else UNIT_SCHEMA.empty_table()
         if n:
-            self._writer.write_table(rows.slice(0, n))
+            self._writer.write_table(rows.slice(0, n).cast(SCHEMA))
         rest = rows.slice(n)
-        self._pending, self._pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
+        self._pending = [rest] if rest.num_rows else []
+        for _ in range(n):
+            self._sizes.popleft()
 
 
 def prepare(params: DataParams, out_dir: Path = layout.CORPUS) -> dict:
@@ -212,7 +232,7 @@ def prepare(params: DataParams, out_dir: Path = layout.CORPUS) -> dict:
                     break
             for split in SPLITS:
                 rows = [i for i in keep if unit.val[i] == (split == "val")]
-                writers[split].add(unit.table.take(pa.array(rows, pa.int64())), sum(unit.size[i] for i in rows))
+                writers[split].add(unit.table.take(pa.array(rows, pa.int64())), [unit.size[i] for i in rows])
             progress.advance(len(keep), bytes=sum(unit.size[i] for i in keep))
             if done:
                 break

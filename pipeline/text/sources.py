@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Protocol
 
+from kiln.model.files import check_regular, read_capped
 from kiln.pipeline.config import Section
 from kiln.pipeline.errors import UserError
+from kiln.pipeline.stage_inputs import check_declared
 
 
 @dataclass
@@ -66,6 +68,12 @@ MIN_PIECE_CHARS = 200
 # a window of them in flight is a few hundred MB.
 JSONL_UNIT_BYTES = 32 << 20
 HF_UNIT_ROWS = 2048
+# The largest document (a .txt file, a .jsonl line, a parquet or hf: value), in UTF-8 bytes. A document is held
+# whole, several times over, by each worker here and by the tokenizer and shard stages after, and one row of the
+# corpus is one Arrow string (2 GiB at most): a 3 GB .txt file ended in Arrow's capacity error after reading it
+# all. 64 MiB is over ten times the longest book (the Complete Works of Shakespeare, 5.5 MB).
+MAX_DOCUMENT_BYTES = 64 << 20
+TXT_DOCUMENT = "a .txt file (one document)"
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,8 @@ def hf_units(spec: str, split: str, text_field: str) -> Iterator[Unit]:
     name, _, config = spec.partition(":")
     if not name:
         raise UserError("params: data.source='hf:': expected hf:<dataset>[:<config>]")
+    if Path(name).exists():  # a local folder is a corpus of the user's own, as local files are
+        check_declared(Path(name), "data.source")
     try:
         ds = datasets.load_dataset(name, config or None, split=split, streaming=True)
         rows = iter(ds)
@@ -196,12 +206,17 @@ def local_units(pattern: str, text_field: str) -> Iterator[Unit]:
     for path in paths:
         if path.suffix not in LOCAL_SUFFIXES:
             raise UserError(f"{path}: unsupported file type (expected {', '.join(LOCAL_SUFFIXES)})")
+        # a corpus DVC does not know is one whose edits rerun nothing: the DAG would keep the old corpus's results
+        check_declared(path, "data.source")
     return itertools.chain.from_iterable(_file_units(path, text_field) for path in paths)
 
 
 def _file_units(path: Path, text_field: str) -> Iterator[Unit]:
     if path.suffix == ".txt":
-        return iter([TextFile(str(path), path.stat().st_size)])
+        try:  # refused by its size alone, before a byte is read or a worker started for it
+            return iter([TextFile(str(path), check_regular(path, MAX_DOCUMENT_BYTES, TXT_DOCUMENT))])
+        except UserError as e:
+            return iter([Refusal(str(e))])
     if path.suffix == ".jsonl":
         return _jsonl_units(path)
     return _parquet_units(path, text_field)
@@ -218,6 +233,14 @@ def _expand(pattern: str) -> list[Path]:
     if not paths:
         raise UserError(f"params: data.source={pattern!r}: matches no file")
     return sorted(paths)
+
+
+def check_size(doc: Document, size: int) -> None:
+    """Refuse a document of more than MAX_DOCUMENT_BYTES of UTF-8 text: what a parquet or hf: value is checked
+    by once read (a .txt file and a .jsonl line are refused before they are read)."""
+    if size > MAX_DOCUMENT_BYTES:
+        raise UserError(f"{doc.source}: a document of {size:,} bytes; expected documents of at most "
+                        f"{MAX_DOCUMENT_BYTES:,} bytes")
 
 
 class NotUTF8(ValueError):
@@ -244,25 +267,32 @@ class TextFile:
 
     def documents(self, text_field, decode_errors, stats):
         try:
-            yield Document(self.path, _decode(Path(self.path).read_bytes(), decode_errors, stats))
+            yield Document(self.path, _decode(read_capped(Path(self.path), MAX_DOCUMENT_BYTES, TXT_DOCUMENT),
+                                              decode_errors, stats))
         except NotUTF8 as e:
             raise UserError(f"{self.path}: {e}") from None
 
 
 @dataclass(frozen=True)
 class JsonlLines:
-    """The lines of a .jsonl file that start in bytes [start, end)."""
+    """The lines of a .jsonl file that start in bytes [start, end); `cut`: the last one goes on past `end`,
+    longer than a document may be."""
 
     path: str
     start: int
     end: int
     size: int
+    cut: bool = False
 
     def documents(self, text_field, decode_errors, stats):
         with open(self.path, "rb") as f:
             f.seek(self.start)
             data = f.read(self.end - self.start)
-        for i, raw in enumerate(data.split(b"\n")):
+        lines = data.split(b"\n")
+        for i, raw in enumerate(lines):
+            if len(raw) > MAX_DOCUMENT_BYTES or (self.cut and i == len(lines) - 1):
+                raise UserError(f"{self.path}:{self._line(i)}: a line of more than {MAX_DOCUMENT_BYTES:,} bytes; "
+                                f"expected one document of at most {MAX_DOCUMENT_BYTES:,} bytes a line")
             if not raw.strip():
                 continue
             try:
@@ -288,14 +318,19 @@ def _blocks(f, size: int, block: int = 1 << 20) -> Iterator[bytes]:
 
 
 def _jsonl_units(path: Path) -> Iterator[Unit]:
-    """Runs of about JSONL_UNIT_BYTES ending at a line end: a seek and the rest of one line each."""
+    """Runs of about JSONL_UNIT_BYTES ending at a line end: a seek and the rest of one line each. A line that
+    goes on for more than a document may hold ends the file's last unit there, whose reader refuses it: the
+    rest of that line is never read."""
     with open(path, "rb") as f:
         size, start = os.fstat(f.fileno()).st_size, 0
         while start < size:
             f.seek(start + JSONL_UNIT_BYTES)
-            f.readline()
+            rest = f.readline(MAX_DOCUMENT_BYTES + 1)
             end = min(f.tell(), size)
-            yield JsonlLines(str(path), start, end, end - start)
+            cut = len(rest) > MAX_DOCUMENT_BYTES and not rest.endswith(b"\n")
+            yield JsonlLines(str(path), start, end, end - start, cut)
+            if cut:
+                return
             start = end
 
 

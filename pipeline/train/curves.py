@@ -1,19 +1,29 @@
 """Training curves: DVCLive writes them (one TSV per metric, `step` column, for `dvc plots`), and a PNG of
 them is drawn at the end, to look at without DVC (and on the GPU machine, which has no dvc).
 
+A run logs into a folder of its own (`staging`), never into the curves' folders, and only when it ends
+replaces each folder with what it logged (temp, then rename: `atomic_dir`): a run that fails (a full disk) or is
+stopped leaves the curves of the run before it byte for byte. DVCLive writes in place (a fresh run deletes the
+old TSVs first; its summary is truncated, then rewritten), so it is never pointed at the folders themselves.
+What a run has logged is resume state, kept when it stops: a run stopped by a kill goes on from its rows, as from
+its checkpoint. It sits beside the stage's timings, out of git and of what DVC hashes (DVCLive `git add`s what it
+logs under `dvc exp run` when it is neither git-ignored nor an output).
+
 DVCLive is imported when a run starts, not with this module: the GPU machine that runs the benchmarks has
 no dvc.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from kiln.pipeline import layout
-from kiln.pipeline.outputs import TIMING_KEYS, atomic_write_bytes
+from kiln.pipeline.outputs import TIMING_KEYS, atomic_dir, atomic_write_bytes, writing
 
 PLOTS = Path("plots/metrics")
 
@@ -39,35 +49,88 @@ class Curves:
 
     Series that measure the machine rather than the model (tokens/s: `TIMING_KEYS`) go to a second DVCLive run
     in `layout.timings(directory)`, outside the folder DVC hashes, so a rerun that trains the same model leaves
-    the stage's outputs byte-identical."""
+    the stage's outputs byte-identical.
+
+    Both are logged into their `staging` folders and replace `directory` and its timings folder at `end()`; a
+    write the system refuses is a one-line StageError naming the folder, whose curves stay as they were."""
 
     def __init__(self, directory: Path, resume_step: int, write: bool = True):
         self.lives = {}
+        # A run resumed at its last step from curves already in place (no stopped run's rows staged) logs nothing:
+        # rewriting them (DVCLive redoes its summary) would only open a window in which they are new and the model
+        # saved after them is not.
+        self.unchanged = bool(resume_step)
         if not write:
             return
         from dvclive import Live
 
         for kind, folder in (("results", Path(directory)), ("timings", layout.timings(directory))):
-            if resume_step:
-                for path in metric_files(folder).values():
-                    _drop_rows_after(path, resume_step)
-            self.lives[kind] = Live(str(folder), resume=bool(resume_step), save_dvc_exp=False, dvcyaml=None,
-                                    report=None)
+            self.unchanged = self.unchanged and not staging(directory, kind).is_dir()
+            staged = _staged(folder, staging(directory, kind), resume_step)
+            with writing(folder):
+                self.lives[kind] = (folder, Live(str(staged), resume=bool(resume_step), save_dvc_exp=False,
+                                                 dvcyaml=None, report=None))
 
     def add(self, step: int, values: dict[str, float]) -> None:
-        if not self.lives:
-            return
-        for kind, live in self.lives.items():
+        for kind, (folder, live) in self.lives.items():
             logged = {k: v for k, v in values.items() if (k in TIMING_KEYS) == (kind == "timings")}
             if logged:
-                live.step = step
-                for name, value in logged.items():
-                    live.log_metric(name, value)
-                live.make_summary()
+                self.unchanged = False
+                with writing(folder):
+                    live.step = step
+                    for name, value in logged.items():
+                        live.log_metric(name, value)
+                    live.make_summary()
 
     def end(self) -> None:
-        for live in self.lives.values():
-            live.end()
+        """Finish both DVCLive runs, then put what each logged in place of its folder (the previous run's
+        curves.png goes with the rest: the stage draws its own next)."""
+        for folder, live in self.lives.values():
+            with writing(folder):
+                live.end()
+        for folder, live in self.lives.values():
+            if not self.unchanged:
+                with atomic_dir(folder) as tmp:
+                    _copy(Path(live.dir), tmp)
+            shutil.rmtree(live.dir)  # in place now: no resume state
+            for parent in Path(live.dir).parents[:2]:  # the stage's staging folder, then `.partial`, once empty
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
+
+
+def staging(directory: Path, kind: str) -> Path:
+    """Where a run logs the `kind` (results or timings) of the curves in `directory` until it ends."""
+    return layout.timings(directory).parent / ".partial" / Path(directory).name / kind
+
+
+# What of a curves folder a resumed run goes on from: DVCLive's TSVs and its summary (which holds the last step).
+DVCLIVE_FILES = ("plots", "metrics.json")
+
+
+def _staged(folder: Path, staged: Path, resume_step: int) -> Path:
+    """`staged`, the folder a run logs the curves of `folder` into: a stopped run's, kept when this one resumes
+    (its rows after `resume_step` dropped); otherwise made anew, holding `folder`'s curves when resuming and none
+    when not."""
+    if not (resume_step and staged.is_dir()):
+        with atomic_dir(staged) as tmp:
+            for name in DVCLIVE_FILES if resume_step else ():
+                if (folder / name).exists():
+                    _copy(folder / name, tmp / name)
+    for path in metric_files(staged).values() if resume_step else ():
+        _drop_rows_after(path, resume_step)
+    return staged
+
+
+def _copy(source: Path, target: Path) -> None:
+    """A file, or a folder's files, copied to `target`. Not shutil.copytree: it gathers every failed copy into
+    one shutil.Error with no errno, and a full disk must stay the OSError `writing` reports in one line."""
+    for path in [source] if source.is_file() else sorted(source.rglob("*")):
+        dest = target / path.relative_to(source) if path != source else target
+        if path.is_dir():
+            dest.mkdir(parents=True, exist_ok=True)
+        else:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, dest)
 
 
 def _drop_rows_after(path: Path, step: int) -> None:
