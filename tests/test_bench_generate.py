@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from kiln.model.checkpoint import save_model
@@ -55,23 +56,78 @@ def test_cli_loads_a_trained_model(tmp_path, params):
     assert report["model"]["vocab_size"] == 50 and report["model_dir"] == str(tmp_path / "m")
 
 
-def test_quantized_rows_beside_the_originals(tmp_path, params):
+def test_quantized_rows_beside_the_originals_and_what_each_kind_costs(tmp_path, params):
     out = tmp_path / "g.json"
-    result = CliRunner().invoke(app, ["bench", "generate", "--params", str(params), *ARGS, "--quantize", "int8",
-                                      "--out", str(out)])
+    result = CliRunner().invoke(app, ["bench", "generate", "--params", str(params), *ARGS, "--repeats", "3",
+                                      "--quantize", "int8", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    rows = {(row["batch_size"], row["cache"], row["quantize"]): row for row in json.loads(out.read_text())["results"]}
+    report = json.loads(out.read_text())
+    rows = {(row["batch_size"], row["cache"], row["quantize"]): row for row in report["results"]}
     assert list(rows) == [(1, True, None), (1, False, None), (3, True, None), (3, False, None), (1, True, "int8"),
                           (3, True, "int8")]
+    for row in rows.values():  # the median call lies within the slowest and fastest of the three
+        low, high = row["decode_tokens_per_s_spread"]
+        assert 0 < low <= row["decode_tokens_per_s"] <= high
     for b in (1, 3):
-        assert rows[b, True, "int8"]["decode_speedup_vs_original"] == round(
-            rows[b, True, "int8"]["decode_tokens_per_s"] / rows[b, True, None]["decode_tokens_per_s"], 3)
+        row = rows[b, True, "int8"]
+        assert row["decode_speedup_vs_original"] == round(
+            row["decode_tokens_per_s"] / rows[b, True, None]["decode_tokens_per_s"], 3)
+        low, high = row["decode_speedup_vs_original_spread"]  # call by call: each the ratio of two timed calls
+        assert 0 < low <= high
     assert "batch 3, cache, int8" in result.output
+    # what each kind costs and buys, at the first batch size: a quarter of the linear weights' bytes (with the
+    # scales), the decode rate of its row, and a small, non-zero change in the predictions
+    original, int8 = report["quantize"]
+    assert original["quantize"] is None and int8["quantize"] == "int8"
+    assert int8["linear_bytes"] < original["linear_bytes"] / 3
+    assert original["model_bytes"] - int8["model_bytes"] == original["linear_bytes"] - int8["linear_bytes"]
+    assert int8["decode_tokens_per_s"] == rows[1, True, "int8"]["decode_tokens_per_s"]
+    assert int8["decode_speedup_vs_original"] == rows[1, True, "int8"]["decode_speedup_vs_original"]
+    assert 0 < int8["kl_vs_original"] < 1e-3 and 0 < int8["max_logit_diff"] < 0.1
+    assert abs(int8["nll_delta"]) < 1e-2 and 0.9 <= int8["top1_agreement"] <= 1
+    assert "what each kind costs and buys" in result.output
+
+
+def test_timed_calls_are_interleaved(tmp_path, params, monkeypatch):
+    """Every variant's warm-up, then every variant's first call, then every variant's second: a machine that slows
+    down for a while slows every variant alike."""
+    from kiln.pipeline.tools import bench_generate
+
+    calls = []
+
+    def timed(model, batch_size, prompt_len, new_tokens, cache, seed):
+        calls.append((batch_size, cache, new_tokens, seed))
+        return {"prefill_s": 0.01, "decode_s": 0.02 + seed / 100}
+
+    monkeypatch.setattr(bench_generate, "time_generation", timed)
+    result = CliRunner().invoke(app, ["bench", "generate", "--params", str(params), *ARGS, "--repeats", "2",
+                                      "--out", str(tmp_path / "g.json")])
+    assert result.exit_code == 0, result.output
+    variants = [(1, True), (1, False), (3, True), (3, False)]
+    assert calls == [(*v, 4, 0) for v in variants] + [(*v, 6, r) for r in range(2) for v in variants]
+    row = json.loads((tmp_path / "g.json").read_text())["results"][0]
+    assert row["decode_tokens_per_s_spread"] == [round(5 / 0.03, 1), round(5 / 0.02, 1)]
+
+
+def test_quality_is_zero_against_itself_and_kl_against_another():
+    from kiln.pipeline.tools.bench_generate import quality
+
+    torch.manual_seed(0)
+    a, b = GPT(ModelConfig(vocab_size=50, **TINY)).eval(), GPT(ModelConfig(vocab_size=50, **TINY)).eval()
+    text = torch.randint(0, 50, (2, 12))
+    assert quality(a, a, text) == {"kl_vs_original": 0.0, "nll_delta": 0.0, "max_logit_diff": 0.0,
+                                   "top1_agreement": 1.0}
+    other = quality(a, b, text)
+    with torch.no_grad():
+        p, q = a(text[:, :-1]).double().log_softmax(-1), b(text[:, :-1]).double().log_softmax(-1)
+    assert other["kl_vs_original"] == pytest.approx(torch.nn.functional.kl_div(
+        q, p, log_target=True, reduction="none").sum(-1).mean().item())
+    assert other["kl_vs_original"] > 0 and other["max_logit_diff"] > 0
 
 
 @pytest.mark.parametrize("args, named", [
     (["--quantize", "int3"], "'int3'"),
-    (["--quantize", "int4"], "--quantize int4"),  # TorchAO's int4 kernels need CUDA
+    (["--quantize", "int4"], "--quantize int4"),  # TorchAO's int4 kernels need a CUDA GPU
     (["--batch-sizes", "1,x"], "--batch-sizes"),
     (["--batch-sizes", "0"], "--batch-sizes 0"),
     (["--new-tokens", "30"], "--new-tokens 30"),

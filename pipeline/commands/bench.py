@@ -146,7 +146,7 @@ def bench_generate(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                    device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
                    = "auto",
                    quantize: Annotated[str, typer.Option(
-                       help="Comma-separated TorchAO kinds (int8, int4, fp8) for cached rows of the model quantized "
+                       help="Comma-separated quantization kinds (int8, int4, fp8) for cached rows of the model quantized "
                             "so, beside the original's (kiln generate --quantize).")] = "",
                    out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                    layout.BENCH / "generate.json"):
@@ -186,7 +186,7 @@ def bench_serve(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                                                        "against the engine called directly (0: not run).")] = 0,
                 tokenizer: TokenizerOpt = layout.TOKENIZER,
                 quantize: Annotated[str, typer.Option(
-                    help="Comma-separated TorchAO kinds (int8, int4, fp8): the loaded and batch-1 engine rows again "
+                    help="Comma-separated quantization kinds (int8, int4, fp8): the loaded and batch-1 engine rows again "
                          "on the model quantized so (kiln serve --quantize), against the original's.")] = "",
                 out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                 layout.BENCH / "serve.json"):

@@ -14,8 +14,9 @@ from kiln.pipeline.errors import UserError
 from kiln.pipeline.serve.request import TOOLS_TEMPERATURE, TOOLS_TOP_K, TOOLS_TOP_P
 
 app = typer.Typer()
-QuantizeOpt = Annotated[str | None, typer.Option(help="Quantize the blocks' linear layers with TorchAO after loading: "
-                                                      "int8 (weight-only, any device), int4 (weight-only, CUDA), "
+QuantizeOpt = Annotated[str | None, typer.Option(help="Quantize the blocks' linear layers after loading: "
+                                                      "int8 (weight-only, kiln's, any device), int4 (weight-only, "
+                                                      "TorchAO, CUDA 8.0+), "
                                                       "fp8 (weights and activations, compute capability 8.9+).")]
 
 

@@ -89,7 +89,7 @@ class EvalParams(Section):
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
-    # null | int8 | int4 | fp8: each model also scored with its blocks' linear layers quantized so (TorchAO, as
+    # null | int8 | int4 | fp8: each model also scored with its blocks' linear layers quantized so (model/quantize.py, as
     # `kiln serve --quantize`), a column `<model>+<kind>` set against the original's with paired intervals
     quantize: str | None = None
 

@@ -68,8 +68,9 @@ class Sampling:
 
 
 class TextModel:
-    """A loaded model and its tokenizer, checked to belong together; with `quantize` (model/quantize.py), its
-    blocks' linear layers quantized by TorchAO after loading."""
+    """A loaded model and its tokenizer, checked to belong together; with `quantize` (model/quantize.py: kiln's
+    int8, TorchAO's int4 and fp8), its blocks' linear layers quantized after loading, a kind the device cannot
+    run refused before."""
 
     def __init__(self, model_dir: Path, tokenizer_path: Path, device: torch.device | str = "cpu",
                  quantize: str | None = None):

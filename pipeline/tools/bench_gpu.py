@@ -15,13 +15,19 @@ still run), the headline first:
             the fused head's and the custom ops' only;
 - pretrain: the real stages (`kiln data prepare`, `tokenizer train`, `data shard`, `train`) on Shakespeare in
             a scratch folder, GPT-2's tokenizer and 124M shape, bf16 + compile (pretrain/);
-- generate: `kiln bench generate` on the 124M shape in bf16 (generate.json);
+- generate: `kiln bench generate` on the 124M shape in bf16 (generate.json), then batch 1 again beside the model
+            quantized as `kiln serve --quantize` int8, int4 and fp8 quantize it (generate_quantize.json: decode
+            rate, weight bytes and quality against the original's; a kind that fails leaves the first file);
 - serve:    `kiln bench serve` on the default shape (serve.json): the engine (decode steps replaying CUDA
             graphs) against static batching and transformers, GRPO-shaped rollouts, and the engine step's host
             microseconds, copies and graph replays;
 - grpo:     `kiln grpo` from the pretrain step's model, twice: its kept engine's rollouts replaying CUDA graphs,
             then with grpo.enforce_eager (grpo_graphs.json, grpo_eager.json: the stage's timings, rollout
             tokens/s and their share of the stage); then the engine's graph tests (grpo_tests.xml).
+The headline counts each test file's results as passed, failed and skipped (a skipped test is not a passed one),
+and says where the run was: `checked_on`, and for grpo `grpo_graphs_checked`, which on a CPU reads "not run:
+needs CUDA" (no graphs are captured there, so both grpo runs are eager and their ratio is noise, and the graph
+tests' CUDA cases skip): a smoke run checks the plumbing and the arithmetic, the graph half only a GPU.
 Quick runs all but generate and grpo (name them with --steps, grpo beside pretrain, to run them at quick's
 shapes), full all of them. Everything lands in `--out` (default metrics/bench/gpu/new/) with
 one log per step and summary.json, which is rewritten after every step (and `--pack` re-archives the folder
@@ -46,6 +52,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,7 +115,7 @@ LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300,
                     "grpo": 240},
           "quick": {"train": 200, "kernels": 90, "tests": 80, "pretrain": 70, "generate": 80, "serve": 40,
                     "grpo": 240},
-          "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 180, "serve": 300,
+          "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 300, "serve": 300,
                    "grpo": 300}}
 
 
@@ -160,6 +167,9 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
     grpo_run = [kiln("grpo", "--params", params, *_sets(grpo), "--start", "run/model", "--tokenizer",
                      "run/tokenizer/tokenizer.json", "--corpus", "run/corpus", "--out", f"run/grpo-{how}",
                      *(["--set", "enforce_eager=true"] if how == "eager" else [])) for how in ("graphs", "eager")]
+    generate_shape = (["--vocab-size", "300", "--prompt-len", "8", "--new-tokens", "8", "--device", "cpu"] if smoke
+                      else ["--vocab-size", GPT2_VOCAB, "--prompt-len", "512", "--new-tokens", "256", "--dtype", "bf16",
+                            "--device", "cuda"])
     prompts = [[sys.executable, "-c", "import json; open('run/grpo_prompts.jsonl', 'w').writelines(json.dumps("
                 "{'prompt': f'Say {w}.', 'answer': w}) + chr(10) for w in 'abcdefgh')"]] if smoke else []
     return [
@@ -179,12 +189,11 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
                                "run/tokenizer/tokenizer.json", "--out", "run")],
              cwd=work, collect={"run/metrics/pretrain.json": "pretrain.json", "run/metrics/pretrain": "pretrain",
                                 "run/metrics/timings/pretrain.json": "pretrain_timings.json"}),
-        Step("generate", [kiln("bench", "generate", "--params", params, *_sets(model),
-                               *(["--vocab-size", "300", "--batch-sizes", "1,2", "--prompt-len", "8",
-                                  "--new-tokens", "8", "--device", "cpu"] if smoke else
-                                 ["--vocab-size", GPT2_VOCAB, "--batch-sizes", "1,16,64", "--prompt-len", "512",
-                                  "--new-tokens", "256", "--dtype", "bf16", "--device", "cuda"]),
-                               "--out", str(out / "generate.json"))]),
+        Step("generate", [kiln("bench", "generate", "--params", params, *_sets(model), *generate_shape,
+                               "--batch-sizes", "1,2" if smoke else "1,16,64", "--out", str(out / "generate.json")),
+                          kiln("bench", "generate", "--params", params, *_sets(model), *generate_shape,
+                               "--batch-sizes", "1", "--quantize", "int8" if smoke else "int8,int4,fp8",
+                               "--out", str(out / "generate_quantize.json"))]),
         Step("serve", [kiln("bench", "serve", "--params", params,
                             *([*_sets(TOY), "--vocab-size", "300", "--requests", "6", "--batch", "2",
                                "--device", "cpu"] if smoke else
@@ -273,8 +282,8 @@ def bench_gpu(size: str, steps: list[str] | None, out: Path, work: Path | None, 
                PYTHONUNBUFFERED="1", COLUMNS="200")
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"  # the smoke run's kernels go through the interpreter
-    summary = {"benchmark": "gpu", "size": size, "work": str(work), "complete": False, "steps": [], "headline": {},
-               "not_run": [s for s in STEPS if s not in selected]}
+    summary = {"benchmark": "gpu", "size": size, "checked_on": checked_on(), "work": str(work), "complete": False,
+               "steps": [], "headline": {}, "not_run": [s for s in STEPS if s not in selected]}
     started = time.time()
     if "env" in selected:
         write_json(out / "env.json", environment())
@@ -297,6 +306,32 @@ def bench_gpu(size: str, steps: list[str] | None, out: Path, work: Path | None, 
     _save(summary, out, pack)
     _print(summary)
     return summary
+
+
+def checked_on() -> str:
+    """Where the run's figures come from: a GPU's name, or a CPU and what a CPU leaves unchecked."""
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)}"
+    return f"cpu: {NOT_ON_CPU}"
+
+
+# what a smoke run on a CPU does not exercise
+NOT_ON_CPU = "the GPU half not exercised (no CUDA graphs or native kernels; their tests skip)"
+GRAPHS_NOT_RUN = ("not run: needs CUDA (a CPU captures no graphs: both grpo runs are eager, their ratio is noise, "
+                  "and the graph tests' CUDA cases skip)")
+
+
+JUNIT_OUTCOMES = {"failure": "failed", "error": "errors", "skipped": "skipped"}  # a testcase's child -> its count
+
+
+def junit_results(path: Path) -> dict[str, int]:
+    """A pytest JUnit file's counts: passed, failed, errors and skipped (a skipped test did not pass)."""
+    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    for case in ElementTree.parse(path).getroot().iter("testcase"):
+        outcomes = [JUNIT_OUTCOMES[child.tag] for child in case if child.tag in JUNIT_OUTCOMES]
+        counts["tests"] += 1
+        counts[outcomes[0] if outcomes else "passed"] += 1
+    return counts
 
 
 def _save(summary: dict, out: Path, pack: Path | None) -> None:
@@ -349,17 +384,28 @@ def headline(out: Path, since: float = 0.0) -> dict:
     if path := fresh("kernels.json"):
         rows = json.loads(path.read_text())["results"]
         found["kernel_goals_met"] = f"{sum(r['goal_met'] is True for r in rows)}/{len(rows)}"
+    if path := fresh("tests.xml"):
+        found["tests_results"] = junit_results(path)
     for name in ("pretrain.json", "pretrain_timings.json"):
         if path := fresh(name):
             metrics = json.loads(path.read_text())
             metrics = metrics.get("pretrain", metrics)  # the timings file is flat
             found |= {f"pretrain_{k}": metrics[k] for k in ("val_loss", "tokens_per_s", "mfu") if k in metrics}
+    if path := fresh("generate_quantize.json"):
+        for kind in json.loads(path.read_text())["quantize"]:
+            if kind["quantize"]:
+                found[f"generate_{kind['quantize']}"] = {k: kind[k] for k in (
+                    "decode_speedup_vs_original", "linear_bytes", "kl_vs_original", "top1_agreement")}
     grpo = {how: json.loads(path.read_text()) for how in ("graphs", "eager") if (path := fresh(f"grpo_{how}.json"))}
     for how, timings in grpo.items():
         found |= {f"grpo_{how}_{k}": timings[k] for k in ("rollout_tokens_per_s", "generate_share", "seconds")}
     if len(grpo) == 2 and grpo["eager"]["rollout_tokens_per_s"]:
         found["grpo_graphs_speedup"] = round(grpo["graphs"]["rollout_tokens_per_s"]
                                              / grpo["eager"]["rollout_tokens_per_s"], 3)
+    if grpo:
+        found["grpo_graphs_checked"] = "cuda" if torch.cuda.is_available() else GRAPHS_NOT_RUN
+    if path := fresh("grpo_tests.xml"):
+        found["grpo_tests_results"] = junit_results(path)
     return found
 
 
@@ -386,7 +432,7 @@ def train_lines(found: dict) -> list[str]:
 
 
 def _print(summary: dict) -> None:
-    table = Table(title=f"kiln bench gpu --size {summary['size']}")
+    table = Table(title=f"kiln bench gpu --size {summary['size']}, on {summary['checked_on']}")
     for col in ("step", "status", "seconds", "log"):
         table.add_column(col)
     for r in summary["steps"]:

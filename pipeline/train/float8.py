@@ -12,15 +12,21 @@ does and there is no scale state to save.
 
 Under FSDP2 with tensorwise scales the converted weights are all-gathered in fp8, half a bf16 gather's bytes
 (TorchAO's `enable_fsdp_float8_all_gather`, as torchtitan turns it on): each rank casts its shard with the scale
-of the whole weight, so the gathered fp8 weight is the one an unsharded run computes. Rowwise scales gather in
-bf16 (TorchAO gathers only tensorwise in fp8). fp8 matmuls need a GPU of compute capability 8.9 or more; on a
-CPU TorchAO emulates them (the same casts and scales, the matmul in high precision), which is what kiln's tests
-run; other devices are refused before any work (`runtime.setup_precision`).
+of the whole weight, so the gathered fp8 weight is the one an unsharded run computes. That scale needs the whole
+weight's amax, an all-reduce per weight and gather (the forward's, and the backward's again), unless it is ready:
+after every optimizer step `precompute_fp8_scales` computes every weight's scale from one all-reduce of all their
+amaxes (TorchAO's `precompute_float8_dynamic_scale_for_fsdp`, which torchtitan calls after its optimizer step),
+and the gathers until the next step use them. (torchtitan's other fp8 FSDP setting,
+`force_recompute_fp8_weight_in_bwd`, does nothing in TorchAO 0.18, which says it is deprecated.) Rowwise scales
+gather in bf16 (TorchAO gathers only tensorwise in fp8). fp8 matmuls need a GPU of compute capability 8.9 or
+more; on a CPU TorchAO emulates them (the same casts and scales, the matmul in high precision), which is what
+kiln's tests run; other devices are refused before any work (`runtime.setup_precision`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -43,7 +49,7 @@ def to_float8_training(model: torch.nn.Module, recipe: str, device: torch.device
     # the fp8 all-gather wraps each converted weight in a tensor subclass (the sharded checkpoint saves the plain
     # tensor inside: train/checkpoints.py)
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=device.type != "cuda",
-                                 enable_fsdp_float8_all_gather=sharded and recipe == "tensorwise")
+                                 enable_fsdp_float8_all_gather=gathers_in_fp8(recipe, sharded))
     kept, converted = [], []
 
     def convertible(module: torch.nn.Module, name: str) -> bool:
@@ -63,3 +69,22 @@ def to_float8_training(model: torch.nn.Module, recipe: str, device: torch.device
         console.print(f"train.precision=fp8: {len(kept)} linear layers stay bf16, their widths not multiples of "
                       f"{ALIGNMENT} (first: {kept[0]})", highlight=False)
     return len(converted)
+
+
+def gathers_in_fp8(recipe: str, sharded: bool) -> bool:
+    """Whether FSDP2 all-gathers the converted weights in fp8: tensorwise scales only."""
+    return sharded and recipe == "tensorwise"
+
+
+def after_optimizer_step(precision: str, recipe: str, sharded: bool) -> Callable[[torch.nn.Module], None] | None:
+    """What the loop runs on the model after each optimizer step: the fp8 gathers' scales where FSDP gathers in
+    fp8, nothing otherwise."""
+    return precompute_fp8_scales if precision == "fp8" and gathers_in_fp8(recipe, sharded) else None
+
+
+def precompute_fp8_scales(model: torch.nn.Module) -> None:
+    """Every fp8-gathered weight's scale for its next gathers, from the weights as the step left them: one
+    all-reduce of all their amaxes. Every rank calls it (a collective)."""
+    with quiet_torchao():
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    precompute_float8_dynamic_scale_for_fsdp(model)

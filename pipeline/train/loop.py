@@ -29,7 +29,7 @@ from kiln.pipeline.runtime import PRECISIONS, SINGLE, World, autocast, resolve_k
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Curves
-from kiln.pipeline.train.float8 import to_float8_training
+from kiln.pipeline.train.float8 import after_optimizer_step, to_float8_training
 from kiln.pipeline.train.memory import Shape, check_run_memory
 from kiln.pipeline.train.params import TrainParams
 from kiln.pipeline.train.ramp import BatchRamp
@@ -110,9 +110,11 @@ class Step:
 
     def __init__(self, model: torch.nn.Module, forward: Callable, optimizer: torch.optim.Optimizer,
                  scaler: torch.amp.GradScaler, loss_fn: Callable, accum: int, params: TrainParams,
-                 device: torch.device):
+                 device: torch.device, after_update: Callable[[torch.nn.Module], None] | None = None):
+        """`after_update(model)`: run after each update (float8.after_optimizer_step's)."""
         self.model, self.forward, self.optimizer, self.scaler = model, forward, optimizer, scaler
         self.loss_fn, self.accum, self.params, self.device = loss_fn, accum, params, device
+        self.after_update = after_update
 
     def __call__(self, batches: Iterator, lr: float, on_bad_loss: Callable[[float], None],
                  accum: int | None = None, stats: StepStats | None = None) -> tuple[float, torch.Tensor]:
@@ -138,6 +140,8 @@ class Step:
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.params.grad_clip or float("inf"))
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        if self.after_update is not None:
+            self.after_update(self.model)
         if stats is not None:
             stats.updates()
         self.optimizer.zero_grad(set_to_none=True)
@@ -175,9 +179,9 @@ class Training:
         params, world = run.params, run.world
         self.run, self.device = run, next(model.parameters()).device
         accum = accumulation_steps(params, run.micro_batch_tokens, world.size)
+        sharded = distributed.shards(params.parallel)
         if params.precision == "fp8":  # before wrapping and compiling, as TorchAO's float8 needs
-            to_float8_training(model, params.fp8_recipe, self.device, run.section,
-                               sharded=distributed.shards(params.parallel))
+            to_float8_training(model, params.fp8_recipe, self.device, run.section, sharded=sharded)
         self.model = model = distributed.wrap(model, params.parallel, PRECISIONS[params.precision], self.device)
         if distributed.is_sharded(model) and (held := distributed.frozen_bytes(model))[1]:
             console.print(f"{run.name}: FSDP shards the frozen weights: {held[0]:,} of {held[1]:,} bytes on each rank",
@@ -191,7 +195,8 @@ class Training:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=params.precision == "fp16")
         self.step, self.seconds_before, self.loss = self.resume()
         forward = compile_forward(model, params)
-        self.optimizer_step = Step(model, forward, self.optimizer, self.scaler, run.loss_fn, accum, params, self.device)
+        self.optimizer_step = Step(model, forward, self.optimizer, self.scaler, run.loss_fn, accum, params, self.device,
+                                   after_optimizer_step(params.precision, params.fp8_recipe, sharded))
         self.curves = Curves(run.curves_dir, self.step, write=world.main)
         self.peak = peak_flops(self.device, params.precision)[0] if run.flops_per_token else None
         self.ramp = BatchRamp(params.batch_tokens, run.micro_batch_tokens * world.size, params.batch_ramp_tokens)
