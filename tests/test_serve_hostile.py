@@ -50,7 +50,12 @@ def openai_error(response: httpx.Response) -> dict:
 
 def test_the_api_key_is_asked_on_every_v1_route_and_only_there(guarded):
     base, headers, log_path = guarded
-    assert httpx.get(f"{base}/health").status_code == 200  # a load balancer's probe needs no key
+    # a load balancer's probe needs no key, but the engine's counters (prompt tokens computed: whether another
+    # client's prompt was cached) go only to holders of the key, on /health and /metrics alike
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+    assert "prefill_tokens" in httpx.get(f"{base}/health", headers=headers).json()
+    assert httpx.get(f"{base}/metrics").status_code == 401
+    assert "kiln:prompt_tokens_total" in httpx.get(f"{base}/metrics", headers=headers).text
     for wrong in ({}, {"authorization": "Bearer nope"}, {"authorization": KEY}):
         for method, path in (("GET", "/v1/models"), ("GET", "/v1/models/tiny"), ("POST", "/v1/completions"),
                              ("POST", "/v1/chat/completions")):
@@ -174,7 +179,7 @@ def test_three_hundred_clients_at_once(guarded):
                 return response.status_code
             return await asyncio.gather(*(one(i) for i in range(300)))
     assert asyncio.run(many()) == [200] * 300
-    health = httpx.get(f"{base}/health").json()
+    health = httpx.get(f"{base}/health", headers=headers).json()
     assert health["running"] == 0 and health["kv_blocks_in_use"] == 0
 
 

@@ -1,9 +1,9 @@
 """The HTTP side of `kiln serve` (FastAPI): the routes, the API key, the error handlers, the body limit and the
 request log.
 
-/health, /v1/models, /v1/completions and /v1/chat/completions. With `--api-key` every /v1 route wants
-`Authorization: Bearer <key>` (401 otherwise), as vLLM's and OpenAI's servers do. Hostile input is bounded
-before it costs anything: a body past `--max-request-bytes` is refused (413) from its Content-Length or as it
+/health, /metrics, /v1/models, /v1/completions and /v1/chat/completions. With `--api-key` every /v1 route and
+/metrics want `Authorization: Bearer <key>` (401 otherwise), as vLLM's and OpenAI's servers do for /v1, and /health
+without it says only that the server is up. Hostile input is bounded before it costs anything: a body past `--max-request-bytes` is refused (413) from its Content-Length or as it
 arrives, JSON nested too deeply, an integer beyond int64 or a lone surrogate is a 400 naming the field, so is a
 field the route does not know (protocol.py), a request whose answer would pass protocol.MAX_WORK token entries
 is a 400 naming the product, and a client that leaves mid-body costs one log line; a client that disconnects
@@ -94,20 +94,25 @@ def create_app(service: Service, log_requests: bool = False, docs: bool = False)
 
 
 def key_check(service: Service):
-    """The dependency every /v1 route has: with an API key set, `Authorization: Bearer <key>` (what the openai
-    client sends) or a 401, compared in constant time."""
-    import hmac
-
+    """The dependency every /v1 route and /metrics have: with an API key set, `Authorization: Bearer <key>` (what
+    the openai client sends) or a 401."""
     from fastapi import Depends
 
     async def check(http: HTTPRequest):
-        if service.api_key is None:
-            return
-        sent = http.headers.get("authorization", "").encode("latin-1")  # the header's bytes as sent
-        if not hmac.compare_digest(sent, b"Bearer " + service.api_key.encode()):
+        if not authorized(service, http):
             raise BadRequest("missing or wrong API key: send the header Authorization: Bearer <key>", status=401,
                              code="invalid_api_key")
     return Depends(check)
+
+
+def authorized(service: Service, http: HTTPRequest) -> bool:
+    """No key set, or `Authorization: Bearer <key>` sent (compared in constant time)."""
+    import hmac
+
+    if service.api_key is None:
+        return True
+    sent = http.headers.get("authorization", "").encode("latin-1")  # the header's bytes as sent
+    return hmac.compare_digest(sent, b"Bearer " + service.api_key.encode())
 
 
 def add_error_handlers(app) -> None:
@@ -140,15 +145,20 @@ def add_error_handlers(app) -> None:
 def add_model_routes(app, service: Service) -> None:
     """GET /health, /metrics, /v1/models and /v1/models/{name}."""
 
+    # With a key set, a load balancer's probe still gets its answer without one, but the engine's counters go
+    # only to holders of the key: prompt tokens computed, read before and after a request of one's own, tell
+    # whether someone else's prompt is in the prefix cache.
     @app.get("/health")
-    async def health():
+    async def health(http: HTTPRequest):
+        if not authorized(service, http):
+            return {"status": "ok"}
         engine = service.engine  # counters read across threads: a snapshot, not a transaction
         return {"status": "ok", "running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
                 "kv_blocks_in_use": engine.pool.in_use(), "kv_blocks": engine.pool.num_blocks,
                 "aborted": engine.scheduler.aborted, "prefill_tokens": engine.scheduler.prefill_tokens}
 
-    @app.get("/metrics")
-    async def metrics():  # Prometheus text format; open, as /health is (counts, no content)
+    @app.get("/metrics", dependencies=[key_check(service)])
+    async def metrics():  # Prometheus text format (a scrape config's `authorization: {credentials: KEY}`)
         from fastapi.responses import Response
         from prometheus_client import CONTENT_TYPE_LATEST
 
