@@ -26,6 +26,7 @@ def smoke(tmp_path_factory):
     return result, out, work
 
 
+@pytest.mark.slow  # the smoke run of every step, ~2.5 min on 2 cores: `make test-slow`
 def test_every_step_runs_and_the_summary_says_so(smoke):
     result, out, _ = smoke
     assert result.exit_code == 0, result.output
@@ -39,6 +40,7 @@ def test_every_step_runs_and_the_summary_says_so(smoke):
     assert summary["checked_on"].startswith("cuda: " if torch.cuda.is_available() else "cpu: the GPU half not")
 
 
+@pytest.mark.slow  # the smoke run of every step, ~2.5 min on 2 cores: `make test-slow`
 def test_native_tests_ran_and_the_summary_counts_passed_apart_from_skipped(smoke):
     """The smoke run's tests are the torch backends' (`-k torch_backend`): they ran and passed, each of them, and
     the summary's counts are the JUnit file's, skipped ones apart."""
@@ -55,6 +57,7 @@ def test_native_tests_ran_and_the_summary_counts_passed_apart_from_skipped(smoke
     assert counts["failed"] == counts["errors"] == 0
 
 
+@pytest.mark.slow  # the smoke run of every step, ~2.5 min on 2 cores: `make test-slow`
 def test_kernel_table_has_every_op_and_baseline(smoke):
     _, out, _ = smoke
     report = json.loads((out / "kernels.json").read_text())
@@ -67,6 +70,7 @@ def test_kernel_table_has_every_op_and_baseline(smoke):
         assert row["goal_met"] is None  # no peak memory on a CPU, so no verdict either way
 
 
+@pytest.mark.slow  # the smoke run of every step, ~2.5 min on 2 cores: `make test-slow`
 def test_train_step_compares_torch_and_triton_kernels_and_comes_first(smoke):
     """The headline (the training step with torch's kernels and kiln's) is the first step run and printed, and
     the first lines after its output say it again, before the kernels step starts."""
@@ -88,6 +92,7 @@ def test_train_step_compares_torch_and_triton_kernels_and_comes_first(smoke):
     assert f"{top['self_ms_per_step']:7.2f} ms/step" in after.splitlines()[1] and top["op"] in after.splitlines()[1]
 
 
+@pytest.mark.slow  # the smoke run of every step, ~2.5 min on 2 cores: `make test-slow`
 def test_real_pretrain_stage_ran_in_the_scratch_folder(smoke):
     _, out, work = smoke
     metrics = json.loads((out / "pretrain.json").read_text())["pretrain"]
@@ -98,6 +103,7 @@ def test_real_pretrain_stage_ran_in_the_scratch_folder(smoke):
     assert summary["headline"]["pretrain_val_loss"] == metrics["val_loss"]
 
 
+@pytest.mark.slow  # the smoke run of every step, ~2.5 min on 2 cores: `make test-slow`
 def test_generate_bench_wrote_rows_and_the_quantized_ones_beside_them(smoke):
     _, out, _ = smoke
     rows = json.loads((out / "generate.json").read_text())["results"]
@@ -109,6 +115,7 @@ def test_generate_bench_wrote_rows_and_the_quantized_ones_beside_them(smoke):
                                               "top1_agreement")}
 
 
+@pytest.mark.slow  # the smoke run of every step, ~2.5 min on 2 cores: `make test-slow`
 def test_grpo_ran_from_the_pretrained_model_graphed_and_eager(smoke):
     """The grpo step: the stage twice from pretrain's model, graphed (CUDA graphs asked for) and with
     grpo.enforce_eager, then the engine's graph tests. On a CPU the graph half is not exercised: the engine

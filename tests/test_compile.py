@@ -104,11 +104,13 @@ def test_training_step_is_one_graph_of_kiln_ops(arch, ops):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.slow  # inductor's C++ build, ~20 s each on 2 cores: `make test-slow`
 def test_inductor_step_equals_eager(arch):
     eager = model(arch).train()
     assert_same_step(eager, copy.deepcopy(eager), *batch())
 
 
+@pytest.mark.slow  # torch.compile, ~45 s on 2 cores: `make test-slow`
 def test_qlora_step_is_one_graph_and_equals_eager():
     """QLoRA (NF4 base, LoRA on every projection) with kiln's kernels: one graph, NF4 dequantisation in it,
     and the adapters' gradients equal eager's under inductor."""
@@ -129,6 +131,7 @@ def paged_step(net: GPT, cache: PagedKVCache, ids: torch.Tensor, segments: list[
     return net(ids, cache=cache)
 
 
+@pytest.mark.slow  # torch.compile, ~20 s on 2 cores: `make test-slow`
 def test_paged_forward_is_one_graph_and_equals_eager():
     """The serving engine's step over a paged cache, with a prefill and two decodes in one flat batch (the
     decodes through the paged attention op): one graph, and inductor's logits equal eager's."""

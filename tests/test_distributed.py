@@ -63,6 +63,7 @@ def drop_last_checkpoint(root):
     shutil.rmtree(ckpts[-1])
 
 
+@pytest.mark.slow  # multi-process runs, ~40 s on 2 cores: `make test-slow`
 def test_ddp_matches_one_process_and_resumes_with_zero1(tiny, single, tmp_path):
     args = cli_project(tiny, tmp_path, batch_size=4, nproc_per_node=2, **SHAPE)
     done = kiln(tmp_path, *args)  # nproc_per_node=2: kiln starts torchrun on itself
@@ -101,6 +102,7 @@ def test_fsdp_matches_one_process_and_resumes_on_one(tiny, single, tmp_path):
         assert (tensor - again[name]).abs().max() <= 1e-6, name
 
 
+@pytest.mark.slow  # multi-process runs, ~50 s on 2 cores: `make test-slow`
 def test_fp8_trains_under_fsdp_gathering_fp8_and_resumes_from_its_sharded_checkpoint(tiny, tmp_path):
     """train.precision=fp8 (tensorwise) under FSDP2 on two processes: the converted weights are all-gathered in
     fp8 (TorchAO's subclass around each shard), train, save sharded checkpoints and resume from one to the same
@@ -134,6 +136,7 @@ def sft_losses(run):
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.slow  # multi-process runs, ~30 s each on 2 cores: `make test-slow`
 def test_qlora_sft_on_two_processes_matches_one_with_the_nf4_codes_sharded(tiny, tmp_path, monkeypatch, parallel):
     """The same optimizer steps (8 examples each: 2 micro-batches of 4, or on each of two ranks 2 of 2); FSDP
     holds half of every frozen NF4 tensor on each rank, which the run reports. The chat tokens' embedding rows
@@ -167,6 +170,7 @@ def test_qlora_sft_on_two_processes_matches_one_with_the_nf4_codes_sharded(tiny,
         assert whole > 0 and whole / 2 <= mine < 0.52 * whole, held.group(0)  # rank 0 takes an odd last row
 
 
+@pytest.mark.slow  # multi-process runs, ~50 s on 2 cores: `make test-slow`
 def test_lora_dpo_under_fsdp_matches_one_process_and_resumes_on_one(tiny, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"Name number {i}?", "chosen": q["messages"][1]["content"],
@@ -202,6 +206,7 @@ def test_lora_dpo_under_fsdp_matches_one_process_and_resumes_on_one(tiny, tmp_pa
     assert all((straight[k] - again[k]).abs().max() < 1e-4 for k in straight)
 
 
+@pytest.mark.slow  # multi-process runs, ~40 s on 2 cores: `make test-slow`
 def test_grpo_under_fsdp_samples_and_trains_as_one_process(tiny, tmp_path, monkeypatch):
     """Every rank samples the whole rollout batch (the same seed and weights: the same completions) and trains
     on its half of the rows: rewards equal, losses to 1e-5, the KL reference a whole copy on each rank. The

@@ -54,12 +54,13 @@ def project(tmp_path):
     for package in ("pipeline", "model", "kernels", "tasks"):
         shutil.copytree(REPO / package, root / package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / ".dvc", root / ".dvc", ignore=shutil.ignore_patterns("tmp", "cache", "config.local"))
-    corpus = tmp_path / "corpus"
+    # a local corpus lies under tasks/data, prepare's dep, so that DVC reruns prepare when it changes
+    corpus = root / "tasks/data/corpus"
     corpus.mkdir()
     for i, text in enumerate(make_documents(200)):
         (corpus / f"{i:03d}.txt").write_text(text)
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["data"]["source"] = str(corpus)
+    params["data"]["source"] = "tasks/data/corpus"
     params["data"]["val_fraction"] = 0.2
     params["tokenizer"]["vocab_size"] = 300
     params["shard"]["shard_tokens"] = 4096
@@ -97,6 +98,7 @@ def project(tmp_path):
     return root
 
 
+@pytest.mark.slow  # the whole DAG under DVC, ~3 min on 2 cores: `make test-slow`
 def test_repro_noop_clean_tree_and_hand_runs(project):
     first = run(project, "dvc", "repro")
     assert ran_stages(first) == {"params_check", "prepare", "tokenizer", "shard", "scaling_sweep", "scaling_fit",

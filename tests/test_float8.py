@@ -102,6 +102,7 @@ def test_an_fp8_run_resumes_bitwise(tiny, tmp_path):
     assert not all(torch.equal(straight[name], bf16[name]) for name in straight)  # fp8 did compute in fp8
 
 
+@pytest.mark.slow  # 400 emulated training steps, ~1.5 min on 2 cores: `make test-slow`
 def test_fp8_tracks_bf16_over_200_steps_of_the_default_model(shakespeare, tmp_path):
     """The default model on the default corpus, 200 steps of one 128-token sequence, bf16 and fp8 (tensorwise)
     from the same seed. Measured: fp8's validation loss -0.041, +0.045 and +0.045 nats from bf16's at seeds
@@ -214,6 +215,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # multi-process runs, ~20 s on 2 cores: `make test-slow`
 def test_under_fsdp_the_fp8_gathers_scales_come_from_one_precompute_and_train_the_same(tmp_path):
     """Two gloo processes, FSDP2 with the fp8 all-gather (TorchAO's, emulated): the hook the loop picks is the
     precompute; after each step every gathered weight holds the scale its whole weight's amax gives (the run

@@ -76,6 +76,7 @@ def rewards_of(root: Path) -> list[float]:
     return [float(line.split("\t")[1]) for line in rows]
 
 
+@pytest.mark.slow  # a GRPO run to convergence, ~20 s on 2 cores: `make test-slow`
 def test_a_tiny_model_learns_to_answer_x(tiny, project):
     # One RL run on one seed. Of grpo.seed 1-5 with the engine's counter-based noise, four reached reward 1.0 and
     # one settled at 0.5: every sample the same half-right answer, so no group has a spread and GRPO has nothing
@@ -99,6 +100,7 @@ def test_a_tiny_model_learns_to_answer_x(tiny, project):
     assert meta["init"]["model"] == "start" and meta["chat_format"] == "chatml"
 
 
+@pytest.mark.slow  # three GRPO runs and a kill, ~50 s on 2 cores: `make test-slow`
 def test_killed_run_resumes_to_the_same_model(tiny, project):
     """kill -9 while the second checkpoint is written (steps 2 and 4 of 6, two optimizer steps per rollout batch,
     beta > 0 so the reference is in play): the resumed run resamples the rollouts of step 2 from the checkpoint's

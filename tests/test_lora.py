@@ -287,6 +287,7 @@ def sft_args(tiny, root, out: str, **sft) -> list[str]:
 
 
 @pytest.mark.parametrize("adapter", ["qlora"])  # LoRA's path plus the NF4 buffers; lora alone adds nothing here
+@pytest.mark.slow  # runs and a kill, ~30 s on 2 cores: `make test-slow`
 def test_adapter_sft_resumes_after_kill_9_to_the_same_model(tiny, project, adapter):
     setting = {"adapter": adapter, "lora_rank": 4, "lora_targets": ["q_proj", "v_proj", "up_proj"]}
     straight = kiln(project, *sft_args(tiny, project, "straight", **setting))
@@ -310,6 +311,7 @@ def test_adapter_sft_resumes_after_kill_9_to_the_same_model(tiny, project, adapt
     assert same if adapter == "lora" else not same
 
 
+@pytest.mark.slow  # a run and an export, ~20 s on 2 cores: `make test-slow`
 def test_lora_sft_with_the_chat_token_rows_saves_them_and_converts(tiny, project):
     """lora_trainable_tokens: chat trains <|im_start|> and <|im_end|> beside the adapters: the adapter file holds
     those rows, config.json names their ids, the merged model differs from the start in exactly those rows of
@@ -374,6 +376,7 @@ def test_qlora_refuses_a_width_that_is_not_whole_nf4_blocks(tiny, project):
     assert not (project / "out").exists()
 
 
+@pytest.mark.slow  # a GRPO run, ~25 s on 2 cores: `make test-slow`
 def test_grpo_trains_a_qlora_adapter_against_the_base_as_reference(tiny, tmp_path, monkeypatch):
     """With beta > 0 the reference is the policy with its adapters off (no second model): at the first rollout
     it equals the policy, so the first logged KL is 0, and the run saves a merged model and its adapter."""

@@ -89,6 +89,7 @@ SCALING = dict(vocab_size=8192, n_layer=2, n_head=4, d_model=128, max_seq_len=64
     # count (eager's) does not know: measured 1.12-1.16x at batches 8 and 32
     ("llama", 2, "bf16", True, 1.20),
 ])
+@pytest.mark.slow  # measured peaks of large batches, ~40 s in all on 2 cores: `make test-slow`
 def test_the_plan_holds_from_small_batches_to_logits_dominated_ones(arch, n_kv_head, precision, compiled, high,
                                                                      batch):
     shape = Shape(ModelConfig(arch=arch, n_kv_head=n_kv_head, **SCALING), precision, compiled=compiled)

@@ -28,6 +28,7 @@ def test_summary_statistics_are_the_textbook_ones():
     assert T95[1] == 12.706 and T95[30] == 2.042  # tables: t(0.975; 1) and t(0.975; 30)
 
 
+@pytest.mark.slow  # three training runs, ~20 s on 2 cores: `make test-slow`
 def test_seeds_runs_each_seed_apart_and_reports_the_spread(tiny, tmp_path, monkeypatch):
     monkeypatch.chdir(tiny.root)  # the stage's default inputs: data/shards, data/tokenizer
     params = write_params(tmp_path / "params.yaml", {"model": MODEL, "train": TRAIN})

@@ -218,6 +218,7 @@ c.save_file = dying
 """
 
 
+@pytest.mark.slow  # runs and a kill, ~20 s on 2 cores: `make test-slow`
 def test_killed_mid_checkpoint_resumes_from_the_previous_one(tiny, tmp_path):
     args = cli_project(tiny, tmp_path, max_steps=8, checkpoint_every=2)
     killed = kiln(tmp_path, *args, prelude=KILL_IN_SECOND_SAVE)

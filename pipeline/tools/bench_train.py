@@ -364,6 +364,13 @@ def bench_train(model_params: ModelParams, variants: list[tuple[str, bool, str]]
             result["baseline"] = next((r["variant"] for r in rows if "error" not in r), None)
             write_json(out, result)  # after every row: a crash or a time limit keeps the rows measured
             console.print(_line(row, cuda), highlight=False, soft_wrap=True)
+    if device.type == "cpu":
+        # a CPU's peak is the best matmul measured so far, which rises as the run goes on: every row's MFU is
+        # taken against the final one, so that rows compare
+        peak, _ = peak_flops(device, "fp32")
+        for row in rows:
+            if "error" not in row:
+                row["peak_flops"], row["mfu"] = peak, round(flops_per_token * row["tokens_per_s"] / peak, 6)
     result["complete"] = True
     write_json(out, result)
     _print(result, config, num_params, vocab_size, device, device_label, cuda, profiled)

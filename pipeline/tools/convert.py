@@ -79,6 +79,8 @@ CHATML_TEMPLATE = (
 
 def from_hf(src: str, out: Path) -> None:
     """Write the kiln model folder `out` from an HF folder or hub id `src`."""
+    if Path(src).exists():  # a local source inside `out` is the more useful thing to say than what `out` holds
+        _not_over(out, Path(src))
     _check_out(out, MODEL_FOLDER, "model", kiln=True)
     src_dir = source_dir(src)
     _not_over(out, src_dir)
