@@ -91,6 +91,7 @@ def assert_same_step(eager: torch.nn.Module, compiled: torch.nn.Module, *args) -
             torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow  # torch.compile, ~8 s each on 2 cores: `make test-slow`
 @pytest.mark.parametrize("arch, ops", [("llama", LLAMA_OPS), ("gpt2", GPT2_OPS)])
 def test_training_step_is_one_graph_of_kiln_ops(arch, ops):
     net = model(arch).train()

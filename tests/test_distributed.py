@@ -82,6 +82,7 @@ def test_ddp_matches_one_process_and_resumes_with_zero1(tiny, single, tmp_path):
     assert [s for s, _ in losses(tmp_path / "base/metrics")] == list(range(1, 9))
 
 
+@pytest.mark.slow  # multi-process runs, ~30 s on 2 cores: `make test-slow`
 def test_fsdp_matches_one_process_and_resumes_on_one(tiny, single, tmp_path):
     args = cli_project(tiny, tmp_path, batch_size=4, parallel="fsdp", **SHAPE)
     done = torchrun(tmp_path, *args)

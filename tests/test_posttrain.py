@@ -99,6 +99,7 @@ def fingerprint(checkpoints: Path) -> dict:
     return json.loads(state.read_text())["fingerprint"]
 
 
+@pytest.mark.slow  # a DPO run to convergence, ~10 s on 2 cores: `make test-slow`
 def test_dpo_learns_every_preference(tiny, sft_model, tmp_path):
     model_dir, _ = sft_model
     pairs = [{"prompt": f"Name number {i}?", "chosen": name, "rejected": ANSWERS[(i + 3) % len(ANSWERS)]}

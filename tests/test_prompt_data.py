@@ -156,6 +156,7 @@ def test_unknown_columns_and_formats_are_reported(tmp_path):
         load_prompts(spec, "prompt_answer")
 
 
+@pytest.mark.slow  # the whole corpus, ~10 s on 2 cores: `make test-slow`
 def test_builtin_generative_items_are_speaker_questions_held_out_from_val(shakespeare):
     chat = ChatFormat(load_tokenizer(shakespeare.tokenizer, ordinary=True))
     train, val = prompt_items(shakespeare.corpus, chat, 128, 40, 30, seed=5)

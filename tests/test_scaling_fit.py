@@ -136,6 +136,7 @@ def write_csv(path, runs: Runs, extra=True):
     return path
 
 
+@pytest.mark.slow  # ~10 s on 2 cores: `make test-slow`
 def test_cli_end_to_end_on_csv(tmp_path):
     runs_csv = write_csv(tmp_path / "runs.csv", isoflop_runs(per_budget=6, noise=0.002))
     out, plots = tmp_path / "fit" / "fit.json", tmp_path / "plots"

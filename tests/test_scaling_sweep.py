@@ -87,6 +87,7 @@ def test_fingerprint_follows_what_is_trained_not_how(tiny, data, tmp_path, monke
     assert plan(*sections(), data)[0].fingerprint != base
 
 
+@pytest.mark.slow  # sweep runs and a resume, ~10 s on 2 cores: `make test-slow`
 def test_sweep_skips_finished_runs_and_resumes_an_interrupted_one(tiny, tmp_path, monkeypatch):
     # Another run's checkpoints under a run's folder (other params, another fingerprint) are not the sweep's.
     stranger = tmp_path / "ckpt" / "C2e+07_L1" / "0123456789ab" / "step_00000003" / "state.json"

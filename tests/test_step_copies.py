@@ -86,6 +86,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow  # profiled steps, Triton's CPU interpreter, ~35 s in all on 2 cores: `make test-slow`
 @pytest.mark.parametrize("arch,kernels,precision", list(EXPECTED))
 def test_a_steps_copies_and_host_reads_are_the_pinned_ones(arch, kernels, precision):
     assert dict(step_counts(arch, kernels, precision)) == EXPECTED[arch, kernels, precision]

@@ -234,6 +234,7 @@ def test_killed_mid_checkpoint_resumes_from_the_previous_one(tiny, tmp_path):
     assert json.loads((tmp_path / "base/metrics/pretrain.json").read_text())["pretrain"]["val_loss"] == straight["val_loss"]
 
 
+@pytest.mark.slow  # a dozen resumes, ~15 s on 2 cores: `make test-slow`
 def test_corrupt_checkpoint_is_a_clear_error(tiny, tmp_path):
     args = cli_project(tiny, tmp_path, max_steps=4, checkpoint_every=2)
     assert kiln(tmp_path, *args).returncode == 0
@@ -264,6 +265,7 @@ def test_bad_train_params_exit_2(tiny, tmp_path, key, value):
     assert failed.returncode == 2 and key in failed.output and "Traceback" not in failed.output
 
 
+@pytest.mark.slow  # Triton's CPU interpreter, ~15 s on 2 cores: `make test-slow`
 def test_training_with_triton_kernels_matches_torch(tiny, tmp_path):
     """A few steps with train.kernels=triton (Triton's interpreter here) follow the same losses as torch."""
     # Two optimizer steps of two micro-steps each, and one small eval: the interpreter is slow.
