@@ -1,0 +1,116 @@
+"""Muon (pipeline/train/muon.py): the step against a plain float64 reference of the same update, against
+torch.optim.Muon's, and the two optimizers behind one state_dict that resumes bitwise."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kiln.pipeline.train.muon import Muon, Optimizers, orthogonalize
+
+A, B, C = 3.4445, -4.7750, 2.0315
+
+
+def reference_step(p, g, buf, step, lr, momentum, start, warmup, decay):
+    """One Muon update written out in float64, matrix by matrix: momentum warmed up linearly, Nesterov by lerp,
+    five quintic Newton-Schulz iterations on the wide orientation, decoupled decay, lr x sqrt(max(1, rows/cols))."""
+    m = start + min(1.0, step / warmup) * (momentum - start)
+    buf = buf + (1 - m) * (g - buf)
+    update = g + m * (buf - g)
+    x = update.T if update.shape[0] > update.shape[1] else update
+    x = x / max(torch.linalg.matrix_norm(x).item(), 1e-7)
+    for _ in range(5):
+        gram = x @ x.T
+        x = A * x + (B * gram + C * gram @ gram) @ x
+    x = x.T if update.shape[0] > update.shape[1] else x
+    p = p * (1 - lr * decay) - lr * math.sqrt(max(1.0, p.shape[0] / p.shape[1])) * x
+    return p, buf
+
+
+@pytest.mark.parametrize("shapes", [[(7, 5)], [(5, 7), (5, 7), (16, 16)], [(1, 9), (9, 1), (33, 17)]])
+def test_muon_steps_equal_a_float64_reference(shapes):
+    torch.manual_seed(len(shapes))
+    params = [torch.nn.Parameter(torch.randn(*s, dtype=torch.float64)) for s in shapes]
+    want = [p.detach().clone() for p in params]
+    bufs = [torch.zeros_like(p) for p in want]
+    opt = Muon(params, lr=0.02, momentum=0.95, momentum_start=0.85, momentum_warmup=3, weight_decay=0.1)
+    for step in range(1, 6):
+        grads = [torch.randn_like(p) for p in want]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for i, g in enumerate(grads):
+            want[i], bufs[i] = reference_step(want[i], g, bufs[i], step, 0.02, 0.95, 0.85, 3, 0.1)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.detach(), w, rtol=1e-12, atol=1e-12)
+
+
+def test_muon_update_is_torch_optim_muons():
+    """The same semantics as torch.optim.Muon (whose Newton-Schulz runs in bf16: a bf16 tolerance)."""
+    torch.manual_seed(0)
+    shapes = [(24, 40), (40, 24), (32, 32)]
+    ours = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    mine = Muon(ours, lr=0.05, momentum=0.95, momentum_start=0.95, momentum_warmup=0, weight_decay=0.1)
+    torchs = torch.optim.Muon(theirs, lr=0.05, momentum=0.95, weight_decay=0.1, nesterov=True)
+    starts = [p.detach().clone() for p in ours]
+    for _ in range(3):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        mine.step()
+        torchs.step()
+    for a, b, s in zip(ours, theirs, starts):
+        moved, expected = a.detach() - s, b.detach() - s
+        assert (moved - expected).norm() / expected.norm() < 0.03
+
+
+def test_muon_refuses_what_is_not_a_matrix():
+    with pytest.raises(ValueError, match=r"shape \(4,\)"):
+        Muon([torch.nn.Parameter(torch.ones(4))], lr=0.1, momentum=0.9, momentum_start=0.9, momentum_warmup=0,
+             weight_decay=0.0)
+
+
+def test_two_optimizers_save_and_resume_as_one_bitwise():
+    torch.manual_seed(1)
+
+    def build(seed_params):
+        ps = [torch.nn.Parameter(t.clone()) for t in seed_params]
+        adamw = torch.optim.AdamW([{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:3], "weight_decay": 0}],
+                                  lr=1e-2)
+        muon = Muon(ps[3:], lr=0.02, momentum=0.95, momentum_start=0.85, momentum_warmup=4, weight_decay=0.0)
+        return ps, Optimizers(adamw, muon)
+
+    start = [torch.randn(6, 4), torch.randn(4, 4), torch.randn(4), torch.randn(8, 4), torch.randn(4, 8)]
+    grads = [[torch.randn_like(t) for t in start] for _ in range(6)]
+
+    def steps(ps, opt, gs):
+        for g in gs:
+            for p, x in zip(ps, g):
+                p.grad = x.clone()
+            opt.step()
+            opt.zero_grad()
+
+    straight, opt = build(start)
+    steps(straight, opt, grads)
+    first, opt = build(start)
+    steps(first, opt, grads[:3])
+    saved = opt.state_dict()
+    assert [g["params"] for g in saved["param_groups"]] == [[0, 1], [2], [3, 4]]  # one numbering, in order
+    assert set(saved["state"]) == {0, 1, 2, 3, 4} and "momentum_buffer" in saved["state"][4]
+    resumed, again = build([p.detach() for p in first])
+    again.load_state_dict(saved)
+    steps(resumed, again, grads[3:])
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+    assert [g["lr"] for g in again.param_groups] == [1e-2, 1e-2, 0.02]  # the groups are the optimizers' own
+
+
+def test_orthogonalize_pushes_singular_values_towards_one():
+    torch.manual_seed(2)
+    m = torch.randn(3, 48, 16, dtype=torch.float64) * torch.logspace(-1, 1, 16, dtype=torch.float64)
+    assert (lambda s: s.max() / s.min())(torch.linalg.svdvals(m)) > 100
+    s = torch.linalg.svdvals(orthogonalize(m))
+    assert s.min() > 0.6 and s.max() < 1.2  # the quintic's band (~0.7-1.15), from singular values 100x apart
