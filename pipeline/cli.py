@@ -41,6 +41,7 @@ app.add_typer(bench.app, name="bench")
 app.add_typer(tools.convert_app, name="convert")
 app.add_typer(tools.debug_app, name="debug")
 app.add_typer(tools.plan_app, name="plan")
+app.add_typer(tools.compare_app)
 
 
 def main() -> None:

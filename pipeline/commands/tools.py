@@ -17,6 +17,26 @@ convert_app = typer.Typer(help="Hugging Face interop: GPT-2 and Llama checkpoint
                           no_args_is_help=True)
 debug_app = typer.Typer(help="Checks that a model can learn at all.", no_args_is_help=True)
 plan_app = typer.Typer(help="What a configuration will need, before it runs.", no_args_is_help=True)
+compare_app = typer.Typer()
+
+
+@compare_app.command("compare")
+@reports_errors
+@writes(out=True)
+def compare(folders: Annotated[list[Path], typer.Argument(help="Two or more `kiln seeds` folders, the baseline "
+                                                               "first.")],
+            target: Annotated[float | None, typer.Option(help="The val loss to reach (default: the first group's "
+                                                              "highest final val loss).")] = None,
+            out: Annotated[Path | None, typer.Option(help="Where compare.json and compare.png go (default "
+                                                          "runs/compare-<digest>/).")] = None):
+    """Tokens and training seconds each group of seed runs takes to reach a target val loss, interpolated from
+    their val curves, and each group's ratio to the first with a 95% bootstrap interval over seeds."""
+    from kiln.pipeline.commands.shared import run_folder
+    from kiln.pipeline.tools.compare import compare as run_compare
+    from kiln.pipeline.tools.compare import print_compare
+
+    out = out or check_output(run_folder("compare", [str(f) for f in folders] + [str(target)]), "--out", True)
+    print_compare(run_compare(folders, target, out), out)
 
 
 @debug_app.command("overfit")
