@@ -369,16 +369,10 @@ def test_a_request_asking_for_too_much_is_a_400_naming_the_product(server):
     assert time.perf_counter() - started < 10 and httpx.get(f"{base}/health").json()["running"] == 0
 
 
-def test_health_answers_while_a_large_answer_is_built(server):
-    """An allowed but large answer (128 prompts x n=2 x 61 tokens x 21 entries: 328K token entries, 6 MB of JSON)
-    is built and encoded off the event loop: /health answers within a second all along (built on the loop, this
-    one held it for 2 s on two busy cores, the audit's 35M-entry answer for 60 s)."""
-    base, _, _ = server
-    body = {"model": "tiny", "prompt": [[5 + i, *range(20, 79)] for i in range(128)], "n": 2, "echo": True,
-            "logprobs": 20, "max_tokens": 1}
+def health_waits(base: str, send) -> tuple:
+    """(what `send()` returned, the seconds each /health call took while it ran on a thread of its own)."""
     done = {}
-    worker = threading.Thread(target=lambda: done.setdefault("response", httpx.post(
-        f"{base}/v1/completions", json=body, timeout=300)))
+    worker = threading.Thread(target=lambda: done.setdefault("response", send()))
     worker.start()
     waits = []
     while worker.is_alive():
@@ -386,7 +380,18 @@ def test_health_answers_while_a_large_answer_is_built(server):
         assert httpx.get(f"{base}/health", timeout=30).status_code == 200
         waits.append(time.perf_counter() - started)
     worker.join()
-    answer = done["response"].json()
+    return done["response"], waits
+
+
+def test_health_answers_while_a_large_answer_is_built(server):
+    """An allowed but large answer (128 prompts x n=2 x 61 tokens x 21 entries: 328K token entries, 6 MB of JSON)
+    is built and encoded off the event loop: /health answers within a second all along (built on the loop, this
+    one held it for 2 s on two busy cores, the audit's 35M-entry answer for 60 s)."""
+    base, _, _ = server
+    body = {"model": "tiny", "prompt": [[5 + i, *range(20, 79)] for i in range(128)], "n": 2, "echo": True,
+            "logprobs": 20, "max_tokens": 1}
+    response, waits = health_waits(base, lambda: httpx.post(f"{base}/v1/completions", json=body, timeout=300))
+    answer = response.json()
     assert len(answer["choices"]) == 256 and all(len(c["logprobs"]["tokens"]) == 61 for c in answer["choices"])
     assert len(waits) >= 3 and max(waits) < 1.0, waits
 

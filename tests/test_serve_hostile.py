@@ -9,7 +9,6 @@ import json
 import os
 import re
 import socket
-import threading
 import time
 
 import httpx2 as httpx
@@ -17,7 +16,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_serve_api import running_server
+from test_serve_api import health_waits, running_server
 
 KEY = "sk-kiln-test"
 LIMIT = 3_000_000  # --max-request-bytes here: room for a prompt that takes seconds to tokenize
@@ -113,16 +112,8 @@ def test_a_long_prompt_does_not_stall_the_others(guarded, path):
     text = "the cat sat on the mat. " * (LIMIT // 30)
     body = {"model": "tiny", "max_tokens": 1} | ({"prompt": text} if path == "/v1/completions" else
                                                   {"messages": [{"role": "user", "content": text}]})
-    done = {}
-    worker = threading.Thread(target=lambda: done.setdefault("response", post(base, headers, body, path)))
-    worker.start()
-    waits = []
-    while worker.is_alive():
-        started = time.perf_counter()
-        assert httpx.get(f"{base}/health", timeout=10).status_code == 200
-        waits.append(time.perf_counter() - started)
-    worker.join()
-    response = done["response"]  # far past the 512-token context, which it took tokenizing to know
+    # far past the 512-token context, which it took tokenizing to know
+    response, waits = health_waits(base, lambda: post(base, headers, body, path))
     assert response.status_code == 400 and "context length" in openai_error(response)["message"]
     assert max(waits) < 1.0, waits
 
