@@ -240,3 +240,45 @@ def test_grpo_under_fsdp_samples_and_trains_as_one_process(tiny, tmp_path, monke
         for (_, a), (_, b) in zip(single[key], curve):
             # kl is a mean of micro-batch means, and the micro-batches are other rows on two ranks
             assert b == (pytest.approx(a, rel=0.05) if key == "kl" else pytest.approx(a, abs=1e-5)), key
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_agents(root, *args):
+    """Two torchrun agents of one process each, as on two machines (`--nnodes 2`), meeting at a c10d rendezvous
+    on 127.0.0.1: docs/gpu.md's multi-node command with the node's address replaced."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                                "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                                "--rdzv-id", "kiln-test", "-m", "kiln.pipeline.cli", *args],
+                               cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    return [agent.returncode for agent in agents], "\n".join(outputs)
+
+
+@pytest.mark.slow  # two agents and a one-process run, ~40 s on 2 cores: `make test-slow`
+@pytest.mark.parametrize("optimizer,parallel", [("adamw", "ddp"), ("adamw", "fsdp"), ("muon", "ddp")])
+def test_two_nodes_by_rendezvous_train_as_one_process(tiny, tmp_path, optimizer, parallel):
+    alone, weights = run(tiny, tmp_path / "alone", batch_size=8, optimizer=optimizer, **SHAPE)
+    args = cli_project(tiny, tmp_path / "nodes", batch_size=4, parallel=parallel, optimizer=optimizer, **SHAPE)
+    codes, output = two_agents(tmp_path / "nodes", *args)
+    assert codes == [0, 0], output
+    assert f"x 2 processes ({parallel})" in output
+    assert_same_run(tmp_path / "nodes", (alone, weights, losses(tmp_path / "alone" / "metrics")))
+
+
+@pytest.mark.slow  # two agents, ~15 s on 2 cores: `make test-slow`
+def test_muon_under_fsdp_across_nodes_is_refused_before_training(tiny, tmp_path):
+    """Each agent starts one process, so params alone (nproc_per_node 1) cannot see the sharding: the loop
+    refuses once the model is wrapped, before any step."""
+    args = cli_project(tiny, tmp_path, batch_size=4, parallel="fsdp", optimizer="muon", **SHAPE)
+    codes, output = two_agents(tmp_path, *args)
+    assert codes != [0, 0] and "train.optimizer=muon: Muon needs whole matrices" in output, output
+    assert not (tmp_path / "base" / "model").exists()

@@ -114,3 +114,54 @@ def test_orthogonalize_pushes_singular_values_towards_one():
     assert (lambda s: s.max() / s.min())(torch.linalg.svdvals(m)) > 100
     s = torch.linalg.svdvals(orthogonalize(m))
     assert s.min() > 0.6 and s.max() < 1.2  # the quintic's band (~0.7-1.15), from singular values 100x apart
+
+
+def test_build_optimizer_gives_the_blocks_matrices_to_muon_and_the_rest_to_adamw():
+    from kiln.model.config import ModelConfig
+    from kiln.model.gpt import GPT
+    from kiln.pipeline.config import build_section
+    from kiln.pipeline.train.loop import build_optimizer
+    from kiln.pipeline.train.params import TrainParams
+
+    model = GPT(ModelConfig(arch="llama", n_layer=2, n_head=2, n_kv_head=1, d_model=32, max_seq_len=16,
+                            vocab_size=64))
+    params = build_section(TrainParams, {"optimizer": "muon", "lr": 0.004, "muon_lr": 0.03})
+    opt = build_optimizer(model, params, torch.device("cpu"))
+    adamw, muon = opt.optimizers
+    named = {id(p): n for n, p in model.named_parameters()}
+    in_muon = {named[id(p)] for g in muon.param_groups for p in g["params"]}
+    assert in_muon == {n for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2}
+    in_adamw = {named[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert in_adamw == set(named.values()) - in_muon and "tok_emb.weight" in in_adamw
+    # the loop sets each group's lr from the one schedule of train.lr: Muon's keeps its ratio
+    for group in opt.param_groups:
+        group["lr"] = 0.002 * group.get("lr_scale", 1.0)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.002, 0.002, 0.015])
+    plain = build_optimizer(model, build_section(TrainParams, {}), torch.device("cpu"))
+    assert isinstance(plain, torch.optim.AdamW)  # the default is today's AdamW, untouched
+
+
+@pytest.mark.parametrize("settings,key", [
+    ({"optimizer": "sgd"}, "optimizer"),
+    ({"optimizer": "muon", "zero1": True}, "zero1"),
+    ({"optimizer": "muon", "parallel": "fsdp", "nproc_per_node": 2}, "parallel"),
+    ({"muon_momentum_start": 0.99}, "muon_momentum_start"),
+    ({"muon_lr": 0}, "muon_lr"),
+    ({"muon_momentum": 1.0}, "muon_momentum"),
+])
+def test_bad_muon_settings_are_refused_naming_the_key(settings, key):
+    from kiln.pipeline.config import build_section
+    from kiln.pipeline.errors import UserError
+    from kiln.pipeline.train.params import TrainParams
+
+    with pytest.raises(UserError, match=rf"train\.{key}"):
+        build_section(TrainParams, settings)
+
+
+def test_muon_keys_are_part_of_a_runs_identity_only_with_muon():
+    from kiln.pipeline.config import build_section
+    from kiln.pipeline.train.params import TrainParams, run_identity
+
+    adamw = run_identity(build_section(TrainParams, {"muon_lr": 0.5}))
+    assert "muon_lr" not in adamw and "optimizer" not in adamw  # AdamW checkpoints written before still resume
+    assert run_identity(build_section(TrainParams, {"optimizer": "muon"}))["muon_lr"] == 0.02

@@ -69,17 +69,20 @@ def test_a_rerun_after_the_data_or_the_code_changed_trains_afresh(tiny, tmp_path
     assert len(checkpoints(tmp_path / "ckpt")) == 3 and all(torch.equal(first[k], fixed[k]) for k in first)
 
 
-def test_resumed_run_equals_straight_run(tiny, tmp_path):
-    straight, w_straight = run(tiny, tmp_path / "a", max_steps=8)
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resumed_run_equals_straight_run(tiny, tmp_path, optimizer):
+    # muon: its momentum buffers and step counts (the momentum's warmup) are in the checkpoint too
+    muon = {"optimizer": optimizer, "muon_momentum_warmup": 6}
+    straight, w_straight = run(tiny, tmp_path / "a", max_steps=8, **muon)
     # Stop after 4 steps with the schedule of an 8-step run: a 4-step run has another schedule, so resume
     # is exercised by the checkpoint at step 4 of the same 8-step run, left alone by deleting the later one.
-    run(tiny, tmp_path / "b", max_steps=8)
+    run(tiny, tmp_path / "b", max_steps=8, **muon)
     ckpts = checkpoints(tmp_path / "b" / "ckpt")
     assert [p.name for p in ckpts] == ["step_00000004", "step_00000008"]
     for f in ckpts[-1].iterdir():
         f.unlink()
     ckpts[-1].rmdir()
-    resumed, w_resumed = run(tiny, tmp_path / "b", max_steps=8)
+    resumed, w_resumed = run(tiny, tmp_path / "b", max_steps=8, **muon)
     assert resumed["train_loss"] == straight["train_loss"] and resumed["val_loss"] == straight["val_loss"]
     for name, tensor in w_straight.items():
         assert (tensor - w_resumed[name]).abs().max() <= 1e-6, name

@@ -31,6 +31,7 @@ from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Curves
 from kiln.pipeline.train.float8 import after_optimizer_step, to_float8_training
 from kiln.pipeline.train.memory import Shape, check_run_memory
+from kiln.pipeline.train.muon import Muon, Optimizers
 from kiln.pipeline.train.params import TrainParams
 from kiln.pipeline.train.ramp import BatchRamp
 from kiln.pipeline.train.stats import StepStats, draw, observing
@@ -43,10 +44,17 @@ def compile_forward(model: torch.nn.Module, params: TrainParams) -> Callable:
 
 
 def build_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device,
-                    zero1: bool = False) -> torch.optim.Optimizer:
+                    zero1: bool = False) -> torch.optim.Optimizer | Optimizers:
     """AdamW with decoupled weight decay on matrices only: norms' gains and biases are not pulled to zero.
-    `zero1`: each rank keeps (and updates) the AdamW state of its share of the parameters only."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    `zero1`: each rank keeps (and updates) the AdamW state of its share of the parameters only. With
+    train.optimizer=muon, the blocks' matrices go to Muon (pipeline/train/muon.py) instead; a LoRA adapter's
+    matrices stay on AdamW, as the embeddings and the head do."""
+    muon = muon_matrices(model) if params.optimizer == "muon" else []
+    if muon and distributed.is_sharded(model):  # several processes of a torchrun kiln did not start itself
+        raise UserError("params: train.optimizer=muon: Muon needs whole matrices, which FSDP shards across these "
+                        "processes; use train.parallel=ddp")
+    taken = {id(p) for p in muon}
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2 and id(p) not in taken]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {"lr": params.lr, "betas": (params.beta1, params.beta2), "fused": device.type == "cuda"}
@@ -54,7 +62,20 @@ def build_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.d
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
-    return torch.optim.AdamW(groups, **kwargs)
+    adamw = torch.optim.AdamW(groups, **kwargs)
+    if not muon:
+        return adamw
+    # the loop sets every group's lr from the schedule of train.lr; lr_scale makes the Muon group's muon_lr
+    return Optimizers(adamw, Muon([{"params": muon, "lr_scale": params.muon_lr / params.lr}], lr=params.muon_lr,
+                                  momentum=params.muon_momentum, momentum_start=params.muon_momentum_start,
+                                  momentum_warmup=params.muon_momentum_warmup,
+                                  weight_decay=params.muon_weight_decay))
+
+
+def muon_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The trainable 2-D weights inside the transformer blocks, but an adapter's (LoRA's A and B)."""
+    blocks = distributed.unwrap(model).blocks
+    return [p for name, p in blocks.named_parameters() if p.requires_grad and p.dim() == 2 and "lora_" not in name]
 
 
 def lr_at(step: int, total: int, params: TrainParams) -> float:
@@ -122,7 +143,7 @@ class Step:
         raises when the loss is not finite. `stats` (attached) reads the gradients and the update."""
         accum = accum or self.accum
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         total = torch.zeros((), device=self.device)
         for micro in range(accum):
             batch = [t.to(self.device, non_blocking=True) for t in next(batches)]

@@ -94,6 +94,13 @@ class TrainParams(Section):
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = off
+    # adamw | muon: Muon on the transformer blocks' matrices, AdamW (lr, betas, weight_decay) on the rest
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02  # the peak lr of the Muon group; the schedule scales it as it scales lr
+    muon_momentum: float = 0.95
+    muon_momentum_start: float = 0.85  # warmed up linearly to muon_momentum over muon_momentum_warmup steps
+    muon_momentum_warmup: int = 300
+    muon_weight_decay: float = 0.0
     eval_every: int = 200
     eval_tokens: int = 32768
     checkpoint_every: int = 200
@@ -152,9 +159,28 @@ class TrainParams(Section):
                 raise self.bad(name, "a number >= 0")
         if not 0 < self.decay_fraction <= 1:
             raise self.bad("decay_fraction", "a number in (0, 1]")
-        for name in ("beta1", "beta2"):
+        for name in ("beta1", "beta2", "muon_momentum"):
             if not 0 <= getattr(self, name) < 1:
                 raise self.bad(name, "a number in [0, 1)")
+        self.check_muon()
+
+    def check_muon(self) -> None:
+        if self.optimizer not in ("adamw", "muon"):
+            raise self.bad("optimizer", "adamw or muon")
+        if not self.muon_lr > 0:
+            raise self.bad("muon_lr", "a positive number")
+        if not 0 <= self.muon_momentum_start <= self.muon_momentum:
+            raise self.bad("muon_momentum_start", f"a number in [0, muon_momentum={self.muon_momentum:g}]")
+        for name in ("muon_momentum_warmup", "muon_weight_decay"):
+            if getattr(self, name) < 0:
+                raise self.bad(name, "a number >= 0")
+        # Muon orthogonalises whole matrices: FSDP's shards and ZeRO-1's share of the state are not (torchtitan's
+        # DistMuon gathers them; kiln does not yet)
+        if self.optimizer == "muon" and self.zero1:
+            raise self.bad("zero1", "false with train.optimizer=muon (Muon needs whole matrices)")
+        if self.optimizer == "muon" and self.parallel == "fsdp" and self.nproc_per_node > 1:
+            raise self.bad("parallel", "ddp with train.optimizer=muon on several processes (Muon needs whole "
+                                       "matrices, which FSDP shards)")
 
 
 def loop_keys(section: Section) -> dict:
@@ -173,9 +199,16 @@ OUTSIDE_IDENTITY = ("eval_every", "eval_tokens", "checkpoint_every", "keep_check
                     "activation_checkpointing", "stats_every")
 
 
+# With AdamW these change nothing, so they are part of a run's identity only with Muon (every AdamW checkpoint
+# written before they existed still resumes).
+MUON_KEYS = ("optimizer", "muon_lr", "muon_momentum", "muon_momentum_start", "muon_momentum_warmup",
+             "muon_weight_decay")
+
+
 def run_identity(params: TrainParams, keep: tuple[str, ...] = ()) -> dict:
     """The train keys that make two runs the same run (a checkpoint's fingerprint holds them), with the keys of
     `keep` put back from OUTSIDE_IDENTITY where a stage's runs depend on them. fp8_recipe is part of it only
-    when the precision is fp8: other runs compute the same without it."""
-    outside = OUTSIDE_IDENTITY + (("fp8_recipe",) if params.precision != "fp8" else ())
+    when the precision is fp8, the optimizer's keys only with Muon: other runs compute the same without them."""
+    outside = OUTSIDE_IDENTITY + (("fp8_recipe",) if params.precision != "fp8" else ()) + \
+        (MUON_KEYS if params.optimizer == "adamw" else ())
     return {k: v for k, v in dataclasses.asdict(params).items() if k not in outside or k in keep}
