@@ -232,10 +232,12 @@ def test_experiments_rerun_only_what_they_change(project):
         {k: v for k, v in before["val_loss"].items() if k != "dpo"}
 
     # GRPO's KL to its start: the grpo stage and the evaluation rerun, nothing upstream; the KL is now logged.
+    grpo_before = (project / "data/models/grpo/model.safetensors").read_bytes()
     exp = run(project, "dvc", "exp", "run", "-S", "grpo.beta=0.04")
     assert ran_stages(exp) == {"params_check", "grpo", "evaluate"}
     assert (project / "metrics/grpo/plots/metrics/kl.tsv").is_file()
     final = json.loads((project / "metrics/eval.json").read_text())["eval"]
-    assert final["val_loss"]["grpo"] != after["val_loss"]["grpo"]
+    # another GRPO model (over 4 steps the KL pull moves its val loss by less than the 5 decimals kept)
+    assert (project / "data/models/grpo/model.safetensors").read_bytes() != grpo_before
     assert {k: v for k, v in final["val_loss"].items() if k != "grpo"} == \
         {k: v for k, v in after["val_loss"].items() if k != "grpo"}
