@@ -33,7 +33,7 @@ test: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The end-to-end checks `make test` leaves out for time (the DAG under DVC, multi-process runs, kills and
-# resumes, compiles: ~15 min).
+# resumes, compiles: ~20 min).
 test-slow: setup
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest $(PYTEST_ARGS) -m slow
 
