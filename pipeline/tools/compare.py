@@ -28,6 +28,7 @@ from kiln.pipeline import layout
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import atomic_write_bytes, write_json
 from kiln.pipeline.progress import console, print_columns
+from kiln.pipeline.tools.seeds import COMMAND_FILE
 from kiln.pipeline.train.curves import read_metric
 
 DRAWS = 2000
@@ -46,9 +47,9 @@ class RunCurve:
 def read_group(folder: Path) -> tuple[str, list[RunCurve]]:
     """(stage, its runs) of a `kiln seeds` folder; a one-line UserError naming what is missing."""
     folder = Path(folder)
-    command = folder / "command.json"
+    command = folder / COMMAND_FILE
     if not command.is_file():
-        raise UserError(f"{folder}: no command.json; expected a `kiln seeds` folder")
+        raise UserError(f"{folder}: no {COMMAND_FILE}; expected a `kiln seeds` folder")
     try:
         stage = json.loads(command.read_text())["stage"]
     except (ValueError, KeyError, TypeError):
