@@ -53,13 +53,20 @@ def _prune(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BLOCK"] <= widest] or configs[:1]
 
 
+@triton.jit
+def _tanh(x):
+    # from the sigmoid, which every Triton backend (and the interpreter) has; |error| ~ 1e-7 in fp32
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
 # The kernel may write the gradient over the logits (grad_ptr == logits_ptr): each timed candidate gets the
 # logits back first.
-@autotune(CONFIGS, key=["n_cols", "row_stride", "COMPUTE_GRAD"], interpreter=triton.Config({"BLOCK": 1024}),
+@autotune(CONFIGS, key=["n_cols", "row_stride", "COMPUTE_GRAD", "SOFTCAP"], interpreter=triton.Config({"BLOCK": 1024}),
           prune_configs_by={"early_config_prune": _prune}, restore_value=["grad_ptr"])
 @triton.jit
 def _cross_entropy_fwd(logits_ptr, grad_ptr, targets_ptr, loss_ptr, scale_ptr, scale_stride, n_cols, row_stride,
-                       ignore_index, z_loss, COMPUTE_GRAD: tl.constexpr, BLOCK: tl.constexpr):
+                       ignore_index, z_loss, softcap, COMPUTE_GRAD: tl.constexpr, SOFTCAP: tl.constexpr,
+                       BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * row_stride
     grad_ptr += row * row_stride
@@ -81,12 +88,16 @@ def _cross_entropy_fwd(logits_ptr, grad_ptr, targets_ptr, loss_ptr, scale_ptr, s
     for start in range(0, n_cols, BLOCK):
         offs = start + cols
         x = tl.load(logits_ptr + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
+        if SOFTCAP:  # the masked columns stay -inf (a capped -inf would be -softcap, inside the softmax)
+            x = tl.where(offs < n_cols, softcap * _tanh(x / softcap), float("-inf"))
         m_new = tl.maximum(m, tl.max(x, axis=0))
         d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
         m = m_new
     lse = m + tl.log(d)
     # Read before the second walk, which may overwrite the logits with the gradient.
     x_target = tl.load(logits_ptr + target).to(tl.float32)
+    if SOFTCAP:
+        x_target = softcap * _tanh(x_target / softcap)
     tl.store(loss_ptr + row, lse - x_target + z_loss * lse * lse)
 
     if COMPUTE_GRAD:
@@ -97,8 +108,14 @@ def _cross_entropy_fwd(logits_ptr, grad_ptr, targets_ptr, loss_ptr, scale_ptr, s
         for start in range(0, row_stride, BLOCK):
             offs = start + cols
             x = tl.load(logits_ptr + offs, mask=offs < n_cols, other=float("-inf")).to(tl.float32)
-            g = tl.exp(x - lse) * softmax_coef
-            g = tl.where(offs == target, g - 1.0, g) * scale
+            if SOFTCAP:
+                # d(cap·tanh(x/cap))/dx = 1 - tanh²: the gradient w.r.t. the capped logit, times that
+                t = _tanh(x / softcap)
+                g = tl.exp(tl.where(offs < n_cols, softcap * t, float("-inf")) - lse) * softmax_coef
+                g = tl.where(offs == target, g - 1.0, g) * scale * (1.0 - t * t)
+            else:
+                g = tl.exp(x - lse) * softmax_coef
+                g = tl.where(offs == target, g - 1.0, g) * scale
             tl.store(grad_ptr + offs, g.to(grad_ptr.dtype.element_ty), mask=offs < row_stride)
 
 
@@ -107,17 +124,19 @@ def _stride(scale: torch.Tensor) -> int:
 
 
 def loss_and_grad_rows(logits: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor, grad: torch.Tensor | None,
-                       ignore_index: int, z_loss: float, row_scale: torch.Tensor, n_classes: int | None = None) -> None:
+                       ignore_index: int, z_loss: float, row_scale: torch.Tensor, n_classes: int | None = None,
+                       softcap: float = 0.0) -> None:
     """Launch the forward kernel on contiguous (n, V) logits: the per-row loss into `loss` (fp32, (n,)) and,
     when `grad` is given, d loss_row / d logits · row_scale into it (`grad` may be `logits` itself).
     `row_scale` is a scalar tensor or one value per row (any stride). `n_classes` (default V): only the first
-    n_classes columns are classes; the rest pad each row (to keep rows 16-byte aligned) and get gradient 0."""
+    n_classes columns are classes; the rest pad each row (to keep rows 16-byte aligned) and get gradient 0.
+    `softcap` > 0: the loss of the capped logits softcap·tanh(logits / softcap), its gradient w.r.t. the raw ones."""
     n, v = logits.shape
     if n == 0:
         return
     _cross_entropy_fwd[(n,)](logits, logits if grad is None else grad, targets, loss, row_scale, _stride(row_scale),
-                             v if n_classes is None else n_classes, v, ignore_index, z_loss,
-                             COMPUTE_GRAD=grad is not None)
+                             v if n_classes is None else n_classes, v, ignore_index, z_loss, float(softcap),
+                             COMPUTE_GRAD=grad is not None, SOFTCAP=softcap > 0)
 
 
 def scaled(grad: torch.Tensor, upstream: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,8 @@ arguments, settles the chunk size and which gradients autograd will want, and pi
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -71,7 +73,7 @@ def default_chunk_size(n_tokens: int, d_model: int) -> int:
 
 
 def _check(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str,
-           chunk_size: int | None, vocab_size: int) -> None:
+           chunk_size: int | None, vocab_size: int, softcap: float) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"linear_cross_entropy: hidden (N, D) and weight (V, D) expected, got "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
@@ -84,10 +86,12 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, re
     if not 1 <= vocab_size <= weight.shape[0]:
         raise ValueError(f"linear_cross_entropy: vocab_size must be 1..{weight.shape[0]} (weight's rows), "
                          f"got {vocab_size}")
+    if not (softcap >= 0 and math.isfinite(softcap)):
+        raise ValueError(f"linear_cross_entropy: softcap must be a finite number >= 0 (0: off), got {softcap}")
 
 
-def _chunked_pass(hidden, weight, targets, vocab_size, ignore_index, z_loss, row_scale, chunk_size, want_dhidden,
-                  want_dweight):
+def _chunked_pass(hidden, weight, targets, vocab_size, ignore_index, z_loss, softcap, row_scale, chunk_size,
+                  want_dhidden, want_dweight):
     """Loss per token (fp32) and, if asked, grad_hidden and grad_weight with row_scale folded in, one chunk of
     tokens at a time. One logits buffer serves every chunk, and becomes each chunk's gradient in place."""
     n = hidden.shape[0]
@@ -107,7 +111,8 @@ def _chunked_pass(hidden, weight, targets, vocab_size, ignore_index, z_loss, row
             logits = torch.mm(h, weight.T, out=buffer[:h.shape[0]])
             scale = row_scale[rows] if row_scale.dim() else row_scale
             grad = logits if (want_dhidden or want_dweight) else None
-            loss_and_grad_rows(logits, targets[rows], loss[rows], grad, ignore_index, z_loss, scale, vocab_size)
+            loss_and_grad_rows(logits, targets[rows], loss[rows], grad, ignore_index, z_loss, scale, vocab_size,
+                               softcap)
             if dhidden is not None:
                 torch.mm(logits, weight, out=dhidden[rows])
             if dweight is not None:
@@ -138,8 +143,8 @@ def _empty(like: torch.Tensor, wanted: bool) -> torch.Tensor:
 
 @torch.library.custom_op("kiln::linear_cross_entropy", mutates_args=())
 def linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, vocab_size: int,
-                            ignore_index: int, z_loss: float, reduction: str, chunk_size: int, grad_hidden: bool,
-                            grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            ignore_index: int, z_loss: float, softcap: float, reduction: str, chunk_size: int,
+                            grad_hidden: bool, grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the loss reduced as asked; d loss / d hidden and d loss / d weight for an upstream gradient of 1, each
     only when asked and the reduction is not "none", else an empty tensor)."""
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
@@ -148,14 +153,15 @@ def linear_cross_entropy_op(hidden: torch.Tensor, weight: torch.Tensor, targets:
     if reduction == "none":
         grad_hidden = grad_weight = False  # the backward op runs the chunks again with each row's own scale
     scale = 1.0 / n_valid if reduction == "mean" else one
-    loss, dh, dw = _chunked_pass(hidden, weight, targets, vocab_size, ignore_index, z_loss, scale, chunk_size,
-                                 grad_hidden, grad_weight)
+    loss, dh, dw = _chunked_pass(hidden, weight, targets, vocab_size, ignore_index, z_loss, softcap, scale,
+                                 chunk_size, grad_hidden, grad_weight)
     return (reduce(loss, n_valid, reduction, loss_dtype(hidden.dtype)),
             hidden.new_empty(0) if dh is None else dh, weight.new_empty(0) if dw is None else dw)
 
 
 @linear_cross_entropy_op.register_fake
-def _(hidden, weight, targets, vocab_size, ignore_index, z_loss, reduction, chunk_size, grad_hidden, grad_weight):
+def _(hidden, weight, targets, vocab_size, ignore_index, z_loss, softcap, reduction, chunk_size, grad_hidden,
+      grad_weight):
     chunked = reduction != "none"
     return (reduced_loss(hidden, hidden.shape[0], reduction), _empty(hidden, chunked and grad_hidden),
             _empty(weight, chunked and grad_weight))
@@ -164,26 +170,28 @@ def _(hidden, weight, targets, vocab_size, ignore_index, z_loss, reduction, chun
 @torch.library.custom_op("kiln::linear_cross_entropy_backward", mutates_args=())
 def linear_cross_entropy_backward_op(grad_out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
                                      targets: torch.Tensor, vocab_size: int, ignore_index: int, z_loss: float,
-                                     chunk_size: int, grad_hidden: bool,
+                                     softcap: float, chunk_size: int, grad_hidden: bool,
                                      grad_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """reduction="none"'s gradients: the chunks again, each row's upstream gradient folded into the kernel's
     scale (empty where not asked)."""
     hidden, weight, targets = hidden.contiguous(), weight.contiguous(), targets.contiguous()
-    _, dh, dw = _chunked_pass(hidden, weight, targets, vocab_size, ignore_index, z_loss, grad_out, chunk_size,
-                              grad_hidden, grad_weight)
+    _, dh, dw = _chunked_pass(hidden, weight, targets, vocab_size, ignore_index, z_loss, softcap, grad_out,
+                              chunk_size, grad_hidden, grad_weight)
     return hidden.new_empty(0) if dh is None else dh, weight.new_empty(0) if dw is None else dw
 
 
 @linear_cross_entropy_backward_op.register_fake
-def _(grad_out, hidden, weight, targets, vocab_size, ignore_index, z_loss, chunk_size, grad_hidden, grad_weight):
+def _(grad_out, hidden, weight, targets, vocab_size, ignore_index, z_loss, softcap, chunk_size, grad_hidden,
+      grad_weight):
     return _empty(hidden, grad_hidden), _empty(weight, grad_weight)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, targets, vocab_size, ignore_index, z_loss, reduction, chunk_size, grad_hidden, grad_weight = inputs
+    (hidden, weight, targets, vocab_size, ignore_index, z_loss, softcap, reduction, chunk_size, grad_hidden,
+     grad_weight) = inputs
     ctx.reduction = reduction
     # the backward op's, after the tensors
-    ctx.args = (vocab_size, ignore_index, z_loss, chunk_size, grad_hidden, grad_weight)
+    ctx.args = (vocab_size, ignore_index, z_loss, softcap, chunk_size, grad_hidden, grad_weight)
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, targets)
     else:
@@ -195,35 +203,41 @@ def _backward(ctx, grad_out, _dh, _dw):
         dh, dw = linear_cross_entropy_backward_op(grad_out, *ctx.saved_tensors, *ctx.args)
     else:
         dh, dw = (scaled(g, grad_out) for g in ctx.saved_tensors)
-    grad_hidden, grad_weight = ctx.args[4:]
-    return dh if grad_hidden else None, dw if grad_weight else None, *[None] * 8
+    grad_hidden, grad_weight = ctx.args[5:]
+    return dh if grad_hidden else None, dw if grad_weight else None, *[None] * 9
 
 
 linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def reference(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
-              z_loss: float = 0.0, reduction: str = "mean", vocab_size: int | None = None) -> torch.Tensor:
-    """The full logits F.linear(hidden, weight[:vocab_size]), then the plain cross-entropy reference."""
-    return ce_reference(F.linear(hidden, weight[:vocab_size]), targets, ignore_index, z_loss, reduction)
+              z_loss: float = 0.0, reduction: str = "mean", vocab_size: int | None = None,
+              softcap: float = 0.0) -> torch.Tensor:
+    """The full logits F.linear(hidden, weight[:vocab_size]) (capped to softcap·tanh(logits / softcap) in at least
+    fp32 if softcap > 0), then the plain cross-entropy reference."""
+    logits = F.linear(hidden, weight[:vocab_size])
+    if softcap:
+        logits = softcap * torch.tanh(logits.to(loss_dtype(logits.dtype)) / softcap)
+    return ce_reference(logits, targets, ignore_index, z_loss, reduction)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100,
                          z_loss: float = 0.0, reduction: str = "mean", chunk_size: int | None = None,
-                         backend: str = "auto", vocab_size: int | None = None) -> torch.Tensor:
+                         backend: str = "auto", vocab_size: int | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Cross-entropy of hidden (N, D) @ weight (V, D)ᵀ against (N,) int64 targets, plus z_loss·lse² per
     non-ignored token, without materialising the (N, V) logits on the Triton path.
 
     reduction: "mean" over non-ignored tokens, "sum", or "none" ((N,), 0 on ignored tokens). chunk_size: tokens
     per chunk (default: equal chunks of about 4·D rows, a multiple of 256). vocab_size: how many of weight's
     rows are classes (default all); the rows after them pad the vocabulary, are never scored, and get gradient
-    0 (pass the model's padded weight whole: its aligned rows keep the GEMMs fast). The torch backend is the
-    plain reference.
+    0 (pass the model's padded weight whole: its aligned rows keep the GEMMs fast). softcap > 0: the loss of the
+    capped logits softcap·tanh(logits / softcap) (Gemma 2's final softcapping), capped inside the kernel. The torch
+    backend is the plain reference.
     """
     if not use_triton(backend, hidden, weight):
-        return reference(hidden, weight, targets, ignore_index, z_loss, reduction, vocab_size)
+        return reference(hidden, weight, targets, ignore_index, z_loss, reduction, vocab_size, softcap)
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
-    _check(hidden, weight, targets, reduction, chunk_size, vocab_size)
+    _check(hidden, weight, targets, reduction, chunk_size, vocab_size, softcap)
     chunk_size = chunk_size if chunk_size is not None else default_chunk_size(hidden.shape[0], hidden.shape[1])
-    return linear_cross_entropy_op(hidden, weight, targets, vocab_size, ignore_index, z_loss, reduction, chunk_size,
-                                   *needs_grad(hidden, weight))[0]
+    return linear_cross_entropy_op(hidden, weight, targets, vocab_size, ignore_index, z_loss, float(softcap),
+                                   reduction, chunk_size, *needs_grad(hidden, weight))[0]

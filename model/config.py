@@ -13,6 +13,10 @@ from dataclasses import asdict, dataclass, fields, replace
 
 ARCHS = ("llama", "gpt2")
 NORMS = ("auto", "rmsnorm", "layernorm", "dyt")
+MLPS = ("auto", "relu2")
+# The record runs' model changes (modded-nanogpt, nanochat), each off at this value: a config saves a knob only
+# when it is on (to_dict), so every model and checkpoint written before they existed keeps its config and identity.
+KNOBS_OFF = {"qk_norm": False, "mlp": "auto", "logit_softcap": 0.0, "zero_init": False}
 # fp32 weights; training adds their gradients and AdamW's two moments (activations come on top, by batch).
 BYTES_PER_PARAM = {"for its weights": 4, "to train": 16}
 SIZE_FIELDS = ("n_layer", "d_model", "d_ff", "vocab_size", "max_seq_len")
@@ -37,6 +41,10 @@ class ModelConfig:
     tie_embeddings: bool = True  # gpt2 always ties
     dropout: float = 0.0
     norm: str = "auto"          # auto (llama: rmsnorm, gpt2: layernorm) | rmsnorm | layernorm | dyt
+    qk_norm: bool = False       # RMSNorm (with a gain) over each head's queries and keys, before RoPE (Qwen3's)
+    mlp: str = "auto"           # auto (llama: SwiGLU, gpt2: GELU) | relu2: down(relu(up(x))^2), no gate
+    logit_softcap: float = 0.0  # > 0: logits = cap * tanh(logits / cap) (Gemma 2's final softcapping); 0: off
+    zero_init: bool = False     # the two residual output projections start at zero (modded-nanogpt)
 
     @property
     def norm_kind(self) -> str:
@@ -56,12 +64,18 @@ class ModelConfig:
         return self.d_model // self.n_head
 
     @property
+    def gated(self) -> bool:
+        """Whether the MLP has a gate (llama's SwiGLU): three matrices rather than two."""
+        return self.arch == "llama" and self.mlp == "auto"
+
+    @property
     def ffn_dim(self) -> int:
         """Resolved MLP hidden size. SwiGLU has three matrices instead of two, so llama uses 8/3·d_model to
-        spend the same parameters as GPT-2's 4·d_model, rounded up to a multiple of 64 for the matmuls."""
+        spend the same parameters as GPT-2's 4·d_model, rounded up to a multiple of 64 for the matmuls; an ungated
+        MLP (gpt2's, relu2) has 4·d_model."""
         if self.d_ff > 0:
             return self.d_ff
-        if self.arch == "llama":
+        if self.gated:
             return _round_up((8 * self.d_model + 2) // 3, 64)  # ceil(8/3·d), then up to a multiple of 64
         return 4 * self.d_model
 
@@ -73,7 +87,7 @@ class ModelConfig:
             # bool is an int in Python; a `true` where a size belongs is a typo, not a 1.
             if not isinstance(value, want) or (want is not bool and isinstance(value, bool)):
                 raise ValueError(f"{f.name}: expected {f.type}, got {value!r}")
-        for name in ("rope_theta", "norm_eps", "dropout"):  # config.json may hold NaN or Infinity
+        for name in ("rope_theta", "norm_eps", "dropout", "logit_softcap"):  # config.json may hold NaN or Infinity
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name}: must be a finite number, got {getattr(self, name)}")
         for name in ("vocab_size", "n_layer", "n_head", "n_kv_head", "d_model", "max_seq_len", "rope_theta",
@@ -86,6 +100,10 @@ class ModelConfig:
             raise ValueError(f"arch: {self.arch!r} is not one of {', '.join(ARCHS)}")
         if self.norm not in NORMS:
             raise ValueError(f"norm: {self.norm!r} is not one of {', '.join(NORMS)}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"mlp: {self.mlp!r} is not one of {', '.join(MLPS)}")
+        if self.logit_softcap < 0:
+            raise ValueError(f"logit_softcap: must be >= 0 (0 = off), got {self.logit_softcap}")
         if self.d_model % self.n_head:
             raise ValueError(f"n_head: {self.n_head} does not divide d_model={self.d_model}")
         if self.n_head % self.n_kv_head:
@@ -106,8 +124,9 @@ class ModelConfig:
         gpt2 = self.arch == "gpt2"
         norm = {"rmsnorm": d, "layernorm": 2 * d, "dyt": 2 * d + 1}[self.norm_kind]  # gain, bias, DyT's alpha
         attn = 2 * d * inner + 2 * d * kv + (inner + 2 * kv + d if gpt2 else 0)
-        mlp = 2 * d * f + (f + d if gpt2 else d * f)  # gpt2: up + down with biases; llama: gate, up, down
-        n = self.n_layer * (attn + mlp + 2 * norm) + norm + (self.norm_kind == "dyt")  # DyT's embedding scale
+        mlp = 2 * d * f + (f + d if gpt2 else 0) + (d * f if self.gated else 0)  # up, down (biases), gate
+        qk_norm = 2 * self.head_dim if self.qk_norm else 0
+        n = self.n_layer * (attn + mlp + 2 * norm + qk_norm) + norm + (self.norm_kind == "dyt")  # DyT's embedding scale
         if not self.tie_embeddings:
             n += self.padded_vocab_size * d  # the LM head
         if embeddings:
@@ -134,7 +153,8 @@ class ModelConfig:
                          f"({BYTES_PER_PARAM[need]} bytes per parameter), {where} has {_human(have)} free")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields, less the knobs that are off (KNOBS_OFF)."""
+        return {k: v for k, v in asdict(self).items() if not (k in KNOBS_OFF and v == KNOBS_OFF[k])}
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:

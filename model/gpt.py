@@ -28,7 +28,7 @@ import torch.utils.checkpoint
 # imported where a fused path is taken (and Triton is there).
 from kiln.kernels.backend import BACKENDS, use_triton
 from kiln.model.config import ModelConfig
-from kiln.model.logprobs import TokenStats, token_logprobs
+from kiln.model.logprobs import TokenStats, softcap, token_logprobs
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -130,6 +130,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.d_model, config.n_kv_head * config.head_dim, bias=bias)
         self.v_proj = nn.Linear(config.d_model, config.n_kv_head * config.head_dim, bias=bias)
         self.o_proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=bias)
+        # QK-norm bounds every attention logit by the gains (|q·k| <= |g_q||g_k|·sqrt(head_dim)), the logit
+        # growth that makes a high learning rate diverge; Qwen3's layout: one gain per head channel, before RoPE.
+        self.q_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.resid_drop = nn.Dropout(config.dropout)
 
     def forward(self, x, rope, cache: KVCache | None, layer: int, pos: int, mask) -> torch.Tensor:
@@ -138,6 +142,8 @@ class Attention(nn.Module):
         attn_mask, is_causal = mask
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
         # Per-row positions (left padding) come as (B, 1, T, D/2) tables, which the kernel does not take.
         if rope is not None and fused and rope[0].dim() == 2:
@@ -170,7 +176,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """llama: down(silu(gate(x)) * up(x)) (SwiGLU); gpt2: down(gelu(up(x))) with GPT-2's tanh-approximate GELU."""
+    """llama: down(silu(gate(x)) * up(x)) (SwiGLU); gpt2: down(gelu(up(x))) with GPT-2's tanh-approximate GELU;
+    `mlp: relu2` (either arch): down(relu(up(x))^2), modded-nanogpt's, ungated (So et al. 2021, Primer)."""
 
     backend = "torch"
 
@@ -178,7 +185,8 @@ class MLP(nn.Module):
         super().__init__()
         bias = config.arch == "gpt2"
         d, f = config.d_model, config.ffn_dim
-        self.gate_proj = nn.Linear(d, f, bias=False) if config.arch == "llama" else None
+        self.relu2 = config.mlp == "relu2"
+        self.gate_proj = nn.Linear(d, f, bias=False) if config.gated else None
         self.up_proj = nn.Linear(d, f, bias=bias)
         self.down_proj = nn.Linear(f, d, bias=bias)
         self.resid_drop = nn.Dropout(config.dropout)
@@ -190,6 +198,8 @@ class MLP(nn.Module):
             h = swiglu(self.gate_proj(x), self.up_proj(x), backend="triton")
         elif self.gate_proj is not None:
             h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        elif self.relu2:
+            h = F.relu(self.up_proj(x)).square()
         else:
             h = F.gelu(self.up_proj(x), approximate="tanh")
         return self.resid_drop(self.down_proj(h))
@@ -315,7 +325,7 @@ class GPT(nn.Module):
 
         Each block adds two outputs (attention, MLP) to the residual stream, so its variance grows with
         2·n_layer additions; scaling those two projections by 1/sqrt(2·n_layer) keeps the stream's scale at
-        init independent of depth.
+        init independent of depth (`zero_init`: zero instead).
         """
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -327,7 +337,11 @@ class GPT(nn.Module):
         if self.emb_scale is not None:
             nn.init.constant_(self.emb_scale, math.sqrt(self.config.d_model))
         for name, p in self.named_parameters():
-            if name.endswith(self.RESIDUAL_PROJECTIONS):
+            if name.endswith(self.RESIDUAL_PROJECTIONS) and self.config.zero_init:
+                # modded-nanogpt's: every block starts as the identity and the stream as the embeddings; the
+                # projections' gradients are not zero (their inputs are not), so they leave zero at the first step
+                nn.init.zeros_(p)
+            elif name.endswith(self.RESIDUAL_PROJECTIONS):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache: KVCache | None = None,
@@ -385,10 +399,11 @@ class GPT(nn.Module):
             return -self._token_logprobs(h, targets, 1.0, False).view(B, T)
         logits = self.lm_head(h)[..., :c.vocab_size]
         if targets is None:
-            return logits
-        # float32 even under autocast: log-softmax over a large vocabulary loses too much in bf16.
-        loss = F.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(B * T), ignore_index=-100,
-                               reduction=reduction)
+            return self.softcap(logits)
+        # float32 even under autocast: log-softmax over a large vocabulary loses too much in bf16 (so does the cap)
+        wide = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(self.softcap(wide).reshape(B * T, -1), targets.reshape(B * T),
+                               ignore_index=-100, reduction=reduction)
         return loss.view(B, T) if reduction == "none" else loss
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
@@ -405,12 +420,17 @@ class GPT(nn.Module):
         rope = (self.rope_cos[at][:, None], self.rope_sin[at][:, None]) if self.config.arch == "llama" else None
         for layer, block in enumerate(self.blocks):
             x = block(x, rope, cache, layer, 0, (None, False))
-        return self.lm_head(self.norm(x[:, cache.logit_rows]))[..., :self.config.vocab_size]
+        return self.softcap(self.lm_head(self.norm(x[:, cache.logit_rows]))[..., :self.config.vocab_size])
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logit_softcap`'s cap * tanh(logits / cap): every logit within (-cap, cap), smoothly (0: as they are)."""
+        cap = self.config.logit_softcap
+        return softcap(logits, cap) if cap else logits
 
     def _token_logprobs(self, h: torch.Tensor, targets: torch.Tensor, temperature: float, stats: bool):
         # the whole padded weight, told which rows are classes (the padding is never scored): aligned GEMMs
         return token_logprobs(h.reshape(-1, h.shape[-1]), self.lm_head.weight, targets.reshape(-1), temperature,
-                              stats, vocab_size=self.config.vocab_size)
+                              stats, vocab_size=self.config.vocab_size, softcap=self.config.logit_softcap)
 
     def _fused_loss(self, h: torch.Tensor, targets: torch.Tensor, reduction: str) -> torch.Tensor:
         """LM head + cross-entropy in token chunks: the (B·T, vocab) logits are never materialised."""
@@ -423,7 +443,8 @@ class GPT(nn.Module):
         from kiln.kernels.linear_cross_entropy import linear_cross_entropy
 
         loss = linear_cross_entropy(h.reshape(B * T, D), weight, targets.reshape(B * T), reduction=reduction,
-                                    backend="triton", vocab_size=self.config.vocab_size).float()
+                                    backend="triton", vocab_size=self.config.vocab_size,
+                                    softcap=self.config.logit_softcap).float()
         return loss.view(B, T) if reduction == "none" else loss
 
     def num_params(self, embeddings: bool = True) -> int:

@@ -14,6 +14,7 @@ reads and writes the folders. What it decides:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import reprlib
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ import torch.nn.functional as F
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
 
-ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "llama"}
+# Qwen3 is Llama with an RMSNorm over each head's queries and keys before RoPE: kiln's llama with model.qk_norm.
+QK_NORM_ARCHITECTURE = "Qwen3ForCausalLM"
 
 
 # --- weights -------------------------------------------------------------------------------------------------
@@ -69,11 +72,22 @@ GPT2_LAYER = {
 
 
 def check_convertible(config: ModelConfig) -> None:
-    """HF's Llama has RMSNorm and its GPT-2 LayerNorm, nothing else: another `norm` has no HF equivalent."""
+    """HF's Llama (and Qwen3) has RMSNorm and its GPT-2 LayerNorm, nothing else: another `norm` has no HF
+    equivalent; of the record runs' knobs, only QK-norm on llama (Qwen3's) has one. (zero_init is an
+    initialisation: a trained model has no trace of it.)"""
     own = ModelConfig(vocab_size=1, arch=config.arch).norm_kind
     if config.norm_kind != own:
         raise ValueError(f"model.norm={config.norm}: HF's {config.arch} model has only {own}, so a {config.arch} "
                          f"model with {config.norm_kind} has no HF equivalent")
+    if config.mlp != "auto":
+        raise ValueError(f"model.mlp={config.mlp}: HF's Llama, Qwen3 and GPT-2 models have no ungated ReLU² MLP, so "
+                         f"this model has no HF equivalent")
+    if config.logit_softcap:
+        raise ValueError(f"model.logit_softcap={config.logit_softcap}: HF's Llama, Qwen3 and GPT-2 models do not cap "
+                         f"their logits, so this model has no HF equivalent")
+    if config.qk_norm and config.arch == "gpt2":
+        raise ValueError("model.qk_norm=true: HF's GPT-2 model has no QK-norm (a llama model with it exports as "
+                         "Qwen3), so this model has no HF equivalent")
 
 
 def rules(config: ModelConfig) -> list[Rule]:
@@ -86,6 +100,9 @@ def rules(config: ModelConfig) -> list[Rule]:
             out.append(Rule("lm_head.weight", ("lm_head.weight",), vocab_rows=True))
         for i in range(config.n_layer):
             out += [Rule(f"model.layers.{i}.{hf}", (f"blocks.{i}.{kiln}",)) for kiln, hf in LLAMA_LAYER.items()]
+            if config.qk_norm:
+                out += [Rule(f"model.layers.{i}.self_attn.{n}.weight", (f"blocks.{i}.attn.{n}.weight",))
+                        for n in ("q_norm", "k_norm")]
         return out
     out = [Rule(EMBEDDING["gpt2"], ("tok_emb.weight",), vocab_rows=True),
            Rule("transformer.wpe.weight", ("pos_emb.weight",)),
@@ -136,6 +153,7 @@ def hf_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 # matches. An absent field takes transformers' default, which is always one of them.
 LLAMA_FIXED = {"hidden_act": ("silu",), "attention_bias": (False,), "mlp_bias": (False,),
                "attention_dropout": (0, 0.0), "partial_rotary_factor": (1, 1.0)}
+QWEN3_FIXED = {**LLAMA_FIXED, "use_sliding_window": (False,)}
 # gelu_new and gelu_pytorch_tanh are both GELU's tanh approximation, the one kiln uses; reorder_and_upcast_attn
 # changes only how fp16 rounds, so it is not here.
 GPT2_FIXED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
@@ -152,15 +170,16 @@ def kiln_config(hf: dict, where: str) -> ModelConfig:
     arch = ARCHITECTURES.get(name) if isinstance(name, str) else None
     if arch is None:
         raise ValueError(f"{where}: architectures={reprlib.repr(archs)} is not supported (kiln converts "
-                        f"{' or '.join(ARCHITECTURES)})")
-    for name, allowed in (LLAMA_FIXED if arch == "llama" else GPT2_FIXED).items():
+                        f"{', '.join(list(ARCHITECTURES)[:-1])} or {list(ARCHITECTURES)[-1]})")
+    qk_norm = name == QK_NORM_ARCHITECTURE
+    for name, allowed in (QWEN3_FIXED if qk_norm else LLAMA_FIXED if arch == "llama" else GPT2_FIXED).items():
         # By type too: `1` is not `true`, and NaN equals nothing.
         if name in hf and not any(hf[name] == a and type(hf[name]) is type(a) for a in allowed):
             raise ValueError(f"{where}: {name}={reprlib.repr(hf[name])} is not supported (kiln's {arch} model computes "
                             f"{' / '.join(map(repr, allowed))})")
     values = _llama_values(hf, where) if arch == "llama" else _gpt2_values(hf, where)
     try:
-        return ModelConfig(arch=arch, **values).check()
+        return ModelConfig(arch=arch, **values, **({"qk_norm": True} if qk_norm else {})).check()
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: not a shape kiln's model takes (model.{e})") from None
 
@@ -262,6 +281,11 @@ def hf_config(config: ModelConfig, special: dict[str, int | None]) -> dict:
     check_convertible(config)
     common = {"vocab_size": config.vocab_size, "tie_word_embeddings": config.tie_embeddings,
               **special, "torch_dtype": "float32", "use_cache": True}
+    if config.arch == "llama" and config.qk_norm:
+        # Qwen3's own fields: no sliding window on any layer
+        qwen3 = {"architectures": [QK_NORM_ARCHITECTURE], "model_type": "qwen3", "use_sliding_window": False,
+                 "sliding_window": None, "max_window_layers": config.n_layer}
+        return {**hf_config(dataclasses.replace(config, qk_norm=False), special), **qwen3}
     if config.arch == "llama":
         return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": config.d_model,
                 "intermediate_size": config.ffn_dim, "num_hidden_layers": config.n_layer,

@@ -43,12 +43,18 @@ def chunk_rows(n_tokens: int, vocab: int) -> int:
     return max(1, min(n_tokens, CHUNK_ELEMENTS // vocab))
 
 
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap) (the model's `logit_softcap`)."""
+    return cap * torch.tanh(logits / cap)
+
+
 def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-           stats: bool, vocab_size: int) -> tuple[torch.Tensor, ...]:
+           stats: bool, vocab_size: int, cap: float) -> tuple[torch.Tensor, ...]:
     # the GEMM over every row of the (padded) weight, so its output rows stay 16-byte aligned for cuBLAS; the
     # padding columns are cut from the logits after it (a view), never softmaxed
     logits = (hidden @ weight.T)[:, :vocab_size]
-    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature, dim=-1)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    logp = torch.log_softmax((softcap(logits, cap) if cap else logits) / temperature, dim=-1)
     scored = targets != IGNORE
     picked = logp.gather(-1, targets.clamp(min=0)[:, None])[:, 0] * scored
     if not stats:
@@ -59,10 +65,11 @@ def _chunk(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, te
 
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
                    stats: bool = False, chunk_size: int | None = None,
-                   vocab_size: int | None = None) -> torch.Tensor | TokenStats:
+                   vocab_size: int | None = None, softcap: float = 0.0) -> torch.Tensor | TokenStats:
     """hidden (N, D), weight (V, D), targets (N,): log p(target) (N,) in float32 (or wider), or with `stats` the
     TokenStats (logp, entropy, hit), computed `chunk_size` tokens at a time (default `chunk_rows`). `vocab_size`:
-    the classes are the weight's first rows only (the rest is padding, which keeps the GEMM aligned)."""
+    the classes are the weight's first rows only (the rest is padding, which keeps the GEMM aligned); `softcap`
+    > 0: the logits capped so (`softcap`), in float32, before the temperature."""
     vocab_size = weight.shape[0] if vocab_size is None else vocab_size
     n = hidden.shape[0]
     kept = None
@@ -78,7 +85,8 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     parts = []
     for start in range(0, rows, size):
-        args = (hidden[start:start + size], weight, targets[start:start + size], temperature, stats, vocab_size)
+        args = (hidden[start:start + size], weight, targets[start:start + size], temperature, stats, vocab_size,
+                softcap)
         parts.append(checkpoint(_chunk, *args, use_reentrant=False) if grad else _chunk(*args))
     if not parts:
         empty = hidden.new_zeros(0, dtype=torch.promote_types(hidden.dtype, torch.float32))

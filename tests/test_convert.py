@@ -135,11 +135,12 @@ def test_from_hf_llama_with_gqa_computes_what_transformers_does(tmp_path, tie):
 
 # --- to-hf: kiln models out, and back -----------------------------------------------------------------------
 
-@pytest.fixture(scope="module", params=["llama", "llama-tied", "gpt2"])
+@pytest.fixture(scope="module", params=["llama", "llama-tied", "gpt2", "llama-qk_norm"])
 def exported(request, tiny, tmp_path_factory):
-    """A chat model of each architecture (llama with GQA), exported with the tiny tokenizer: (kiln folder, HF
-    folder). Vocabulary ~300, not a multiple of 64, so the padding rows are exercised."""
-    arch = request.param.removesuffix("-tied")
+    """A chat model of each architecture (llama with GQA; llama with QK-norm, which is Qwen3), exported with the
+    tiny tokenizer: (kiln folder, HF folder). Vocabulary ~300, not a multiple of 64, so the padding rows are
+    exercised."""
+    arch = request.param.removesuffix("-tied").removesuffix("-qk_norm")
     root = tmp_path_factory.mktemp(f"export-{request.param}")
     vocab = load_tokenizer(tiny.tokenizer).get_vocab_size()
     assert vocab % 64
@@ -147,7 +148,7 @@ def exported(request, tiny, tmp_path_factory):
     # rope_theta only where it is used: gpt2 has no rotary embedding, and HF's GPT-2 config no such field.
     config = ModelConfig(vocab_size=vocab, arch=arch, n_layer=2, n_head=4, n_kv_head=2 if llama else 4, d_model=32,
                          max_seq_len=48, tie_embeddings=request.param != "llama",
-                         rope_theta=1000.0 if llama else 10000.0)
+                         rope_theta=1000.0 if llama else 10000.0, qk_norm=request.param.endswith("qk_norm"))
     torch.manual_seed(5)
     model = GPT(config)
     add_noise(model, seed=6)
@@ -167,7 +168,8 @@ def test_to_hf_loads_in_transformers_and_computes_the_same(exported, tiny):
         assert f.metadata() == {"format": "pt"}
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     assert hf.dtype == torch.float32 and hf.config.vocab_size == kiln.config.vocab_size
-    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[kiln.config.arch]
+    assert type(hf).__name__ == ("Qwen3ForCausalLM" if kiln.config.qk_norm else
+                                 {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[kiln.config.arch])
     # generate() stops at any eos id and pads with pad: these chat models at <|im_end|> or <|endoftext|> (what
     # `kiln chat` stops at), and <|pad|>.
     eot, pad, im_end = tok.token_to_id(EOT), tok.token_to_id("<|pad|>"), tok.token_to_id(IM_END)
@@ -348,8 +350,10 @@ def assert_refused(result, message: str, out) -> None:
 
 @pytest.mark.parametrize("arch, change, message", [
     ("llama", {"architectures": ["MistralForCausalLM"]},
-     "config.json: architectures=['MistralForCausalLM'] is not supported (kiln converts GPT2LMHeadModel or "
-     "LlamaForCausalLM)"),
+     "config.json: architectures=['MistralForCausalLM'] is not supported (kiln converts GPT2LMHeadModel, "
+     "LlamaForCausalLM or Qwen3ForCausalLM)"),
+    ("llama", {"architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True},
+     "config.json: use_sliding_window=True is not supported (kiln's llama model computes False)"),
     ("llama", {"architectures": None}, "architectures=None is not supported"),
     ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
      "config.json: rope_parameters.rope_type='llama3' is not supported"),
@@ -415,6 +419,15 @@ def test_to_hf_refuses_the_wrong_tokenizer_a_missing_model_and_gpt2_with_gqa(tin
     save_model(GPT(config), config, tmp_path / "gqa")
     assert_refused(convert("to-hf", tmp_path / "gqa", out, "--tokenizer", tiny.tokenizer),
                    "model.n_kv_head=2: HF GPT-2 has no grouped-query attention", out)
+    # the record runs' knobs that no transformers Llama, Qwen3 or GPT-2 model computes
+    for arch, knob, message in [("llama", {"mlp": "relu2"}, "model.mlp=relu2: HF's Llama, Qwen3 and GPT-2 models "
+                                 "have no ungated ReLU² MLP"),
+                                ("llama", {"logit_softcap": 15.0}, "model.logit_softcap=15.0: HF's Llama, Qwen3 and "
+                                 "GPT-2 models do not cap their logits"),
+                                ("gpt2", {"qk_norm": True}, "model.qk_norm=true: HF's GPT-2 model has no QK-norm")]:
+        config = ModelConfig(vocab_size=300, arch=arch, n_layer=1, n_head=4, d_model=32, max_seq_len=8, **knob)
+        save_model(GPT(config), config, tmp_path / "knob", {"tokenizer_sha256": sha256_file(tiny.tokenizer)})
+        assert_refused(convert("to-hf", tmp_path / "knob", out, "--tokenizer", tiny.tokenizer), message, out)
 
 
 def test_a_folder_kiln_did_not_write_is_refused_unless_forced(exported, tiny, tmp_path):

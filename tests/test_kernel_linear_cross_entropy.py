@@ -104,6 +104,47 @@ def test_padded_weight(N, V, padded, D, chunk_size, reduction, dtype):
     assert torch.equal(reference(hidden.double(), full.double(), targets, reduction=reduction, vocab_size=V), want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("N,V,padded,D,chunk_size", [(37, 1000, 1024, 16, 8), (5, 300, 301, 8, None)])
+def test_softcap(N, V, padded, D, chunk_size, reduction, dtype):
+    """The model's logit_softcap inside the fused head: loss and both gradients of cap·tanh(logits / cap), with
+    z-loss, ignored tokens and padding rows, against the formula written out in float64 (logits of std 6 and a
+    cap of 5, so most are bent and many saturate)."""
+    cap, z_loss = 5.0, 1e-4
+    hidden, weight, targets = inputs(N, V, D, dtype)
+    weight = weight * 3
+    full = torch.cat([weight, torch.full((padded - V, D), 3.0, dtype=dtype, device=weight.device)])
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    capped = cap * torch.tanh(h64 @ w64.T / cap)
+    valid = targets != -100
+    lse = capped.logsumexp(-1)
+    rows = torch.where(valid, lse - capped.gather(1, targets.clamp(min=0)[:, None])[:, 0] + z_loss * lse ** 2, 0.0)
+    want = {"mean": rows.sum() / valid.sum(), "sum": rows.sum(), "none": rows}[reduction]
+    upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    want_dh, want_dw = torch.autograd.grad(want, (h64, w64), upstream.to(hidden.device))
+    h, w = hidden.clone().requires_grad_(), full.clone().requires_grad_()
+    with poisoned_allocations():
+        got = linear_cross_entropy(h, w, targets, z_loss=z_loss, reduction=reduction, chunk_size=chunk_size,
+                                   backend="triton", vocab_size=V, softcap=cap)
+        got_dh, got_dw = torch.autograd.grad(got, (h, w), upstream.float().to(hidden.device))
+    assert_close(got, want, dtype, "loss")
+    assert_close(got_dh, want_dh, dtype, "grad_hidden")
+    assert_close(got_dw[:V], want_dw, dtype, "grad_weight")
+    assert torch.equal(got_dw[V:], torch.zeros_like(got_dw[V:])), "padding rows' gradient"
+    # the torch path (the reference) computes the same formula
+    torch.testing.assert_close(reference(hidden.double(), full.double(), targets, z_loss=z_loss,
+                                         reduction=reduction, vocab_size=V, softcap=cap), want.detach(),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_rejects_a_bad_softcap():
+    hidden, weight, targets = inputs(4, 50, 8, torch.float32)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap must be a finite number >= 0"):
+            linear_cross_entropy(hidden, weight, targets, backend="triton", softcap=bad)
+
+
 def test_rejects_vocab_size_outside_the_weight():
     hidden, weight, targets = inputs(4, 50, 8, torch.float32)
     for bad in (0, 51):

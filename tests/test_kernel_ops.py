@@ -80,11 +80,12 @@ def test_cross_entropy(dtype, reduction):
 def test_linear_cross_entropy(dtype, reduction):
     hidden, weight = randn(20, 8, dtype=dtype, grad=True), randn(53, 8, dtype=dtype, grad=True, seed=1)
     # 53 weight rows of which 50 are classes (the rest padding), and all 53
-    opcheck(linear_cross_entropy_op, (hidden, weight, targets(20, 50), 50, -100, 1e-4, reduction, 7, True, True))
-    opcheck(linear_cross_entropy_op, (hidden, weight.detach(), targets(20, 53), 53, -100, 0.0, reduction, 20, True,
-                                      False))
+    opcheck(linear_cross_entropy_op, (hidden, weight, targets(20, 50), 50, -100, 1e-4, 0.0, reduction, 7, True,
+                                      True))
+    opcheck(linear_cross_entropy_op, (hidden, weight.detach(), targets(20, 53), 53, -100, 0.0, 5.0, reduction, 20,
+                                      True, False))
     opcheck(linear_cross_entropy_backward_op, (randn(20, seed=2), hidden.detach(), weight.detach(),
-                                               targets(20, 50), 50, -100, 1e-4, 7, True, True))
+                                               targets(20, 50), 50, -100, 1e-4, 5.0, 7, True, True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -8,6 +8,7 @@ the shapes, a no-cache argmax loop, an MHA model built from a GQA one.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -27,6 +28,8 @@ from kernel_checks import DEVICE
 
 ARCHS = ["llama", "gpt2"]
 V = 300
+# every model.* knob of the record runs on (issue 69), at values that make each one change the output
+KNOBS = dict(qk_norm=True, mlp="relu2", logit_softcap=3.0, zero_init=True)
 
 
 def cfg(arch: str = "llama", **kw) -> ModelConfig:
@@ -88,6 +91,11 @@ def test_config_check_message():
 def test_config_dict_round_trip():
     c = cfg("gpt2", dropout=0.1)
     assert ModelConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    # a knob is saved only when on: a model written before the knobs existed keeps its config.json
+    assert not set(c.to_dict()) & set(KNOBS)
+    on = cfg(**KNOBS)
+    assert {k: on.to_dict()[k] for k in KNOBS} == KNOBS
+    assert ModelConfig.from_dict(json.loads(json.dumps(on.to_dict()))) == on
     with pytest.raises(ValueError, match="n_layers"):
         ModelConfig.from_dict({**c.to_dict(), "n_layers": 3})
     with pytest.raises(ValueError, match="^vocab_size"):
@@ -139,9 +147,10 @@ def test_causal(arch):
     assert not torch.allclose(a[:, t:], b[:, t:])
 
 
-@pytest.mark.parametrize("arch, n_kv_head", [("llama", 4), ("llama", 2), ("gpt2", 4)])
-def test_kv_cache_matches_full_forward(arch, n_kv_head):
-    m = make(arch, n_kv_head=n_kv_head, scramble=0.1)
+@pytest.mark.parametrize("arch, n_kv_head, kw", [("llama", 4, {}), ("llama", 2, {}), ("gpt2", 4, {}),
+                                                 ("llama", 2, KNOBS), ("gpt2", 4, KNOBS)])
+def test_kv_cache_matches_full_forward(arch, n_kv_head, kw):
+    m = make(arch, n_kv_head=n_kv_head, scramble=0.1, **kw)
     x = tokens(2, 16)
     full = m(x)
     cache = KVCache(m.config, batch_size=2, max_len=16)
@@ -154,9 +163,9 @@ def test_kv_cache_matches_full_forward(arch, n_kv_head):
         m(x[:, :2], cache=cache, pos=15)                    # past the cache
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_loss_reductions_match_cross_entropy(arch):
-    m = make(arch, scramble=0.05)
+@pytest.mark.parametrize("arch, kw", [("llama", {}), ("gpt2", {}), ("llama", KNOBS)])
+def test_loss_reductions_match_cross_entropy(arch, kw):
+    m = make(arch, scramble=0.05, **kw)
     x, y = tokens(3, 12), tokens(3, 12, seed=5)
     y[0, :4] = -100
     y[2, 7] = -100
@@ -173,6 +182,50 @@ def test_loss_reductions_match_cross_entropy(arch):
         m(x, y, reduction="max")
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_softcapped_logits_and_loss(arch):
+    """logit_softcap c: the logits are c·tanh(raw / c) of the same model's uncapped ones, and every loss and
+    log-probability path (plain, per-token chunked, stats) is the cross-entropy of those, in float64."""
+    raw = make(arch, scramble=0.3).double()
+    capped = copy.deepcopy(raw)
+    capped.config = dataclasses.replace(raw.config, logit_softcap=2.0)
+    x, y = tokens(2, 10), tokens(2, 10, seed=4)
+    y[1, :3] = -100
+    want_logits = 2.0 * torch.tanh(raw(x) / 2.0)
+    assert raw(x).abs().max() > 4  # the cap bends these logits a lot
+    torch.testing.assert_close(capped(x), want_logits, rtol=1e-12, atol=1e-12)
+    want = F.cross_entropy(want_logits.reshape(-1, V), y.reshape(-1), reduction="none").view(2, 10)
+    torch.testing.assert_close(capped(x, y, reduction="none"), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(capped(x, y), want.sum() / (y != -100).sum(), rtol=1e-12, atol=1e-12)
+    stats = capped(x, y, stats=True)
+    torch.testing.assert_close(stats.logp, -want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stats.hit, (want_logits.argmax(-1) == y) & (y != -100))
+
+
+def test_qk_norm_makes_attention_scale_free():
+    """QK-norm divides each head's queries and keys by their RMS: scaling q_proj and k_proj changes nothing,
+    where without it the attention logits grow with them."""
+    x = tokens(2, 12)
+    for qk_norm in (True, False):
+        m = make(qk_norm=qk_norm, scramble=0.1)
+        before = m(x)
+        with torch.no_grad():
+            for block in m.blocks:
+                block.attn.q_proj.weight.mul_(7.0)
+                block.attn.k_proj.weight.mul_(0.2)
+        moved = (m(x) - before).abs().max().item()
+        assert moved < 1e-3 if qk_norm else moved > 0.1  # (RMSNorm's eps: not exactly invariant)
+
+
+def test_relu2_mlp():
+    m = make(mlp="relu2", scramble=0.1)
+    mlp = m.blocks[0].mlp
+    assert mlp.gate_proj is None and mlp.up_proj.out_features == 4 * m.config.d_model
+    h = torch.randn(3, 5, m.config.d_model)
+    want = mlp.down_proj(torch.clamp(mlp.up_proj(h), min=0) ** 2)
+    torch.testing.assert_close(mlp(h), want)
+
+
 def test_loss_is_float32_under_autocast():
     m = make()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -186,23 +239,25 @@ def hand_count(c: ModelConfig) -> tuple[int, int]:
     """(total, embedding) parameters from the architecture's shapes."""
     d, f, L, kv = c.d_model, c.ffn_dim, c.n_layer, c.n_kv_head * c.head_dim
     emb = c.padded_vocab_size * d
+    qk = 2 * c.head_dim if c.qk_norm else 0  # a gain per head channel for queries and keys
     if c.arch == "llama":
-        per_layer = d * d + 2 * d * kv + d * d + 3 * d * f + 2 * d      # q, k, v, o, gate/up/down, 2 RMSNorms
+        mlp = (3 if c.mlp == "auto" else 2) * d * f  # gate/up/down, or up/down
+        per_layer = d * d + 2 * d * kv + d * d + mlp + 2 * d + qk      # q, k, v, o, MLP, 2 RMSNorms
         total = emb + L * per_layer + d + (0 if c.tie_embeddings else emb)
     else:
         emb += c.max_seq_len * d
-        per_layer = (d * d + d) * 4 + (d * f + f) + (f * d + d) + 2 * 2 * d  # biased attn, MLP, 2 LayerNorms
+        per_layer = (d * d + d) * 4 + (d * f + f) + (f * d + d) + 2 * 2 * d + qk  # biased attn, MLP, 2 LayerNorms
         total = emb + L * per_layer + 2 * d
     return total, emb
 
 
 @pytest.mark.parametrize("arch, kw", [("llama", {}), ("llama", dict(n_kv_head=2, tie_embeddings=False)),
-                                      ("gpt2", {})])
+                                      ("gpt2", {}), ("llama", KNOBS), ("gpt2", KNOBS)])
 def test_num_params_and_flops(arch, kw):
     m = make(arch, **kw)
     c = m.config
     total, emb = hand_count(c)
-    assert m.num_params() == total
+    assert m.num_params() == total == c.num_params()
     assert m.num_params() == len(torch.nn.utils.parameters_to_vector(m.parameters()))
     assert m.num_params(embeddings=False) == total - emb
     head = c.d_model * c.padded_vocab_size if c.tie_embeddings else 0  # an untied head is already in N
@@ -225,6 +280,20 @@ def test_init(arch):
             assert (p == 0).all(), name
         else:
             assert p.std().item() == pytest.approx(0.02, rel=0.05), name
+
+
+def test_zero_init():
+    """zero_init: the residual projections start at zero, so at init every block is the identity and the logits
+    are the head's reading of the normed embeddings."""
+    m = make(zero_init=True)
+    x = tokens(2, 8)
+    for name, p in m.named_parameters():
+        if name.endswith(("attn.o_proj.weight", "mlp.down_proj.weight")):
+            assert (p == 0).all(), name
+    torch.testing.assert_close(m(x), m.lm_head(m.norm(m.tok_emb(x)))[..., :V])
+    m.train()
+    m(x, tokens(2, 8, seed=2)).backward()  # their inputs are not zero: they leave zero at the first step
+    assert m.blocks[0].attn.o_proj.weight.grad.abs().sum() > 0
 
 
 def test_overfits_one_batch():
@@ -446,7 +515,8 @@ def test_generate_checks_args_and_restores_mode():
         generate(m, [[1]], 3, top_p=0)
 
 
-@pytest.mark.parametrize("arch, kw", [("llama", {"n_kv_head": 1}), ("gpt2", {"n_kv_head": 2})])
+@pytest.mark.parametrize("arch, kw", [("llama", {"n_kv_head": 1}), ("gpt2", {"n_kv_head": 2}),
+                                      ("llama", {"n_kv_head": 1, **KNOBS, "zero_init": False, "mlp": "auto"}), ("gpt2", {"n_kv_head": 2, **KNOBS})])
 def test_triton_kernels_match_torch(arch, kw):
     """set_kernels("triton") (natively on a GPU, in the interpreter on a CPU) computes the same loss and gradients
     as plain torch on the same device."""

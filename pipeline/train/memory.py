@@ -77,7 +77,7 @@ class Shape:
     def layer_matrix_params(self) -> int:
         c = self.config
         d, kv, f = c.d_model, c.n_kv_head * c.head_dim, c.ffn_dim
-        return 2 * d * d + 2 * d * kv + (3 if c.arch == "llama" else 2) * d * f
+        return 2 * d * d + 2 * d * kv + (3 if c.gated else 2) * d * f
 
     def layer_bytes_per_token(self) -> int:
         """Bytes one block saves for the backward per token (d_model, kv width, heads, MLP width)."""

@@ -45,6 +45,11 @@ class ModelParams(Section):
     tie_embeddings: bool = True
     dropout: float = 0.0
     norm: str = "auto"  # auto (llama: rmsnorm, gpt2: layernorm) | rmsnorm | layernorm | dyt
+    # the record runs' knobs (model/config.py), each off by default
+    qk_norm: bool = False
+    mlp: str = "auto"  # auto | relu2
+    logit_softcap: float = 0.0
+    zero_init: bool = False
 
     def config(self, vocab_size: int, **shape) -> ModelConfig:
         """The model package's config for this section, with `shape` (n_layer=..., ...) overriding it."""
