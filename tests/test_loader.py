@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from kiln.pipeline.text.loader import ShardSet, TokenBatches
+from kiln.pipeline.errors import UserError
+from kiln.pipeline.text.loader import ShardSet, TokenBatches, pack_rows
 from kiln.pipeline.text.shard_format import ShardHeader
 
 T = 16
@@ -107,3 +108,121 @@ def test_resume_with_another_global_batch_goes_on_after_the_windows_consumed(cou
     resumed = TokenBatches(counting, 6, T, seed=2)  # one process, 6 windows a step
     resumed.load_state_dict(interrupted.state_dict())
     assert starts(resumed, 5) == reference[84:114]
+
+
+# --- document-aligned rows (train.batching: documents) ----------------------------------------------------------
+
+EOT = 4095
+
+
+def write_documents(folder, sizes, seed=0):
+    """A train split of documents of `sizes` tokens (each ending with EOT, the last without), every other token's
+    id its position in the split, so a target names where it came from; three shards."""
+    ids = np.arange(sum(sizes), dtype="<u2")
+    ends = np.cumsum(sizes)
+    ids[ends[:-1] - 1] = EOT
+    assert len(ids) < EOT
+    folder.mkdir()
+    entries = []
+    for i, part in enumerate(np.array_split(ids, 3)):
+        data = ShardHeader(tokens=len(part), vocab_size=4096, tokenizer_sha256=SHA, itemsize=2).pack() + part.tobytes()
+        (folder / f"train_{i:06d}.bin").write_bytes(data)
+        entries.append({"file": f"train_{i:06d}.bin", "tokens": len(part), "sha256": hashlib.sha256(data).hexdigest()})
+    manifest = {"format_version": 1, "tokenizer_sha256": SHA, "vocab_size": 4096, "dtype": "uint16", "eot_id": EOT,
+                "splits": {"train": {"tokens": len(ids), "documents": len(sizes), "shards": entries}}}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return ShardSet(folder, "train"), np.concatenate([[0], ends])
+
+
+# short, exactly a row (T + 1), longer than a row, one token, and many in between; 3,000-odd tokens
+SIZES = [5, T + 1, 3 * T + 7, 1, 2, *np.random.default_rng(0).integers(2, 3 * T, 40).tolist(), 9]
+
+
+@pytest.fixture
+def documents(tmp_path):
+    return write_documents(tmp_path / "docs", SIZES)
+
+
+def read_rows(loader, steps):
+    out = []
+    for _ in range(steps):
+        x, y = next(loader)
+        assert x.shape == y.shape == (loader.batch_size, T)
+        out += list(zip(x.numpy(), y.numpy()))
+    return out
+
+
+def test_document_rows_start_at_documents_and_cover_each_target_once_an_epoch(documents):
+    shards, bounds = documents
+    loader = TokenBatches(shards, 4, T, seed=1, documents=True)
+    per_epoch = len(loader._packed_epoch(0))
+    rows = read_rows(loader, -(-per_epoch // 4))[:per_epoch]
+    predicted = []
+    for x, y in rows:
+        real = y != -100
+        n = int(real.sum())
+        assert real[:n].all() and (x[n:] == EOT).all()  # padding only after the tokens, read as EOT
+        seq = [*x[:n].tolist(), int(y[n - 1])]
+        # positions: a token's id, or for EOT one past the token before it (a piece never starts with EOT)
+        at = []
+        for token in seq:
+            at.append(at[-1] + 1 if token == EOT else token)
+        # the row's pieces: cut where positions jump and after each EOT (a document's end)
+        pieces, piece = [], [at[0]]
+        for prev, (token, here) in zip(seq, zip(seq[1:], at[1:])):
+            if here != piece[-1] + 1 or prev == EOT:
+                pieces.append(piece)
+                piece = []
+            piece.append(here)
+        pieces.append(piece)
+        for piece in pieces:
+            doc = int(np.searchsorted(bounds, piece[0], side="right")) - 1
+            # a piece starts at its document's first token, or a long one's next row (stride T)
+            assert (piece[0] - bounds[doc]) % T == 0 and piece[-1] < bounds[doc + 1], (piece[0], bounds[doc])
+            predicted += piece[1:]
+    # within an epoch every token but a document's first is predicted once, from inside its own document: no
+    # document is split across rows unless it is longer than one, and none is repeated
+    want = [t for b, e in zip(bounds[:-1], bounds[1:]) for t in range(b + 1, e)]
+    assert sorted(predicted) == want
+
+
+def test_short_documents_stay_whole_in_one_row(documents):
+    shards, bounds = documents
+    loader = TokenBatches(shards, 4, T, seed=2, documents=True)
+    for pieces in loader._packed_epoch(0):
+        assert loader.pieces[1][pieces].sum() <= T + 1
+    for b, e in zip(bounds[:-1], bounds[1:]):
+        if 2 <= e - b <= T + 1:  # fits a row: exactly one piece, the whole document
+            assert ((loader.pieces[0] == b) & (loader.pieces[1] == e - b)).sum() == 1, (b, e)
+
+
+def test_document_rows_fill_rows_best_fit(documents):
+    shards, _ = documents
+    loader = TokenBatches(shards, 4, T, seed=3, documents=True)
+    rows = loader._packed_epoch(0)
+    used = sum(loader.pieces[1][r].sum() for r in rows)
+    assert used / (len(rows) * (T + 1)) > 0.9  # ~3,000 tokens in pieces of up to 3T: few padding slots
+    # best fit by hand: each row takes the longest waiting piece that fits (the earliest of equals); a full one
+    # is a row of its own
+    assert [r.tolist() for r in pack_rows(np.array([5, 3, 4, 2, 9, 4]), 9, np.array([0, 1, 2, 3, 4, 5]))] == \
+        [[4], [0, 2], [5, 1, 3]]
+
+
+def test_document_rows_resume_exactly_and_split_across_ranks(documents):
+    shards, _ = documents
+    whole = read_rows(TokenBatches(shards, 4, T, seed=4, documents=True), 30)  # across epochs
+    interrupted = TokenBatches(shards, 4, T, seed=4, documents=True)
+    read_rows(interrupted, 11)
+    resumed = TokenBatches(shards, 4, T, seed=4, documents=True)
+    resumed.load_state_dict(json.loads(json.dumps(interrupted.state_dict())))
+    for (x, y), (want_x, want_y) in zip(read_rows(resumed, 19), whole[44:], strict=True):
+        np.testing.assert_array_equal(x, want_x)
+        np.testing.assert_array_equal(y, want_y)
+    ranks = [TokenBatches(shards, 2, T, seed=4, documents=True, rank=r, world_size=2) for r in range(2)]
+    for step in range(30):
+        parts = read_rows(ranks[0], 1) + read_rows(ranks[1], 1)
+        for (x, _), (want, _) in zip(parts, whole[4 * step:4 * step + 4], strict=True):
+            np.testing.assert_array_equal(x, want)
+    with pytest.raises(UserError, match="documents=False, this run has True"):
+        TokenBatches(shards, 4, T, seed=4, documents=True).load_state_dict(
+            TokenBatches(shards, 4, T, seed=4).state_dict())

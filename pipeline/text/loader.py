@@ -17,12 +17,23 @@ GPUs) goes on after the windows already consumed, in the new shape.
   its own slice, so ranks never share a window and the global batch does not depend on how it is split
   across processes. (Drawing starts with replacement, as kiln once did, leaves ~37% of the windows unseen
   per epoch's worth of steps and repeats others.)
+- document-aligned rows (training, `documents=True`, `train.batching: documents`): every row starts at a
+  document's first token (nanochat's loader). Documents are the runs of tokens up to and including each
+  end-of-text token. One longer than a row is cut into whole rows of T+1 tokens from its first token (stride T,
+  as windows); what is left of it, and every shorter document, is a piece packed whole into a row best-fit:
+  each row takes, from the next PACK_BUFFER pieces of the epoch's seeded order, the longest that still fits,
+  until none does, and the rest of the row is padding (target -100, so it adds nothing to the loss). Within an
+  epoch every token is a target exactly once and no piece is split or repeated; the epoch's rows are then
+  visited in a seeded order, and, as windows, the epochs form one stream that global batches take in turn.
+  Documents that start at no row boundary under windows (the DAG's median one is ~1,900 tokens, 14 rows at
+  T = 128) are where this differs most.
 - sequential windows (evaluation): consecutive windows of stride T, interleaved across ranks, until the
   split runs out.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from pathlib import Path
 
@@ -34,6 +45,8 @@ from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.text.shard_format import MANIFEST, ShardHeader, open_tokens
 
 _SHA256_HEX = frozenset("0123456789abcdef")
+PACK_BUFFER = 64  # pieces a row may choose among when packing documents best-fit (nanochat's loader: 1,000 docs)
+IGNORE = -100  # the loss's ignored target (padding in document rows)
 
 
 def read_manifest(path: Path, split: str) -> tuple[dict, list[dict]]:
@@ -151,25 +164,88 @@ class ShardSet:
 
 
 
+def document_pieces(shards: ShardSet, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, lengths) of the split's documents cut into pieces of at most `row` tokens, each document's first
+    piece at its first token and the next ones `row - 1` tokens on (neighbours share the token one predicts and
+    the other reads), so every token but a document's first is a target in exactly one piece."""
+    ends = [np.flatnonzero(np.asarray(array) == shards.eot_id) + (offset + 1)
+            for array, offset in zip(shards.arrays, shards.offsets[:-1])]
+    ends = np.concatenate([*ends, np.array([shards.tokens], dtype=np.int64)]).astype(np.int64)
+    ends = np.unique(ends)  # a split that ends with end-of-text lists its end twice
+    firsts = np.concatenate([[0], ends[:-1]])
+    sizes = ends - firsts
+    stride = row - 1
+    counts = np.maximum(1, -(-(sizes - 1) // stride))  # pieces per document (a one-token one keeps its piece)
+    doc = np.repeat(np.arange(len(sizes)), counts)
+    k = np.arange(len(doc)) - np.repeat(np.cumsum(counts) - counts, counts)
+    starts = firsts[doc] + k * stride
+    lengths = np.minimum(row, ends[doc] - starts)
+    keep = lengths >= 2  # a piece of one token predicts nothing
+    return starts[keep], lengths[keep]
+
+
+def pack_rows(lengths: np.ndarray, row: int, order: np.ndarray) -> list[np.ndarray]:
+    """Pieces (indices into `lengths`, taken in `order`) packed into rows of `row` tokens best-fit: a full piece
+    is a row; each other row takes, from the next PACK_BUFFER pieces waiting, the longest that fits the room
+    left (the earliest of equals), until none fits."""
+    rows = [np.array([i]) for i in order if lengths[i] == row]
+    waiting = iter(int(i) for i in order if lengths[i] < row)
+    buffer: list[tuple[int, int, int]] = []  # (length, arrival, piece), sorted
+    arrival = 0
+
+    def refill():
+        nonlocal arrival
+        while len(buffer) < PACK_BUFFER:
+            piece = next(waiting, None)
+            if piece is None:
+                return
+            bisect.insort(buffer, (int(lengths[piece]), arrival, piece))
+            arrival += 1
+
+    refill()
+    while buffer:
+        room, taken = row, []
+        while True:
+            at = bisect.bisect_left(buffer, (room + 1, -1, -1)) - 1  # the longest piece of length <= room...
+            if at < 0:
+                break
+            length = buffer[at][0]
+            at = bisect.bisect_left(buffer, (length, -1, -1))  # ...and the earliest to arrive of that length
+            length, _, piece = buffer.pop(at)
+            taken.append(piece)
+            room -= length
+            refill()
+        rows.append(np.array(taken))
+    return rows
+
+
 class TokenBatches:
     def __init__(self, shards: ShardSet, batch_size: int, seq_len: int, *, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, random: bool = True):
+                 world_size: int = 1, random: bool = True, documents: bool = False):
         if shards.tokens < seq_len + 1:
             raise UserError(f"split has {shards.tokens} tokens, fewer than one window of seq_len+1={seq_len + 1}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
+        if documents and not random:
+            raise ValueError("document rows are a training order: random=True")
         self.shards, self.batch_size, self.seq_len = shards, batch_size, seq_len
         self.seed, self.rank, self.world_size, self.random = seed, rank, world_size, random
+        self.documents = documents
+        self.pieces = document_pieces(shards, seq_len + 1) if documents else None
         self.step = 0
-        # Memos of pure functions of (seed, epoch): where each epoch starts in the stream of windows, and the
-        # offset and order of the last epoch read (a permutation costs O(windows), so it is not redrawn per step).
+        # Memos of pure functions of (seed, epoch): where each epoch starts in the stream of windows (or rows),
+        # and the offset and order (or the packed rows) of the last epoch read: a permutation costs O(windows),
+        # so it is not redrawn per step.
         self._epoch_starts = [0]
         self._order: tuple[int, int, np.ndarray] | None = None
+        self._packed: tuple[int, list[np.ndarray]] | None = None
 
     def __iter__(self):
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.documents:
+            return self._document_batch()
         starts = self._starts(self.step)
         if len(starts) == 0:
             raise StopIteration
@@ -177,6 +253,35 @@ class TokenBatches:
         rows = np.stack([self.shards.read(int(s), self.seq_len + 1) for s in starts])
         rows = torch.from_numpy(rows)
         return rows[:, :-1], rows[:, 1:]
+
+    def _document_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's document rows: pieces laid end to end, then end-of-text tokens read with target -100."""
+        B, T = self.batch_size, self.seq_len
+        first = self.step * B * self.world_size + self.rank * B
+        self.step += 1
+        starts, lengths = self.pieces
+        x = np.full((B, T), self.shards.eot_id, dtype=np.int64)
+        y = np.full((B, T), IGNORE, dtype=np.int64)
+        for b, pieces in enumerate(self._document_rows(np.arange(first, first + B))):
+            tokens = np.concatenate([self.shards.read(int(starts[i]), int(lengths[i])) for i in pieces])
+            x[b, :len(tokens) - 1], y[b, :len(tokens) - 1] = tokens[:-1], tokens[1:]
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+    def _packed_epoch(self, epoch: int) -> list[np.ndarray]:
+        if self._packed is None or self._packed[0] != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            lengths = self.pieces[1]
+            rows = pack_rows(lengths, self.seq_len + 1, rng.permutation(len(lengths)))
+            self._packed = (epoch, [rows[i] for i in rng.permutation(len(rows))])
+        return self._packed[1]
+
+    def _document_rows(self, positions: np.ndarray) -> list[np.ndarray]:
+        """The pieces of the rows at `positions` in the stream of epoch 0's rows, then epoch 1's, ..."""
+        while self._epoch_starts[-1] <= positions[-1]:
+            self._epoch_starts.append(self._epoch_starts[-1] + len(self._packed_epoch(len(self._epoch_starts) - 1)))
+        bounds = np.array(self._epoch_starts)
+        epochs = np.searchsorted(bounds, positions, side="right") - 1
+        return [self._packed_epoch(int(e))[int(p - bounds[e])] for p, e in zip(positions, epochs)]
 
     def _starts(self, step: int) -> np.ndarray:
         B, T, world = self.batch_size, self.seq_len, self.world_size
@@ -220,10 +325,14 @@ class TokenBatches:
 
     def state_dict(self) -> dict:
         return {"step": self.step, "seed": self.seed, "batch_size": self.batch_size, "seq_len": self.seq_len,
-                "world_size": self.world_size, "random": self.random, "tokenizer_sha256": self.shards.tokenizer_sha256}
+                "world_size": self.world_size, "random": self.random, "tokenizer_sha256": self.shards.tokenizer_sha256,
+                **({"documents": True} if self.documents else {})}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
+        if state.get("documents", False) != self.documents:
+            raise UserError(f"resume state: data loader documents={state.get('documents', False)!r}, this run has "
+                            f"{self.documents!r}")
         for key in ("seed", "seq_len", "random", "tokenizer_sha256"):
             if state.get(key) != mine[key]:
                 raise UserError(f"resume state: data loader {key}={state.get(key)!r}, this run has {mine[key]!r}")

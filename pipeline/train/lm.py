@@ -93,7 +93,7 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
     run = Run(
         params=params, total_steps=steps, micro_batch_tokens=params.batch_size * seq_len, loss_fn=lm_loss,
         batches=TokenBatches(data.train, params.batch_size, seq_len, seed=params.seed, rank=world.rank,
-                             world_size=world.size),
+                             world_size=world.size, documents=params.batching == "documents"),
         evaluate=lambda m: evaluate_lm(m, data.val, data.bytes_per_token, params.batch_size, seq_len,
                                        params.eval_tokens, params.precision, world),
         checkpoints=Checkpoints(checkpoint_dir, fingerprint, params.keep_checkpoints, world, resume_from, command),

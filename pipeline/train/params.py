@@ -73,7 +73,8 @@ class ModelParams(Section):
             raise UserError(f"params: model.{e}") from None
 
 
-FP8_RECIPES = ("tensorwise", "rowwise")  # TorchAO's float8 scaling: one scale per tensor, or per row
+FP8_RECIPES = ("tensorwise", "rowwise")
+BATCHINGS = ("windows", "documents")  # TorchAO's float8 scaling: one scale per tensor, or per row
 
 
 @dataclass
@@ -106,6 +107,8 @@ class TrainParams(Section):
     muon_momentum_start: float = 0.85  # warmed up linearly to muon_momentum over muon_momentum_warmup steps
     muon_momentum_warmup: int = 300
     muon_weight_decay: float = 0.0
+    # windows: random windows of the token stream | documents: every row starts at a document (pipeline/text/loader)
+    batching: str = "windows"
     eval_every: int = 200
     eval_tokens: int = 32768
     checkpoint_every: int = 200
@@ -142,6 +145,8 @@ class TrainParams(Section):
         if self.compile_mode not in (None, "default") and not self.compile:
             raise self.bad("compile_mode", "null or default with train.compile=false (a mode is how torch.compile "
                                            "compiles)")
+        if self.batching not in BATCHINGS:
+            raise self.bad("batching", " or ".join(BATCHINGS))
         if self.schedule not in ("cosine", "wsd"):
             raise self.bad("schedule", "cosine or wsd")
         if (self.max_steps is None) == (self.tokens is None):
@@ -213,7 +218,8 @@ MUON_KEYS = ("optimizer", "muon_lr", "muon_momentum", "muon_momentum_start", "mu
 def run_identity(params: TrainParams, keep: tuple[str, ...] = ()) -> dict:
     """The train keys that make two runs the same run (a checkpoint's fingerprint holds them), with the keys of
     `keep` put back from OUTSIDE_IDENTITY where a stage's runs depend on them. fp8_recipe is part of it only
-    when the precision is fp8, the optimizer's keys only with Muon: other runs compute the same without them."""
+    when the precision is fp8, the optimizer's keys only with Muon, batching only with documents: other runs compute
+    the same without them (and every checkpoint written before they existed still resumes)."""
     outside = OUTSIDE_IDENTITY + (("fp8_recipe",) if params.precision != "fp8" else ()) + \
-        (MUON_KEYS if params.optimizer == "adamw" else ())
+        (MUON_KEYS if params.optimizer == "adamw" else ()) + (("batching",) if params.batching == "windows" else ())
     return {k: v for k, v in dataclasses.asdict(params).items() if k not in outside or k in keep}
