@@ -215,6 +215,9 @@ class RMSNorm(nn.RMSNorm):
             from kiln.kernels.rms_norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, backend="triton")
+        if x.dtype != self.weight.dtype:
+            # QK-norm's input is a matmul's output, 16-bit under autocast: torch's fused kernel wants one dtype
+            return F.rms_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.eps)
         return super().forward(x)
 
 

@@ -40,21 +40,26 @@ SHAPES = [dict(vocab_size=256, n_head=4, n_kv_head=4, d_model=64, max_seq_len=32
           dict(vocab_size=256, n_head=2, n_kv_head=2, d_model=96, d_ff=100, max_seq_len=16)]
 
 
-@pytest.mark.parametrize("arch,precision,shape", [
-    (arch, precision, shape) for arch in ("llama", "gpt2") for precision in ("fp32", "bf16") for shape in SHAPES
+KNOBS = [{}, {"qk_norm": True}, {"mlp": "relu2"}]  # the model knobs that change what a block saves
+
+
+@pytest.mark.parametrize("arch,precision,shape,knob", [
+    (arch, precision, shape, knob) for arch in ("llama", "gpt2") for precision in ("fp32", "bf16") for shape in SHAPES
+    for knob in KNOBS
     if arch == "llama" or shape["n_kv_head"] == shape["n_head"]])  # gpt2 has no grouped-query attention
-def test_per_layer_activations_are_what_autograd_saves(arch, precision, shape):
-    config = ModelConfig(n_layer=1, arch=arch, **shape)
+def test_per_layer_activations_are_what_autograd_saves(arch, precision, shape, knob):
+    config = ModelConfig(n_layer=1, arch=arch, **shape, **knob)
     s = Shape(config, precision)
     rows = 2
     want = s.layer_bytes_per_token() * rows * config.max_seq_len + s.layer_constant_bytes()
     assert layer_saved_bytes(config, rows, precision, "torch") == want
 
 
+@pytest.mark.parametrize("knob", KNOBS)
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_per_layer_activations_with_the_fused_kernels(precision, monkeypatch):
+def test_per_layer_activations_with_the_fused_kernels(precision, knob, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    config = ModelConfig(n_layer=1, **SHAPES[1])
+    config = ModelConfig(n_layer=1, **SHAPES[1], **knob)
     s = Shape(config, precision, fused=True)
     want = s.layer_bytes_per_token() * 2 * config.max_seq_len + s.layer_constant_bytes()
     assert layer_saved_bytes(config, 2, precision, "triton") == want
@@ -66,6 +71,9 @@ def test_per_layer_activations_with_the_fused_kernels(precision, monkeypatch):
     (dict(vocab_size=4096, n_layer=3, n_head=6, n_kv_head=2, d_model=192, max_seq_len=128), 8, "bf16", False),
     (dict(vocab_size=2048, n_layer=4, n_head=4, n_kv_head=4, d_model=128, max_seq_len=128, arch="gpt2"), 8, "fp32",
      True),
+    # every knob on: a softcapped head's logits dominate (tanh's output is kept)
+    (dict(vocab_size=8192, n_layer=2, n_head=4, n_kv_head=2, d_model=128, max_seq_len=64, qk_norm=True, mlp="relu2",
+          logit_softcap=15.0, zero_init=True), 32, "bf16", False),
 ])
 def test_the_plan_is_within_a_tenth_of_the_measured_peak(kw, batch, precision, checkpointing):
     shape = Shape(ModelConfig(**kw), precision, checkpointing=checkpointing)
@@ -122,6 +130,22 @@ def test_a_compiled_step_is_planned_at_or_a_little_above_its_measured_peak(kw, p
     if not checkpointing:
         eager = Shape(ModelConfig(**kw), precision)
         assert estimate < 0.6 * plan(eager, 8, kw["max_seq_len"], None)["total_bytes"]
+
+
+@pytest.mark.parametrize("kw", [dict(vocab_size=256, n_layer=4, n_head=4, n_kv_head=2, d_model=256),
+                                dict(vocab_size=256, n_layer=6, n_head=4, n_kv_head=4, d_model=256, mlp="relu2"),
+                                dict(vocab_size=512, n_layer=2, n_head=4, n_kv_head=4, d_model=128, d_ff=1000)])
+def test_muon_is_planned_with_one_momentum_and_its_steps_stacks(kw):
+    """train.optimizer=muon: the blocks' matrices keep one fp32 momentum (4 B/param, AdamW's 8 for the rest), and at
+    a batch of one the peak is Muon's step, whose stacked Newton-Schulz copies the plan counts (square, wide and
+    tall stacks, gated and ungated MLPs)."""
+    config = ModelConfig(max_seq_len=32, **kw)
+    shape = Shape(config, optimizer="muon")
+    result = plan(shape, 1, 32, None)
+    blocks = sum(p.numel() for name, p in GPT(config).blocks.named_parameters() if p.dim() == 2)
+    assert result["optimizer_bytes"] == 8 * (config.num_params() - blocks) + 4 * blocks
+    measured = measure_cpu_peak(shape, 1, 32)
+    assert 0.99 <= result["total_bytes"] / measured < 1.10, (result["total_bytes"], measured)
 
 
 def test_checkpointing_plans_less_and_the_largest_batch_is_the_largest_that_fits(tmp_path):

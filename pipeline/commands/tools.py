@@ -78,7 +78,7 @@ def plan_memory(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                 measure: Annotated[bool, typer.Option(help="Also train 2 steps on this CPU and print the measured "
                                                            "peak of tensor bytes beside the estimate.")] = False,
                 out: Annotated[Path | None, typer.Option(help="Also write the plan as JSON.")] = None):
-    """Bytes of weights, gradients, AdamW state, activations (per token and layer, with train.precision,
+    """Bytes of weights, gradients, optimizer state (train.optimizer), activations (per token and layer, with train.precision,
     train.kernels, train.activation_checkpointing and train.compile) and KV cache for the `model` and `train`
     sections, and the largest micro-batch that fits. `--set`: bare keys mean train; train.kernels auto counts as
     the kernels a run on this machine would use."""
@@ -93,7 +93,7 @@ def plan_memory(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
         raise UserError(f"--vocab-size {vocab_size}: expected a positive integer")
     run(model.config(vocab_size), train.precision, train.kernels, train.activation_checkpointing, train.compile,
         train.batch_size if batch_size is None else batch_size, model.max_seq_len if seq_len is None else seq_len,
-        device_gb, measure, out)
+        device_gb, measure, out, train.optimizer)
 
 
 @convert_app.command("from-hf")

@@ -36,12 +36,19 @@ def show(result: dict, config: ModelConfig) -> None:
     table.add_column("rule")
     table.add_row("weights", f"{result['weights_bytes'] / gb:.3f}", "fp32: 4 B/param")
     table.add_row("gradients", f"{result['gradients_bytes'] / gb:.3f}", "fp32: 4 B/param")
-    table.add_row("AdamW state", f"{result['optimizer_bytes'] / gb:.3f}",
-                  "2 fp32 moments: 8 B/param (16 B/param in all; mixed precision's rule: 2 + 2 + 12)")
+    if result["optimizer"] == "muon":
+        table.add_row("Muon + AdamW state", f"{result['optimizer_bytes'] / gb:.3f}",
+                      "blocks' matrices: 1 fp32 momentum, 4 B/param; the rest AdamW's 2 moments, 8 B/param")
+    else:
+        table.add_row("AdamW state", f"{result['optimizer_bytes'] / gb:.3f}",
+                      "2 fp32 moments: 8 B/param (16 B/param in all; mixed precision's rule: 2 + 2 + 12)")
     table.add_row("activations", f"{result['activation_bytes'] / gb:.3f}",
                   f"{result['activation_bytes_per_token_per_layer']:,} B/token/layer "
                   f"({result['activation_bytes_per_token_per_layer_checkpointed']:,} checkpointed) + head and loss")
-    if result["step_temporary_bytes"]:
+    if result["step_temporary_bytes"] and result["optimizer"] == "muon":
+        table.add_row("optimizer step temporaries", f"{result['step_temporary_bytes'] / gb:.3f}",
+                      "Muon: fp32 copies of its largest stack of same-shaped matrices (or AdamW's, if more)")
+    elif result["step_temporary_bytes"]:
         table.add_row("AdamW step temporaries", f"{result['step_temporary_bytes'] / gb:.3f}",
                       "unfused AdamW (off CUDA): two fp32 copies of the largest parameter")
     table.add_row("total (peak)", f"{result['total_bytes'] / gb:.3f}", "")
@@ -65,7 +72,7 @@ def measure_cpu_peak(shape: Shape, batch_size: int, seq_len: int, steps: int = 2
     from kiln.pipeline.train.params import TrainParams
 
     params = TrainParams(precision=shape.precision, kernels="triton" if shape.fused else "torch",
-                         compile=shape.compiled)
+                         compile=shape.compiled, optimizer=shape.optimizer)
     device = torch.device("cpu")
     torch.manual_seed(0)
     # A fresh compile: after another batch size dynamo would compile this one for any size (automatic dynamic
@@ -87,7 +94,8 @@ def measure_cpu_peak(shape: Shape, batch_size: int, seq_len: int, steps: int = 2
 
 
 def plan_memory(model_config: ModelConfig, precision: str, kernels: str, checkpointing: bool, compiled: bool,
-                batch_size: int, seq_len: int, device_gb: float | None, measure: bool, out: Path | None) -> dict:
+                batch_size: int, seq_len: int, device_gb: float | None, measure: bool, out: Path | None,
+                optimizer: str = "adamw") -> dict:
     """`device_gb` None: this machine's free memory (its GPU's, else its RAM). `kernels` auto counts as what a run
     here would use (resolve_kernels). `measure`: also train two steps on this CPU and report the measured peak
     beside the estimate."""
@@ -101,7 +109,8 @@ def plan_memory(model_config: ModelConfig, precision: str, kernels: str, checkpo
     if measure and kernels != "torch":
         raise UserError(f"--measure with --kernels {kernels}: the Triton kernels run on a CPU only in the interpreter, "
                         "whose allocations are not the GPU's; measure with --kernels torch")
-    shape = Shape(model_config, precision, kernels != "torch", checkpointing, compiled, device.type == "cuda")
+    shape = Shape(model_config, precision, kernels != "torch", checkpointing, compiled, device.type == "cuda",
+                  optimizer)
     result = plan(shape, batch_size, seq_len, memory_available(device) if device_gb is None else int(device_gb * 1e9))
     result["model"] = dataclasses.asdict(model_config)
     show(result, model_config)

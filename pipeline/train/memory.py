@@ -40,6 +40,13 @@ The optimizer's step is the other candidate for the peak: every gradient exists 
 build_optimizer's AdamW is not fused) each parameter's update allocates temporaries, two fp32 copies of the
 largest parameter at once; at small batches that is the peak (a third above weights, gradients and moments
 on the CPU shapes of tests/test_plan_memory.py).
+
+With `train.optimizer: muon` the blocks' matrices keep one fp32 momentum (4 bytes a parameter) instead of AdamW's
+two moments, and its step orthogonalises each shape's matrices stacked together (pipeline/train/muon.py): the
+stacked Nesterov momentum, the iterate, its two update terms and the next iterate, and their Gram matrices (the
+narrow side squared), at most five copies of the largest stack and two of its Gram stack at once (measured on a
+CPU: 0.98-1.03x the peak at shapes whose step is the peak); the rest (embeddings, head, norms) steps with AdamW as
+above.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from kiln.model.config import ModelConfig, memory_available
 from kiln.pipeline.errors import UserError
 
 ADAMW_BYTES = 8  # two fp32 moments
+MUON_BYTES = 4  # one fp32 momentum
 # The largest micro-batch is planned into all but this share of the device's free bytes: the count holds tensors
 # only, not the allocator's fragmentation or cuBLAS's and inductor's workspaces. Planned to the last byte, the
 # H200's 150 GB took a compiled GPT-2 124M micro-batch of 302 (149.4 GB counted) and it ran out of memory.
@@ -68,6 +76,7 @@ class Shape:
     checkpointing: bool = False
     compiled: bool = False  # torch.compile: the torch path's loss fused (one logits tensor, above)
     fused_adamw: bool = False  # build_optimizer's choice on CUDA; elsewhere AdamW steps one tensor at a time
+    optimizer: str = "adamw"  # adamw | muon (train.optimizer)
     LOGIT_GRADIENTS = 8  # bytes per token and vocabulary entry: log-softmax's output gradient, the logits'
 
     @property
@@ -80,18 +89,29 @@ class Shape:
         return 2 * d * d + 2 * d * kv + (3 if c.gated else 2) * d * f
 
     def layer_bytes_per_token(self) -> int:
-        """Bytes one block saves for the backward per token (d_model, kv width, heads, MLP width)."""
+        """Bytes one block saves for the backward per token (d_model, kv width, heads, MLP width), with the
+        knobs' terms (measured against autograd's saved tensors, tests/test_plan_memory.py)."""
         c = self.config
         d, kv, h, f = c.d_model, c.n_kv_head * c.head_dim, c.n_head, c.ffn_dim
+        qk_norm = 0
+        if c.qk_norm:  # the norms' inputs and 1/rms per head; torch's also keep their outputs for RoPE in fp32
+            heads = 4 * (h + c.n_kv_head)
+            qk_norm = heads + ((2 if self.half else 4) * (d + kv) if self.fused else 8 * (d + kv))
         if c.arch == "gpt2":  # LayerNorm (mean and 1/std), GELU; fused: flash attention on the torch path's terms
-            return 24 * d + 16 + 4 * h + 4 * f if self.half else 32 * d + 16 + 4 * h + 8 * f
+            return qk_norm + (24 * d + 16 + 4 * h + 4 * f if self.half else 32 * d + 16 + 4 * h + 8 * f)
+        # relu2 instead of SwiGLU: one MLP activation fewer, and one 16-bit copy of its input (no gate matmul)
+        per_f = 1 if self.fused else 2
+        relu2 = 0 if c.gated else (2 * per_f * f + 2 * d if self.half else 4 * per_f * f)
         if self.fused:
-            return 22 * d + 8 + 4 * kv + 4 * h + 6 * f if self.half else 24 * d + 8 + 8 * kv + 4 * h + 12 * f
-        return 36 * d + 8 + 4 * h + 8 * f if self.half else 44 * d + 8 + 4 * h + 16 * f
+            block = 22 * d + 8 + 4 * kv + 4 * h + 6 * f if self.half else 24 * d + 8 + 8 * kv + 4 * h + 12 * f
+        else:
+            block = 36 * d + 8 + 4 * h + 8 * f if self.half else 44 * d + 8 + 4 * h + 16 * f
+        return block + qk_norm - relu2
 
     def layer_constant_bytes(self) -> int:
         """Per layer, whatever the batch: autocast's 16-bit copies of the block's matrices."""
-        return 2 * self.layer_matrix_params() if self.half else 0
+        gains = 2 * 2 * self.config.head_dim if self.config.qk_norm and not self.fused else 0  # QK-norm's, cast
+        return 2 * self.layer_matrix_params() + gains if self.half else 0
 
     def head_bytes(self, tokens: int) -> tuple[int, int]:
         """The final norm, LM head and loss: (bytes saved for the backward, bytes the backward adds at its start:
@@ -108,7 +128,9 @@ class Shape:
             # and, while it is alive, the head's fp32 weight gradient and its input's gradient
             head_grads = 4 * c.padded_vocab_size * d + tokens * (2 if self.half else 4) * d
             return weight_copy + tokens * (norm_and_head_inputs + (2 if self.half else 4) * v), head_grads
-        return weight_copy + tokens * (norm_and_head_inputs + 4 * v), tokens * self.LOGIT_GRADIENTS * v
+        # logit_softcap: tanh's output, kept for its backward (measured: 4 B/token/entry in fp32, 6 under bf16)
+        softcap = (6 if self.half else 4) * v if c.logit_softcap else 0
+        return weight_copy + tokens * (norm_and_head_inputs + 4 * v + softcap), tokens * self.LOGIT_GRADIENTS * v
 
     def checkpointed_bytes_per_token(self) -> int:
         """What a block keeps per token under activation checkpointing: its fp32 input."""
@@ -127,27 +149,43 @@ class Shape:
         return inputs + max(head + head_backward, layer)
 
 
-def state_bytes(config: ModelConfig) -> dict[str, int]:
+def muon_stacks(config: ModelConfig) -> dict[tuple[int, int], int]:
+    """The blocks' matrices Muon updates, by shape: (rows, cols) -> how many (every layer's of that shape)."""
+    d, inner, kv, f = config.d_model, config.n_head * config.head_dim, config.n_kv_head * config.head_dim, \
+        config.ffn_dim
+    stacks: dict[tuple[int, int], int] = {}
+    for shape, count in (((inner, d), 1), ((kv, d), 2), ((d, inner), 1), ((f, d), 2 if config.gated else 1),
+                         ((d, f), 1)):
+        stacks[shape] = stacks.get(shape, 0) + count * config.n_layer
+    return stacks
+
+
+def state_bytes(config: ModelConfig, optimizer: str = "adamw") -> dict[str, int]:
     n = config.num_params()
-    return {"weights": 4 * n, "gradients": 4 * n, "optimizer": ADAMW_BYTES * n}
+    matrices = sum(r * c * k for (r, c), k in muon_stacks(config).items()) if optimizer == "muon" else 0
+    return {"weights": 4 * n, "gradients": 4 * n, "optimizer": ADAMW_BYTES * (n - matrices) + MUON_BYTES * matrices}
 
 
 def step_temporary_bytes(shape: Shape) -> int:
-    """What AdamW's step allocates beside every gradient and moment: nothing fused; one tensor at a time, the
-    denominator sqrt(v) / bias correction of the largest parameter, two fp32 temporaries at once (measured on a
-    CPU: a small batch's peak is the step's, 32 % above weights, gradients and moments alone)."""
-    if shape.fused_adamw:
-        return 0
+    """What the optimizer's step allocates beside every gradient and moment. AdamW fused: nothing; unfused, one
+    tensor at a time, the denominator sqrt(v) / bias correction of the largest parameter, two fp32 temporaries at
+    once (measured on a CPU: a small batch's peak is the step's, 32 % above weights, gradients and moments alone).
+    Muon: five fp32 copies of a stack of same-shaped matrices and two of its Gram matrices, for the largest
+    stack, or AdamW's for the rest if larger (they step one after the other)."""
     c = shape.config
     largest = max(c.padded_vocab_size, c.ffn_dim, c.n_head * c.head_dim, c.max_seq_len) * c.d_model
-    return 2 * 4 * largest
+    adamw = 0 if shape.fused_adamw else 2 * 4 * largest
+    if shape.optimizer != "muon":
+        return adamw
+    stack = max(5 * k * r * cols + 2 * k * min(r, cols) ** 2 for (r, cols), k in muon_stacks(c).items())
+    return max(adamw, 4 * stack)
 
 
 def plan(shape: Shape, batch_size: int, seq_len: int, device_bytes: int | None) -> dict:
     """The plan's numbers: state, activations for `batch_size` x `seq_len`, KV cache, and the largest
     micro-batch (in sequences) that fits `device_bytes` with HEADROOM of it left free."""
     c = shape.config
-    state = state_bytes(c)
+    state = state_bytes(c, shape.optimizer)
     tokens = batch_size * seq_len
     activations = shape.activation_bytes(tokens)
     # The gradients fill in during the backward as the activations are freed: the peak is at its start (no
@@ -156,7 +194,7 @@ def plan(shape: Shape, batch_size: int, seq_len: int, device_bytes: int | None) 
     step = state["gradients"] + temporaries
     total = state["weights"] + state["optimizer"] + max(activations, step)
     kv_bytes = 2 * c.n_layer * c.n_kv_head * c.head_dim * (2 if shape.half else 4)
-    result = {"params": c.num_params(), "precision": shape.precision, "kernels": "triton" if shape.fused else "torch",
+    result = {"params": c.num_params(), "optimizer": shape.optimizer, "precision": shape.precision, "kernels": "triton" if shape.fused else "torch",
               "activation_checkpointing": shape.checkpointing, "compile": shape.compiled,
               "batch_size": batch_size, "seq_len": seq_len, **{f"{k}_bytes": v for k, v in state.items()},
               "activation_bytes": activations, "step_temporary_bytes": temporaries, "total_bytes": total,

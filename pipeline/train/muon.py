@@ -69,7 +69,7 @@ class Muon(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     by_shape[tuple(p.shape)].append(p)
-            for shape, params in by_shape.items():
+            for params in by_shape.values():
                 self._step_shape(group, params)
 
     def _step_shape(self, group: dict, params: list[torch.Tensor]) -> None:
