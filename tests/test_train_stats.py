@@ -83,6 +83,45 @@ def test_statistics_equal_the_same_quantities_by_hand():
     assert "stats/grad_norm/embed" in got
 
 
+def test_update_ratios_per_optimizer_group_and_qk_normed_logits():
+    """With Muon: one update ratio per optimizer group (Muon's matrices, AdamW's decayed and undecayed tensors),
+    each the group's ||W_after - W_before|| / ||W_before|| by hand; with QK-norm the attention logits measured are
+    the normed queries' and keys'."""
+    torch.manual_seed(0)
+    config = ModelConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, d_model=32, max_seq_len=16, qk_norm=True)
+    model = GPT(config)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.q_norm.weight.mul_(3.0)  # gains other than 1, so a missed norm shows
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x = torch.randint(0, 64, (3, 16))
+    params = build_section(TrainParams, {"lr": 0.01, "device": "cpu", "grad_clip": 0.0, "optimizer": "muon"})
+    device = torch.device("cpu")
+    step = Step(model, model, build_optimizer(model, params, device), torch.amp.GradScaler("cpu", enabled=False),
+                lm_loss, 1, params, device)
+    stats = StepStats(model).attach()
+    with torch.no_grad():  # the first layer's logits, by hand, before the step
+        a = model.blocks[0].attn_norm(model.tok_emb(x[:1]))
+        attn, rope = model.blocks[0].attn, (model.rope_cos[:16], model.rope_sin[:16])
+        q = apply_rope(attn.q_norm(attn.q_proj(a).view(1, 16, 4, 8)).transpose(1, 2), *rope)
+        k = apply_rope(attn.k_norm(attn.k_proj(a).view(1, 16, 2, 8)).transpose(1, 2), *rope).repeat_interleave(2, 1)
+        logits = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(~torch.ones(16, 16).tril().bool(), -1e9)
+    step(iter([(x, x)]), 0.01, lambda loss: None, 1, stats)
+    stats.detach()
+    got = stats.results()
+    assert math.isclose(got["stats/attn_logit_max/layer_00"], logits.max().item(), rel_tol=1e-5)
+    after = dict(model.named_parameters())
+    muon = [n for n, p in model.blocks.named_parameters() if p.dim() == 2]
+    groups = {"muon": [f"blocks.{n}" for n in muon],
+              "adamw_decay": ["tok_emb.weight"],  # tied with the head
+              "adamw_no_decay": [n for n, p in model.named_parameters() if p.dim() < 2]}
+    for group, names in groups.items():
+        ratio = math.sqrt(sum((after[n] - before[n]).pow(2).sum().item() for n in names) /
+                          sum(before[n].pow(2).sum().item() for n in names))
+        assert math.isclose(got[f"stats/update_ratio/optimizer.{group}"], ratio, rel_tol=1e-4), group
+    assert len(groups["muon"]) == 2 * 7 and len(groups["adamw_no_decay"]) == 2 * 4 + 1
+
+
 def hooked(model):
     return [name for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
 

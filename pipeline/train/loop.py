@@ -164,7 +164,7 @@ class Step:
         if self.after_update is not None:
             self.after_update(self.model)
         if stats is not None:
-            stats.updates()
+            stats.updates(self.optimizer.param_groups)
         self.optimizer.zero_grad(set_to_none=True)
         return loss, norm
 

@@ -3,8 +3,10 @@
 Every `stats_every` steps, for each block:
 - `grad_norm`: the L2 norm of its parameters' gradients (after accumulation, before clipping), per parameter
   group: `attn` (q, k, v, o projections), `mlp`, `norm` (both norms), and the `embed` table;
-- `update_ratio`: ||W_after - W_before|| / ||W_before|| of that step's AdamW update, per group (~1e-3 is the
-  usual healthy value; much larger means the lr is too high for the layer, much smaller that it barely learns);
+- `update_ratio`: ||W_after - W_before|| / ||W_before|| of that step's update, per group (~1e-3 is the
+  usual healthy value for AdamW; much larger means the lr is too high for the layer, much smaller that it barely
+  learns), and per optimizer group (`optimizer.muon`, `optimizer.adamw_decay`, `optimizer.adamw_no_decay`): Muon's
+  orthogonalised steps move a matrix by a set spectral size, so its ratio is read beside AdamW's;
 - `act_rms` and `act_max`: the RMS and the largest |value| of the block's output (the residual stream);
 - `attn_logit_max`: the largest q.k / sqrt(head_dim) of the block's attention (the first sequence of each
   micro-batch, causal positions only): logits that keep growing are the instability QK-norm and soft-capping fix;
@@ -32,6 +34,13 @@ from kiln.pipeline.train.curves import metric_files, pyplot, read_metric, save_p
 GROUPS = {"attn": ".attn.", "mlp": ".mlp.", "norm": "_norm."}
 DEAD = 1e-3
 STATISTICS = ("grad_norm", "update_ratio", "act_rms", "act_max", "attn_logit_max", "dead_units")
+
+
+def optimizer_group_name(group: dict) -> str:
+    """muon (a Muon group: it warms its momentum up), adamw_decay or adamw_no_decay (by its weight decay)."""
+    if "momentum_warmup" in group:
+        return "muon"
+    return "adamw_decay" if group.get("weight_decay") else "adamw_no_decay"
 
 
 def find_gpt(model: torch.nn.Module) -> GPT:
@@ -100,8 +109,11 @@ class StepStats:
 
     def _logit_max(self, layer: str, module: Attention, x: torch.Tensor, rope) -> None:
         T = x.size(1)
-        q = module.q_proj(x).view(1, T, module.n_head, module.head_dim).transpose(1, 2).float()
-        k = module.k_proj(x).view(1, T, module.n_kv_head, module.head_dim).transpose(1, 2).float()
+        q = module.q_proj(x).view(1, T, module.n_head, module.head_dim)
+        k = module.k_proj(x).view(1, T, module.n_kv_head, module.head_dim)
+        if module.q_norm is not None:  # QK-norm: the logits the attention computes are the normed ones
+            q, k = module.q_norm(q), module.k_norm(k)
+        q, k = q.transpose(1, 2).float(), k.transpose(1, 2).float()
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k = k.repeat_interleave(module.n_head // module.n_kv_head, dim=1)
@@ -123,26 +135,33 @@ class StepStats:
 
     @torch.no_grad()
     def gradients(self) -> None:
-        """Per-group gradient norms, and a copy of the weights to measure the update by."""
+        """Per-group gradient norms, and a copy of the trained weights to measure the update by."""
         squares: dict[str, float] = defaultdict(float)
         for name, p in self.gpt.named_parameters():
-            group = group_of(name)
-            if group is None or not p.requires_grad:
+            if not p.requires_grad:
                 continue
             self.before[name] = p.detach().clone()
-            if p.grad is not None:
+            group = group_of(name)
+            if group is not None and p.grad is not None:
                 squares[group] += p.grad.detach().float().pow(2).sum().item()
         self.values.update({f"grad_norm/{g}": math.sqrt(v) for g, v in squares.items()})
 
     @torch.no_grad()
-    def updates(self) -> None:
+    def updates(self, param_groups: list[dict] = ()) -> None:
+        """The update ratios of the step just taken, per layer group and per optimizer group of `param_groups`."""
         change: dict[str, float] = defaultdict(float)
         weight: dict[str, float] = defaultdict(float)
+        optimizer_group = {id(p): f"optimizer.{optimizer_group_name(group)}" for group in param_groups
+                           for p in group["params"]}
         for name, p in self.gpt.named_parameters():
-            if name in self.before:
-                group = group_of(name)
-                change[group] += (p.detach().float() - self.before[name].float()).pow(2).sum().item()
-                weight[group] += self.before[name].float().pow(2).sum().item()
+            if name not in self.before:
+                continue
+            moved = (p.detach().float() - self.before[name].float()).pow(2).sum().item()
+            size = self.before[name].float().pow(2).sum().item()
+            for group in (group_of(name), optimizer_group.get(id(p))):
+                if group is not None:
+                    change[group] += moved
+                    weight[group] += size
         self.values.update({f"update_ratio/{g}": math.sqrt(change[g] / weight[g]) for g in change if weight[g]})
         self.before = {}
 
