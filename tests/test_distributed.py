@@ -42,10 +42,10 @@ def torchrun(root, *args):
     return done
 
 
-def assert_same_run(root, single, abs=1e-5):
+def assert_same_run(root, single, abs=1e-5, steps=8):
     metrics, weights, curve = single
     # the CLI runs are hand runs into base/: the model in base/model, the metrics in base/metrics
-    assert [s for s, _ in losses(root / "base/metrics")] == list(range(1, 9))  # one writer: no step logged twice
+    assert [s for s, _ in losses(root / "base/metrics")] == list(range(1, steps + 1))  # one writer: no step twice
     for (_, a), (_, b) in zip(curve, losses(root / "base/metrics")):
         assert b == pytest.approx(a, abs=abs)
     written = json.loads((root / "base/metrics/pretrain.json").read_text())["pretrain"]
@@ -263,22 +263,46 @@ def two_agents(root, *args):
     return [agent.returncode for agent in agents], "\n".join(outputs)
 
 
+# 20 Muon steps: its orthogonalised updates are where a sharded run could drift from one process
+MUON_SHAPE = {**SHAPE, "max_steps": 20, "checkpoint_every": 10, "optimizer": "muon"}
+
+
+@pytest.fixture(scope="module")
+def single_muon(tiny, tmp_path_factory):
+    root = tmp_path_factory.mktemp("single-muon")
+    metrics, weights = run(tiny, root, batch_size=8, **MUON_SHAPE)
+    return metrics, weights, losses(root / "metrics")
+
+
 @pytest.mark.slow  # two agents and a one-process run, ~40 s on 2 cores: `make test-slow`
-@pytest.mark.parametrize("optimizer,parallel", [("adamw", "ddp"), ("adamw", "fsdp"), ("muon", "ddp")])
-def test_two_nodes_by_rendezvous_train_as_one_process(tiny, tmp_path, optimizer, parallel):
-    alone, weights = run(tiny, tmp_path / "alone", batch_size=8, optimizer=optimizer, **SHAPE)
-    args = cli_project(tiny, tmp_path / "nodes", batch_size=4, parallel=parallel, optimizer=optimizer, **SHAPE)
+@pytest.mark.parametrize("optimizer,parallel", [("adamw", "ddp"), ("adamw", "fsdp"), ("muon", "ddp"),
+                                                ("muon", "fsdp")])
+def test_two_nodes_by_rendezvous_train_as_one_process(tiny, tmp_path, single, single_muon, optimizer, parallel):
+    shape = MUON_SHAPE if optimizer == "muon" else SHAPE
+    args = cli_project(tiny, tmp_path / "nodes", batch_size=4, parallel=parallel, **shape)
     codes, output = two_agents(tmp_path / "nodes", *args)
     assert codes == [0, 0], output
     assert f"x 2 processes ({parallel})" in output
-    assert_same_run(tmp_path / "nodes", (alone, weights, losses(tmp_path / "alone" / "metrics")))
+    assert_same_run(tmp_path / "nodes", single_muon if optimizer == "muon" else single, steps=shape["max_steps"])
 
 
-@pytest.mark.slow  # two agents, ~15 s on 2 cores: `make test-slow`
-def test_muon_under_fsdp_across_nodes_is_refused_before_training(tiny, tmp_path):
-    """Each agent starts one process, so params alone (nproc_per_node 1) cannot see the sharding: the loop
-    refuses once the model is wrapped, before any step."""
-    args = cli_project(tiny, tmp_path, batch_size=4, parallel="fsdp", optimizer="muon", **SHAPE)
-    codes, output = two_agents(tmp_path, *args)
-    assert codes != [0, 0] and "train.optimizer=muon: Muon needs whole matrices" in output, output
-    assert not (tmp_path / "base" / "model").exists()
+@pytest.mark.slow  # multi-process runs, ~60 s on 2 cores: `make test-slow`
+def test_muon_under_fsdp_matches_one_process_and_resumes_bitwise(tiny, single_muon, tmp_path):
+    """FSDP2 on two ranks: each matrix's Nesterov momentum gathered, orthogonalised whole, each rank's rows kept;
+    the weights after 20 steps are one process's, and a run resumed from its sharded step-10 checkpoint (the
+    momentum buffers sharded in it) ends bitwise where the straight run did."""
+    args = cli_project(tiny, tmp_path, batch_size=4, parallel="fsdp", **MUON_SHAPE)
+    done = torchrun(tmp_path, *args)
+    assert done.returncode == 0, done.output
+    assert "x 2 processes (fsdp)" in done.output
+    assert_same_run(tmp_path, single_muon, steps=20)
+    straight = load_file(tmp_path / "base/model/model.safetensors")
+    ckpts = sorted((tmp_path / "ckpt").glob("*/step_*"))
+    assert [p.name for p in ckpts] == ["step_00000010", "step_00000020"]
+    shutil.rmtree(ckpts[-1])
+    resumed = torchrun(tmp_path, *args)
+    assert resumed.returncode == 0, resumed.output
+    assert "resuming from" in resumed.output and "(step 10)" in resumed.output
+    again = load_file(tmp_path / "base/model/model.safetensors")
+    for name, tensor in straight.items():
+        assert torch.equal(tensor, again[name]), name

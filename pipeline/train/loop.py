@@ -50,9 +50,6 @@ def build_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.d
     train.optimizer=muon, the blocks' matrices go to Muon (pipeline/train/muon.py) instead; a LoRA adapter's
     matrices stay on AdamW, as the embeddings and the head do."""
     muon = muon_matrices(model) if params.optimizer == "muon" else []
-    if muon and distributed.is_sharded(model):  # several processes of a torchrun kiln did not start itself
-        raise UserError("params: train.optimizer=muon: Muon needs whole matrices, which FSDP shards across these "
-                        "processes; use train.parallel=ddp")
     taken = {id(p) for p in muon}
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2 and id(p) not in taken]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]

@@ -13,8 +13,16 @@ decay, the lr scaled by sqrt(max(1, rows / cols))), with two differences:
 - matrices of one shape are orthogonalised together in one batched matmul, and the momentum warms up from
   `momentum_start` to `momentum` over `momentum_warmup` steps (modded-nanogpt's 0.85 -> 0.95 over 300).
 
+Under FSDP2 a matrix, its gradient and its momentum are DTensors sharded by rows. The momentum and the Nesterov
+mix are elementwise, so each rank computes them on its own rows; the orthogonalisation needs the whole matrix, so
+the Nesterov momentum is gathered (one all-gather per matrix), every rank orthogonalises every matrix, and each
+keeps its own rows of the result for its shard. That is the same update as one process's, at the cost of each
+rank doing all of the Newton-Schulz work: torchtitan's DistMuon and nanochat's split the matrices among the
+ranks instead, which saves that compute at large scale, not measured here.
+
 `Optimizers` puts the two optimizers behind the one interface the training loop, GradScaler and the checkpoints
-use: one list of param_groups, one state_dict numbered as a single optimizer's would be.
+use: one list of param_groups, one state_dict numbered as a single optimizer's would be; iterating it gives the
+optimizers, as torch.distributed.checkpoint's state-dict functions take them.
 """
 
 from __future__ import annotations
@@ -85,12 +93,30 @@ class Muon(torch.optim.Optimizer):
         grads = [p.grad for p in params]
         buffers = [state["momentum_buffer"] for state in states]
         torch._foreach_lerp_(buffers, grads, 1 - momentum)
-        nesterov = torch.stack([g.lerp(buf, momentum) for g, buf in zip(grads, buffers)])
-        directions = orthogonalize(nesterov)
+        nesterov = [g.lerp(buf, momentum) for g, buf in zip(grads, buffers)]
+        directions = list(orthogonalize(torch.stack([whole(n) for n in nesterov])).unbind(0))
+        directions = [like(d, p) for d, p in zip(directions, params)]
         lr = group["lr"]
         if group["weight_decay"]:
             torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
-        torch._foreach_add_(params, list(directions.unbind(0)), alpha=-lr * lr_ratio(params[0].shape))
+        torch._foreach_add_(params, directions, alpha=-lr * lr_ratio(params[0].shape))
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """The whole matrix of a sharded DTensor (gathered from every rank), a plain tensor as it is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def like(update: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`update`, a whole matrix every rank holds, laid out as `param`: for a DTensor its placements, taken from the
+    replicated whole by slicing locally (no communication)."""
+    if not hasattr(param, "device_mesh"):
+        return update
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = param.device_mesh
+    return DTensor.from_local(update, mesh, [Replicate()] * mesh.ndim, run_check=False).redistribute(
+        mesh, param.placements)
 
 
 class Optimizers:
@@ -99,6 +125,9 @@ class Optimizers:
 
     def __init__(self, *optimizers: torch.optim.Optimizer):
         self.optimizers = optimizers
+
+    def __iter__(self):
+        return iter(self.optimizers)
 
     @property
     def param_groups(self) -> list[dict]:

@@ -184,13 +184,11 @@ class TrainParams(Section):
         for name in ("muon_momentum_warmup", "muon_weight_decay"):
             if getattr(self, name) < 0:
                 raise self.bad(name, "a number >= 0")
-        # Muon orthogonalises whole matrices: FSDP's shards and ZeRO-1's share of the state are not (torchtitan's
-        # DistMuon gathers them; kiln does not yet)
+        # ZeRO-1 would hand each rank a share of the optimizer (ZeroRedundancyOptimizer), which kiln builds for AdamW
+        # alone; under FSDP Muon gathers each matrix (pipeline/train/muon.py)
         if self.optimizer == "muon" and self.zero1:
-            raise self.bad("zero1", "false with train.optimizer=muon (Muon needs whole matrices)")
-        if self.optimizer == "muon" and self.parallel == "fsdp" and self.nproc_per_node > 1:
-            raise self.bad("parallel", "ddp with train.optimizer=muon on several processes (Muon needs whole "
-                                       "matrices, which FSDP shards)")
+            raise self.bad("zero1", "false with train.optimizer=muon (ZeRO-1 shards AdamW's state only; "
+                                    "train.parallel=fsdp shards Muon's)")
 
 
 def loop_keys(section: Section) -> dict:
