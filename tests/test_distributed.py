@@ -306,3 +306,24 @@ def test_muon_under_fsdp_matches_one_process_and_resumes_bitwise(tiny, single_mu
     again = load_file(tmp_path / "base/model/model.safetensors")
     for name, tensor in straight.items():
         assert torch.equal(tensor, again[name]), name
+
+
+@pytest.mark.slow  # multi-process runs, ~60 s on 2 cores: `make test-slow`
+def test_muon_with_zero1_matches_one_process_and_resumes_bitwise(tiny, single_muon, tmp_path):
+    """ZeRO-1 with Muon: each rank keeps the state of, and updates, whole matrices of its share (and AdamW's
+    tensors), then broadcasts them; 20 steps equal one process's, and a resume from the step-10 checkpoint (its
+    state gathered on rank 0) ends bitwise where the straight run did."""
+    args = cli_project(tiny, tmp_path, batch_size=4, nproc_per_node=2, zero1=True, **MUON_SHAPE)
+    done = kiln(tmp_path, *args)
+    assert done.returncode == 0, done.output
+    assert "x 2 processes (ddp)" in done.output
+    assert_same_run(tmp_path, single_muon, steps=20)
+    straight = load_file(tmp_path / "base/model/model.safetensors")
+    ckpts = sorted((tmp_path / "ckpt").glob("*/step_*"))
+    shutil.rmtree(ckpts[-1])
+    resumed = kiln(tmp_path, *args)
+    assert resumed.returncode == 0, resumed.output
+    assert "resuming from" in resumed.output and "(step 10)" in resumed.output
+    again = load_file(tmp_path / "base/model/model.safetensors")
+    for name, tensor in straight.items():
+        assert torch.equal(tensor, again[name]), name

@@ -31,7 +31,7 @@ from kiln.pipeline.train.checkpoints import Checkpoints
 from kiln.pipeline.train.curves import Curves
 from kiln.pipeline.train.float8 import after_optimizer_step, to_float8_training
 from kiln.pipeline.train.memory import Shape, check_run_memory
-from kiln.pipeline.train.muon import Muon, Optimizers
+from kiln.pipeline.train.muon import Muon, Optimizers, ZeroOptimizers
 from kiln.pipeline.train.params import TrainParams
 from kiln.pipeline.train.ramp import BatchRamp
 from kiln.pipeline.train.stats import StepStats, draw, observing
@@ -46,7 +46,7 @@ def compile_forward(model: torch.nn.Module, params: TrainParams) -> Callable:
 def build_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.device,
                     zero1: bool = False) -> torch.optim.Optimizer | Optimizers:
     """AdamW with decoupled weight decay on matrices only: norms' gains and biases are not pulled to zero.
-    `zero1`: each rank keeps (and updates) the AdamW state of its share of the parameters only. With
+    `zero1`: each rank keeps (and updates) the optimizer state of its share of the parameters only. With
     train.optimizer=muon, the blocks' matrices go to Muon (pipeline/train/muon.py) instead; a LoRA adapter's
     matrices stay on AdamW, as the embeddings and the head do."""
     muon = muon_matrices(model) if params.optimizer == "muon" else []
@@ -55,18 +55,25 @@ def build_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.d
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     kwargs = {"lr": params.lr, "betas": (params.beta1, params.beta2), "fused": device.type == "cuda"}
-    if zero1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **kwargs)
-    adamw = torch.optim.AdamW(groups, **kwargs)
+    adamw = sharded(torch.optim.AdamW, groups, zero1, **kwargs)
     if not muon:
         return adamw
-    # the loop sets every group's lr from the schedule of train.lr; lr_scale makes the Muon group's muon_lr
-    return Optimizers(adamw, Muon([{"params": muon, "lr_scale": params.muon_lr / params.lr}], lr=params.muon_lr,
-                                  momentum=params.muon_momentum, momentum_start=params.muon_momentum_start,
-                                  momentum_warmup=params.muon_momentum_warmup,
-                                  weight_decay=params.muon_weight_decay))
+    # the loop sets every group's lr from the schedule of train.lr; lr_scale makes the Muon group's muon_lr.
+    # Under ZeRO-1 each rank updates whole matrices of its share and broadcasts them.
+    matrices = sharded(Muon, [{"params": muon, "lr_scale": params.muon_lr / params.lr}], zero1, lr=params.muon_lr,
+                       momentum=params.muon_momentum, momentum_start=params.muon_momentum_start,
+                       momentum_warmup=params.muon_momentum_warmup, weight_decay=params.muon_weight_decay)
+    return (ZeroOptimizers if zero1 else Optimizers)(adamw, matrices)
+
+
+def sharded(kind: type, groups: list[dict], zero1: bool, **kwargs) -> torch.optim.Optimizer:
+    """`kind(groups, **kwargs)`, or with `zero1` a ZeroRedundancyOptimizer of it: each rank keeps the state of (and
+    updates) whole parameters of its share, then broadcasts them."""
+    if not zero1:
+        return kind(groups, **kwargs)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(groups, optimizer_class=kind, **kwargs)
 
 
 def muon_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:

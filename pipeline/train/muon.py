@@ -141,6 +141,7 @@ class Optimizers:
         for opt in self.optimizers:
             opt.step()
 
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
@@ -164,3 +165,11 @@ class Optimizers:
                 "state": {n - offset: v for n, v in state_dict["state"].items() if n in numbers},
                 "param_groups": [{**g, "params": [n - offset for n in g["params"]]} for g in own]})
             offset += size
+
+
+class ZeroOptimizers(Optimizers):
+    """Optimizers of ZeroRedundancyOptimizers (train.zero1): their state is gathered on one rank to be saved."""
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        for opt in self.optimizers:
+            opt.consolidate_state_dict(to=to)

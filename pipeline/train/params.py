@@ -184,11 +184,7 @@ class TrainParams(Section):
         for name in ("muon_momentum_warmup", "muon_weight_decay"):
             if getattr(self, name) < 0:
                 raise self.bad(name, "a number >= 0")
-        # ZeRO-1 would hand each rank a share of the optimizer (ZeroRedundancyOptimizer), which kiln builds for AdamW
-        # alone; under FSDP Muon gathers each matrix (pipeline/train/muon.py)
-        if self.optimizer == "muon" and self.zero1:
-            raise self.bad("zero1", "false with train.optimizer=muon (ZeRO-1 shards AdamW's state only; "
-                                    "train.parallel=fsdp shards Muon's)")
+
 
 
 def loop_keys(section: Section) -> dict:
