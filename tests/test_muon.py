@@ -143,7 +143,6 @@ def test_build_optimizer_gives_the_blocks_matrices_to_muon_and_the_rest_to_adamw
 
 @pytest.mark.parametrize("settings,key", [
     ({"optimizer": "sgd"}, "optimizer"),
-    ({"optimizer": "muon", "zero1": True}, "zero1"),
     ({"muon_momentum_start": 0.99}, "muon_momentum_start"),
     ({"muon_lr": 0}, "muon_lr"),
     ({"muon_momentum": 1.0}, "muon_momentum"),
