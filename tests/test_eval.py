@@ -214,6 +214,14 @@ def test_eval_reports_every_model_side_by_side_and_is_deterministic(shakespeare,
     assert f"| val_bpb | lower | {bpb:.4f} | " in page
     assert "| mine/acc | higher | 0.5000 | " in page and "| posttrain/preference_accuracy | higher | 0.5000 | " in page
     assert re.search(r"Made with params digest `[0-9a-f]{12}` .* from the models base `[0-9a-f]{12}`, sft", page)
+    # CORE: the mean over the multiple-choice tasks of (acc - chance) / (1 - chance), guessing at 0, with its
+    # interval (the bootstrap over items weighs each task equally: mine has 2 items to cloze's 16)
+    cloze_chance = float(re.search(r"\| cloze/acc \| higher \| ([0-9.]+) \|", page).group(1))
+    for name in models:
+        want = ((report["cloze/acc"][name] - cloze_chance) / (1 - cloze_chance)
+                + (report["mine/acc"][name] - 0.5) / 0.5) / 2
+        assert report["core"][name] == pytest.approx(want, abs=1e-4), name
+    assert re.search(r"\| core \| higher \| 0\.0000 \| -?[0-9.]+ \[-?[0-9.]+, -?[0-9.]+\]", page)
 
     again, out2 = run_eval(shakespeare, workspace, params, out="again")
     assert again.exit_code == 0, again.output

@@ -250,12 +250,18 @@ def score_model(plan: Plan, params: EvalParams, train: TrainParams, name: str, m
                              train.precision)
     out |= lm_metrics | {"val_ppl": math.exp(lm_metrics["val_loss"])}
     progress.advance(1)
+    centred = []
     for task, scorer in zip(plan.tasks.values(), plan.scorers):
         progress.advance(0, part=task.name)
         values, hits = scorer.score(model, params.batch_size, train.precision)
         out |= {f"{task.name}/{k}": v for k, v in values.items()}
         per_item |= {f"{task.name}/{k}": v for k, v in hits.items()}
+        if (level := task_chance(scorer)) is not None and level < 1:
+            centred.append((hits["acc"] - level) / (1 - level))
         progress.advance(1)
+    if centred:
+        per_item["core"] = core_items(centred)
+        out["core"] = float(per_item["core"].mean())
     for task, by_model in zip(plan.gen_tasks, scores.answers):
         progress.advance(0, part=task.name)
         by_model[name] = run_gen_task(task, model, plan.chat, bool(meta.get("chat_format")), params.gen_batch_size,
@@ -290,6 +296,23 @@ def score_posttrain(plan: Plan, params: EvalParams, train: TrainParams, name: st
     return out
 
 
+def task_chance(scorer) -> float | None:
+    """A multiple-choice task's accuracy by guessing: the mean over its items of 1 / their choices (None for
+    LAMBADA's greedy exact match, which has no guess, or a task without items)."""
+    if scorer.lambada or not scorer.items:
+        return None
+    return sum(1 / item.n_choices for item in scorer.items) / len(scorer.items)
+
+
+def core_items(centred: list[np.ndarray]) -> np.ndarray:
+    """CORE (DCLM's aggregate, as nanochat reports it): the mean over the multiple-choice tasks of each one's
+    centred accuracy (acc - chance) / (1 - chance), 0 for guessing and 1 for every item right. Given each task's
+    per-item centred hits, the per-item values whose plain mean is CORE: task t's n_t items each weigh
+    1 / (tasks * n_t), so a bootstrap over the items resamples CORE itself."""
+    total = sum(len(c) for c in centred)
+    return np.concatenate([c * total / (len(centred) * len(c)) for c in centred])
+
+
 def chance_levels(plan: Plan, metrics: dict) -> dict[str, float]:
     """What guessing scores on each metric that has such a level: a uniform guess over the vocabulary for the
     losses (bits per byte by the tokens-to-bytes ratio of the scored window, the same for every model), over each
@@ -301,9 +324,9 @@ def chance_levels(plan: Plan, metrics: dict) -> dict[str, float]:
     if (model := next((m for m in loss if m in bpb and loss[m] > 0), None)) is not None:
         chance["val_bpb"] = math.log(vocab) * bpb[model] / loss[model]
     for task, scorer in zip(plan.tasks.values(), plan.scorers):
-        if not scorer.lambada and scorer.items:  # LAMBADA's one continuation: greedy exact match, no guess
-            level = sum(1 / item.n_choices for item in scorer.items) / len(scorer.items)
+        if (level := task_chance(scorer)) is not None:
             chance |= {f"{task.name}/acc": level, f"{task.name}/acc_norm": level}
+    chance["core"] = 0.0  # centred: guessing scores 0
     if plan.post is not None:
         if plan.post.scorer.n_choices:
             chance |= {k: 1 / plan.post.scorer.n_choices for k in metrics if k.startswith("posttrain/accuracy")}
