@@ -26,6 +26,11 @@ Inputs are read through their batch/head/time strides, so the model's (B, T, H, 
 need no copy; outputs and gradients take their input's layout (torch.empty_like). fp32 inputs use IEEE fp32
 products unless torch allows TF32 matmuls (`torch.set_float32_matmul_precision`), as torch's matmul would.
 
+Packed rows (`segments`, (B, T) int32: the document each token belongs to, `train.doc_mask`): a query sees only
+keys of its own segment, as if each document were a sequence of its own. The mask is one compare per score,
+taken in every key block (interior ones too); a block wholly of other documents is still loaded, not skipped.
+A row's first key blocks may then hold no key it sees, so the online softmax guards its running max there.
+
 Out of scope: attention dropout, and queries offset from the keys (KV-cache decoding, where the causal diagonal
 is aligned bottom-right); the model keeps SDPA for those.
 
@@ -59,7 +64,7 @@ BACKWARD_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num
                     for m, n, w, st in ((64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2),
                                         (128, 64, 8, 2), (32, 32, 4, 3))]
 INTERPRETER_CONFIG = triton.Config({"BLOCK_M": 16, "BLOCK_N": 16})
-TUNING_KEY = ["D", "CAUSAL", "T_BUCKET"]
+TUNING_KEY = ["D", "CAUSAL", "T_BUCKET", "SEGMENTS"]
 DELTA_ROWS = 64  # rows per program of the backward's small rowsum(dO * O) kernel
 
 # Triton's interpreter stores bfloat16 as raw uint16 and its tl.dot multiplies the bit patterns
@@ -87,10 +92,12 @@ def _load_rows(ptrs, rows, cols, T, D: tl.constexpr, BLOCK_D: tl.constexpr, MASK
 
 
 @triton.jit
-def _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D: tl.constexpr,
-               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, MASKED: tl.constexpr):
+def _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, seg_q, seg_row,
+               D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+               MASKED: tl.constexpr, SEGMENTS: tl.constexpr):
     """The key/value block at start_n and the scaled scores of the query rows against it; a masked block's
-    invisible scores (keys past T, or above the causal diagonal) are -inf."""
+    invisible scores (keys past T, or above the causal diagonal) are -inf, and with SEGMENTS every block's scores
+    against keys of another segment than the row's (`seg_q`; the keys' read from `seg_row`)."""
     keys = start_n + offs_n
     k = _load_rows(k_ptrs + start_n * sk_t, keys, cols, T, D, BLOCK_D, MASKED)
     v = _load_rows(v_ptrs + start_n * sv_t, keys, cols, T, D, BLOCK_D, MASKED)
@@ -100,6 +107,9 @@ def _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk
         if CAUSAL:
             visible = visible & (keys[None, :] <= rows[:, None])
         s = tl.where(visible, s, float("-inf"))
+    if SEGMENTS:
+        seg_k = tl.load(seg_row + keys, mask=keys < T, other=-1)
+        s = tl.where(seg_q[:, None] == seg_k[None, :], s, float("-inf"))
     return k, v, s
 
 
@@ -113,9 +123,11 @@ def _interior_end(start_m, T, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax(acc, m_i, l_i, s, v, PRECISION: tl.constexpr):
+def _online_softmax(acc, m_i, l_i, s, v, PRECISION: tl.constexpr, SEGMENTS: tl.constexpr):
     """Fold one block of scores (log2 units) into the running max, sum and output."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if SEGMENTS:  # a row that has seen no key of its segment yet: its max is still -inf
+        m_new = tl.where(m_new == float("-inf"), -1e30, m_new)
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -125,11 +137,11 @@ def _online_softmax(acc, m_i, l_i, s, v, PRECISION: tl.constexpr):
 
 @autotune(FORWARD_CONFIGS, key=TUNING_KEY, interpreter=INTERPRETER_CONFIG)
 @triton.jit
-def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, seg_ptr,
                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t,
                     H, T, T_BUCKET, GROUP, qk_scale,
                     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+                    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, SEGMENTS: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     # int64 offsets: B*H*T*D passes 2**31 at long contexts.
@@ -142,9 +154,13 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_t + cols[None, :], mask=row_mask, other=0.0)
     k_ptrs = k_ptr + b * sk_b + kv_h * sk_h + offs_n[:, None] * sk_t + cols[None, :]
     v_ptrs = v_ptr + b * sv_b + kv_h * sv_h + offs_n[:, None] * sv_t + cols[None, :]
+    seg_row = seg_ptr + b * T
+    seg_q = rows
+    if SEGMENTS:
+        seg_q = tl.load(seg_row + rows, mask=rows < T, other=-2)
 
-    # Every row, padding rows included, sees key 0 in the first block, so the running max is finite from then
-    # on and exp2 never sees -inf - -inf. Interior key blocks skip the masks; the diagonal and the sequence's
+    # Without segments every row, padding rows included, sees key 0 in the first block, so the running max is
+    # finite from then on and exp2 never sees -inf - -inf (with them, _online_softmax guards it). Interior key blocks skip the masks; the diagonal and the sequence's
     # last partial block take them.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -154,13 +170,13 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     if CAUSAL:
         end = tl.minimum(T, start_m + BLOCK_M)
     for start_n in range(0, interior, BLOCK_N):
-        k, v, s = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D, BLOCK_D,
-                             CAUSAL, PRECISION, False)
-        acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v, PRECISION)
+        k, v, s = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, seg_q,
+                             seg_row, D, BLOCK_D, CAUSAL, PRECISION, False, SEGMENTS)
+        acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v, PRECISION, SEGMENTS)
     for start_n in range(interior, end, BLOCK_N):
-        k, v, s = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D, BLOCK_D,
-                             CAUSAL, PRECISION, True)
-        acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v, PRECISION)
+        k, v, s = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, seg_q,
+                             seg_row, D, BLOCK_D, CAUSAL, PRECISION, True, SEGMENTS)
+        acc, m_i, l_i = _online_softmax(acc, m_i, l_i, s, v, PRECISION, SEGMENTS)
 
     o = (acc / l_i[:, None]).to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_t + cols[None, :], o, mask=row_mask)
@@ -184,12 +200,12 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, so_b, so_h, so_t, sdo_b, sdo_h, sdo_
 
 @autotune(BACKWARD_CONFIGS, key=TUNING_KEY, interpreter=INTERPRETER_CONFIG)
 @triton.jit
-def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seg_ptr,
                  sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t,
                  sdk_b, sdk_h, sdk_t, sdv_b, sdv_h, sdv_t,
                  H, T, T_BUCKET, GROUP, qk_scale, scale,
                  D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+                 CAUSAL: tl.constexpr, PRECISION: tl.constexpr, SEGMENTS: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     bkv = tl.program_id(1)
     H_kv = H // GROUP
@@ -202,6 +218,10 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     v = tl.load(v_ptr + b * sv_b + kv_h * sv_h + keys[:, None] * sv_t + cols[None, :], mask=key_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    seg_row = seg_ptr + b * T
+    seg_k = keys
+    if SEGMENTS:
+        seg_k = tl.load(seg_row + keys, mask=keys < T, other=-1)
     # Causal: query rows before this block's first key see none of its keys, so the query blocks start there
     # (they need not line up with the forward's query blocks: every row is masked on its own).
     first = 0
@@ -224,6 +244,8 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
             visible = (keys[:, None] < T) & (rows[None, :] < T)
             if CAUSAL:
                 visible = visible & (keys[:, None] <= rows[None, :])
+            if SEGMENTS:
+                visible = visible & (seg_k[:, None] == tl.load(seg_row + rows, mask=rows < T, other=-2)[None, :])
             p_t = tl.exp2(tl.where(visible, s_t - lse[None, :], float("-inf")))
             dv += _dot(p_t.to(do.dtype), do, PRECISION)
             dp_t = _dot(v, tl.trans(do), PRECISION)
@@ -236,12 +258,12 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
 
 
 @triton.jit
-def _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale,
-              D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-              MASKED: tl.constexpr):
+def _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, seg_q,
+              seg_row, D: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+              MASKED: tl.constexpr, SEGMENTS: tl.constexpr):
     """dQ's sum over one key block: the probabilities recomputed from L, then dS = P * (dP - delta)."""
-    k, v, s = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, D, BLOCK_D,
-                         CAUSAL, PRECISION, MASKED)
+    k, v, s = _key_block(q, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale, seg_q, seg_row,
+                         D, BLOCK_D, CAUSAL, PRECISION, MASKED, SEGMENTS)
     p = tl.exp2(s - lse[:, None])
     dp = _dot(do, tl.trans(v), PRECISION)
     ds = p * (dp - delta[:, None])
@@ -250,11 +272,11 @@ def _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_n, rows, cols
 
 @autotune(BACKWARD_CONFIGS, key=TUNING_KEY, interpreter=INTERPRETER_CONFIG)
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, seg_ptr,
                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sdo_b, sdo_h, sdo_t, sdq_b, sdq_h, sdq_t,
                H, T, T_BUCKET, GROUP, qk_scale, scale,
                D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+               CAUSAL: tl.constexpr, PRECISION: tl.constexpr, SEGMENTS: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h = (bh // H).to(tl.int64), (bh % H).to(tl.int64)
@@ -270,16 +292,20 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     k_ptrs = k_ptr + b * sk_b + kv_h * sk_h + offs_n[:, None] * sk_t + cols[None, :]
     v_ptrs = v_ptr + b * sv_b + kv_h * sv_h + offs_n[:, None] * sv_t + cols[None, :]
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    seg_row = seg_ptr + b * T
+    seg_q = rows
+    if SEGMENTS:
+        seg_q = tl.load(seg_row + rows, mask=rows < T, other=-2)
     interior = _interior_end(start_m, T, BLOCK_N, CAUSAL)
     end = T
     if CAUSAL:
         end = tl.minimum(T, start_m + BLOCK_M)
     for start_n in range(0, interior, BLOCK_N):
         dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale,
-                       D, BLOCK_D, CAUSAL, PRECISION, False)
+                       seg_q, seg_row, D, BLOCK_D, CAUSAL, PRECISION, False, SEGMENTS)
     for start_n in range(interior, end, BLOCK_N):
         dq = _dq_block(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_n, rows, cols, T, sk_t, sv_t, qk_scale,
-                       D, BLOCK_D, CAUSAL, PRECISION, True)
+                       seg_q, seg_row, D, BLOCK_D, CAUSAL, PRECISION, True, SEGMENTS)
     dq_ptrs = dq_ptr + b * sdq_b + h * sdq_h + rows[:, None] * sdq_t + cols[None, :]
     tl.store(dq_ptrs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_mask)
 
@@ -307,9 +333,16 @@ def _grid(blocks: str, T: int, programs: int):
     return lambda meta: (triton.cdiv(T, meta[blocks]), programs)
 
 
+def _segments(segments: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The kernels' segment ids: contiguous int32 (B, T), or a placeholder they never read."""
+    if segments is None:
+        return like.new_empty(0, dtype=torch.int32)
+    return segments.to(torch.int32).contiguous()
+
+
 @torch.library.custom_op("kiln::flash_attention", mutates_args=())
 def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       scale: float, segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(O in q's layout and dtype; L, the rows' natural-log log-sum-exp, fp32 (B, H, T))."""
     q, k, v = (_unit_last_stride(x) for x in (q, k, v))
     B, H, T, D = q.shape
@@ -318,22 +351,22 @@ def flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal
     if q.numel() == 0:
         return o, lse
     _forward_kernel[_grid("BLOCK_M", T, B * H)](
-        q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+        q, k, v, o, lse, _segments(segments, q), *_strides(q), *_strides(k), *_strides(v), *_strides(o),
         H, T, triton.next_power_of_2(T), H // k.size(1), scale * LOG2E.value,
-        D=D, BLOCK_D=_block_d(D), CAUSAL=causal, PRECISION=_precision(q.dtype))
+        D=D, BLOCK_D=_block_d(D), CAUSAL=causal, PRECISION=_precision(q.dtype), SEGMENTS=segments is not None)
     return o, lse
 
 
 @flash_attention_op.register_fake
-def _(q, k, v, causal, scale):
+def _(q, k, v, causal, scale, segments=None):
     B, H, T, _ = q.shape
     return torch.empty_like(_unit_last_stride(q)), q.new_empty((B, H, T), dtype=torch.float32)
 
 
 @torch.library.custom_op("kiln::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                                lse: torch.Tensor, causal: bool,
-                                scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                lse: torch.Tensor, causal: bool, scale: float,
+                                segments: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dQ, dK, dV), each in its input's layout and dtype."""
     q, k, v, do = (_unit_last_stride(x) for x in (q, k, v, do))
     B, H, T, D = q.shape
@@ -345,39 +378,43 @@ def flash_attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tens
     delta = torch.empty_like(lse)
     _delta_kernel[(triton.cdiv(T, DELTA_ROWS), B * H)](
         o, do, delta, *_strides(o), *_strides(do), H, T, D=D, BLOCK_D=block_d, BLOCK_M=DELTA_ROWS)
-    common = {"D": D, "BLOCK_D": block_d, "CAUSAL": causal, "PRECISION": _precision(q.dtype)}
+    common = {"D": D, "BLOCK_D": block_d, "CAUSAL": causal, "PRECISION": _precision(q.dtype),
+              "SEGMENTS": segments is not None}
     sizes = (H, T, triton.next_power_of_2(T), H // H_kv, scale * LOG2E.value, scale)
+    seg = _segments(segments, q)
     _dkdv_kernel[_grid("BLOCK_N", T, B * H_kv)](
-        q, k, v, do, lse, delta, dk, dv, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
+        q, k, v, do, lse, delta, dk, dv, seg, *_strides(q), *_strides(k), *_strides(v), *_strides(do),
         *_strides(dk), *_strides(dv), *sizes, **common)
     _dq_kernel[_grid("BLOCK_M", T, B * H)](
-        q, k, v, do, lse, delta, dq, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+        q, k, v, do, lse, delta, dq, seg, *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
         *sizes, **common)
     return dq, dk, dv
 
 
 @flash_attention_backward_op.register_fake
-def _(do, q, k, v, o, lse, causal, scale):
+def _(do, q, k, v, o, lse, causal, scale, segments=None):
     return tuple(torch.empty_like(_unit_last_stride(x)) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, causal, scale, segments = inputs
+    ctx.save_for_backward(q, k, v, *output, segments)
     ctx.causal, ctx.scale = causal, scale
 
 
 def _backward(ctx, do, _dlse):
-    dq, dk, dv = flash_attention_backward_op(do, *ctx.saved_tensors, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    *tensors, segments = ctx.saved_tensors
+    dq, dk, dv = flash_attention_backward_op(do, *tensors, ctx.causal, ctx.scale, segments)
+    return dq, dk, dv, None, None, None
 
 
 flash_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-              scale: float | None = None) -> torch.Tensor:
-    """Plain torch: softmax(q k^T * scale, causal mask) v, with k and v repeated per query head for GQA."""
+              scale: float | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch: softmax(q k^T * scale, causal mask) v, with k and v repeated per query head for GQA; with
+    `segments` (B, T), scores between tokens of different segments masked too."""
     T, D = q.shape[-2:]
     scale = D ** -0.5 if scale is None else scale
     group = q.size(1) // k.size(1)
@@ -387,6 +424,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     if causal:
         above = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
         s = s.masked_fill(above, float("-inf"))
+    if segments is not None:
+        s = s.masked_fill((segments[:, None, :, None] != segments[:, None, None, :]), float("-inf"))
     return s.softmax(dim=-1).to(v.dtype) @ v
 
 
@@ -404,14 +443,18 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                    scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+                    scale: float | None = None, backend: str = "auto",
+                    segments: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q (B, H, T, D) over k, v (B, H_kv, T, D), H_kv dividing H; returns (B, H, T, D) in q's dtype.
 
     Query head h attends with kv head h // (H // H_kv). `scale` multiplies the scores (default 1/sqrt(D));
-    `causal` lets position i see keys 0..i only.
+    `causal` lets position i see keys 0..i only; `segments` (B, T) integers: position i sees only keys of its own
+    segment (packed documents).
     """
     _check(q, k, v)
+    if segments is not None and segments.shape != (q.size(0), q.size(2)):
+        raise ValueError(f"segments must be (B, T) = {(q.size(0), q.size(2))}, got {tuple(segments.shape)}")
     scale = q.size(-1) ** -0.5 if scale is None else float(scale)
     if use_triton(backend, q, k, v):
-        return flash_attention_op(q, k, v, causal, scale)[0]
-    return reference(q, k, v, causal, scale)
+        return flash_attention_op(q, k, v, causal, scale, segments)[0]
+    return reference(q, k, v, causal, scale, segments)

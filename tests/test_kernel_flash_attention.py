@@ -33,15 +33,15 @@ def inputs(B, H, H_kv, T, D, dtype, seed=0, device=DEVICE):
     return q, k, v, do
 
 
-def check_against_reference(q, k, v, do, causal, dtype, scale=None, grad_scale=1.0):
+def check_against_reference(q, k, v, do, causal, dtype, scale=None, grad_scale=1.0, segments=None):
     """Triton output and all three gradients vs the float64 reference on the same (rounded) values."""
     want_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    want = reference(*want_inputs, causal=causal, scale=scale)
+    want = reference(*want_inputs, causal=causal, scale=scale, segments=segments)
     want_grads = torch.autograd.grad(want, want_inputs, do.double())
 
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     with poisoned_allocations():
-        got = flash_attention(q, k, v, causal=causal, scale=scale, backend="triton")
+        got = flash_attention(q, k, v, causal=causal, scale=scale, backend="triton", segments=segments)
         got_grads = torch.autograd.grad(got, (q, k, v), do)
     assert got.dtype == dtype
     assert_close(got, want, dtype, "o")
@@ -150,3 +150,40 @@ def test_bad_inputs(backend):
         flash_attention(q, k.double(), v.double(), backend=backend)
     with pytest.raises(ValueError, match=r"\(B, H, T, D\)"):
         flash_attention(q[0], k[0], v[0], backend=backend)
+
+
+def segment_ids(B, T, bounds_per_row):
+    """(B, T) int32 segment ids from each row's segment starts (packed documents; the rest of a row one segment)."""
+    out = torch.zeros(B, T, dtype=torch.int32)
+    for b, starts in enumerate(bounds_per_row):
+        for i, start in enumerate(starts):
+            out[b, start:] = i + 1
+    return out.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,H,H_kv,T,D,causal,starts", [
+    (2, 4, 2, 33, 16, True, [[5, 16, 17, 30], [20]]),  # documents ending inside, at and across 16-row blocks
+    (1, 2, 1, 33, 24, False, [[1, 32]]),                 # full attention within segments, one-token ones
+    (1, 2, 2, 17, 16, True, [[]]),                       # one segment: plain causal attention
+])
+def test_segments_match_reference_and_one_call_per_document(B, H, H_kv, T, D, causal, starts, dtype):
+    """Packed documents (`segments`): each token attends within its own segment only. Against the float64
+    reference with the segment mask, and the reference against one attention per document, so a key block that
+    holds no key a row may see (the row's max still -inf) is covered."""
+    segments = segment_ids(B, T, starts)
+    q, k, v, do = inputs(B, H, H_kv, T, D, dtype, seed=3)
+    check_against_reference(q, k, v, do, causal, dtype, grad_scale=GRAD_SCALE[dtype], segments=segments)
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    whole = reference(q64, k64, v64, causal=causal, segments=segments)
+    for b in range(B):
+        cuts = [0, *starts[b], T]
+        for lo, hi in zip(cuts, cuts[1:]):
+            alone = reference(q64[b:b + 1, :, lo:hi], k64[b:b + 1, :, lo:hi], v64[b:b + 1, :, lo:hi], causal=causal)
+            torch.testing.assert_close(whole[b:b + 1, :, lo:hi], alone, rtol=1e-12, atol=1e-12)
+
+
+def test_segments_of_the_wrong_shape_are_refused():
+    q, k, v, _ = inputs(1, 2, 1, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match=r"segments must be \(B, T\) = \(1, 8\)"):
+        flash_attention(q, k, v, segments=torch.zeros(1, 9, dtype=torch.int32, device=DEVICE), backend="triton")

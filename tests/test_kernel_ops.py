@@ -94,6 +94,8 @@ def test_flash_attention(dtype, causal):
     q = randn(1, 17, 4, 24, dtype=dtype, grad=True).transpose(1, 2)  # (B, H, T, D) read through strides
     k, v = randn(1, 2, 17, 24, dtype=dtype, grad=True, seed=1), randn(1, 2, 17, 24, dtype=dtype, grad=True, seed=2)
     opcheck(flash_attention_op, (q, k, v, causal, 0.3))
+    segments = torch.tensor([[0] * 6 + [1] * 11], dtype=torch.int32, device=q.device)
+    opcheck(flash_attention_op, (q, k, v, causal, 0.3, segments))
     with torch.no_grad():
         o, lse = flash_attention_op(q, k, v, causal, 0.3)
     opcheck(flash_attention_backward_op, (randn(1, 4, 17, 24, dtype=dtype, seed=3), q.detach(), k.detach(),
@@ -146,6 +148,6 @@ def test_no_kernel_retunes_per_token_count():
 
     keys = {tuned.base_fn.__name__: set(tuned.keys) for tuned in _TUNED}
     assert {"_swiglu_fwd", "_swiglu_bwd", "_rms_norm_fwd", "_decode_kernel", "_forward_kernel"} <= set(keys)
-    fixed_or_bucketed = {"n_cols", "row_stride", "COMPUTE_GRAD", "D", "CAUSAL", "T_BUCKET", "N_BUCKET", "BLOCK_T", "REP",
-                         "BLOCK_D", "n_q_heads", "n_k_heads", "HALF"}
+    fixed_or_bucketed = {"n_cols", "row_stride", "COMPUTE_GRAD", "SOFTCAP", "SEGMENTS", "D", "CAUSAL", "T_BUCKET",
+                         "N_BUCKET", "BLOCK_T", "REP", "BLOCK_D", "n_q_heads", "n_k_heads", "HALF"}
     assert {name: k - fixed_or_bucketed for name, k in keys.items() if k - fixed_or_bucketed} == {}
