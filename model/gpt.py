@@ -18,6 +18,7 @@ RoPE, flash attention (training and prefill without a cache) and the fused LM he
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -87,7 +88,34 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.type_as(x)
 
 
-def attention_mask(pos: int, T: int, pad: torch.Tensor | None, device) -> tuple[torch.Tensor | None, bool]:
+class Mask(NamedTuple):
+    """What a forward's queries may see: SDPA's attn_mask and is_causal and, for packed documents, their segment
+    ids (B, T), which kiln's flash kernel takes instead of the (B, 1, T, T) mask that holds the same for SDPA."""
+
+    attn_mask: torch.Tensor | None
+    is_causal: bool
+    segments: torch.Tensor | None = None
+
+
+def segment_mask(segments: torch.Tensor) -> Mask:
+    """Packed documents (`segments` (B, T), one id per document): each query sees the keys of its own document up
+    to itself, as if each were a sequence of its own."""
+    T = segments.size(1)
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    same = segments[:, None, :, None] == segments[:, None, None, :]
+    return Mask(same & causal, False, segments)
+
+
+def segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """(B, T) positions that restart at 0 where each segment starts."""
+    T = segments.size(1)
+    index = torch.arange(T, device=segments.device).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
+
+
+def attention_mask(pos: int, T: int, pad: torch.Tensor | None, device) -> Mask:
     """(attn_mask, is_causal) for T new queries in cache slots [pos, pos+T) over keys in slots [0, pos+T).
 
     Without padding: SDPA's is_causal aligns the triangle to the top-left, which is right only when queries and
@@ -100,15 +128,15 @@ def attention_mask(pos: int, T: int, pad: torch.Tensor | None, device) -> tuple[
     """
     if pad is None:
         if pos == 0:
-            return None, T > 1
+            return Mask(None, T > 1)
         if T == 1:
-            return None, False
+            return Mask(None, False)
         q_slot = torch.arange(pos, pos + T, device=device)
-        return q_slot[:, None] >= torch.arange(pos + T, device=device)[None, :], False
+        return Mask(q_slot[:, None] >= torch.arange(pos + T, device=device)[None, :], False)
     q_slot = torch.arange(pos, pos + T, device=device)[:, None]
     k_slot = torch.arange(pos + T, device=device)[None, :]
     real = k_slot >= pad.view(-1, 1, 1, 1)  # (B, 1, 1, S)
-    return ((k_slot <= q_slot) & real) | (k_slot == q_slot), False
+    return Mask(((k_slot <= q_slot) & real) | (k_slot == q_slot), False)
 
 
 def positions(pos: int, T: int, pad: torch.Tensor | None, device) -> torch.Tensor:
@@ -139,7 +167,7 @@ class Attention(nn.Module):
     def forward(self, x, rope, cache: KVCache | None, layer: int, pos: int, mask) -> torch.Tensor:
         B, T, _ = x.shape
         fused = use_triton(self.backend, x)
-        attn_mask, is_causal = mask
+        attn_mask, is_causal, segments = Mask(*mask)
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
         if self.q_norm is not None:
@@ -153,11 +181,12 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if rope is not None and not (fused and rope[0].dim() == 2):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if fused and cache is None and attn_mask is None and not (self.training and self.dropout):
+        if fused and cache is None and (attn_mask is None or segments is not None) and \
+                not (self.training and self.dropout):
             # Reads each kv head in place for its query heads: no GQA copy.
             from kiln.kernels.flash_attention import flash_attention
 
-            y = flash_attention(q, k, v, causal=True, backend="triton")
+            y = flash_attention(q, k, v, causal=True, backend="triton", segments=segments)
             return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
         if cache is not None and hasattr(cache, "attend"):  # a paged cache: it stores and attends itself
             y = cache.attend(layer, q, k, v)
@@ -349,7 +378,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache: KVCache | None = None,
                 pos: int = 0, pad: torch.Tensor | None = None, reduction: str = "mean", temperature: float = 1.0,
-                stats: bool = False) -> torch.Tensor | TokenStats:
+                stats: bool = False, segments: torch.Tensor | None = None) -> torch.Tensor | TokenStats:
         """idx (B, T) token ids at positions [pos, pos+T).
 
         Without targets: logits (B, T, vocab_size) — the padded vocabulary rows are cut off, so they can never
@@ -362,6 +391,9 @@ class GPT(nn.Module):
         `pad` (B,) int64 batches sequences of different lengths by left padding: row b's first pad[b] slots
         (of the cache, or of idx without one) are padding, never attended to, and its tokens' positions count
         from slot pad[b], so each row computes what it would alone.
+        `segments` (B, T) integers pack several documents in a row (`train.doc_mask`; no cache, no pad): a token
+        attends only within its own segment and its position counts from the segment's start, so each document
+        computes what it would alone.
         Per-token results never hold the (B·T, vocab) logits: reduction "none" and `stats` run the head a chunk
         of tokens at a time (model/logprobs.py). `stats=True` returns TokenStats of (B, T) tensors under
         softmax(logits / temperature): log p(target), the entropy, and whether the target is the argmax.
@@ -377,16 +409,19 @@ class GPT(nn.Module):
             raise ValueError(f"reduction: {reduction!r} is not one of {', '.join(REDUCTIONS)}")
         if pad is not None and pad.shape != (B,):
             raise ValueError(f"pad: expected shape ({B},), got {tuple(pad.shape)}")
+        if segments is not None and (segments.shape != (B, T) or cache is not None or pad is not None):
+            raise ValueError(f"segments: expected shape ({B}, {T}) and neither a cache nor pad, got "
+                             f"{tuple(segments.shape)}")
         x = self.embed(idx)
-        at = positions(pos, T, pad, idx.device)
+        at = positions(pos, T, pad, idx.device) if segments is None else segment_positions(segments)
         if self.pos_emb is not None:
             x = x + self.pos_emb(at)
         x = self.drop(x)
         rope = None
         if c.arch == "llama":
-            rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]) if pad is None else \
+            rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]) if at.dim() == 1 else \
                 (self.rope_cos[at][:, None], self.rope_sin[at][:, None])
-        mask = attention_mask(pos, T, pad, idx.device)
+        mask = attention_mask(pos, T, pad, idx.device) if segments is None else segment_mask(segments)
         recompute = self.checkpointing and cache is None and torch.is_grad_enabled()
         for layer, block in enumerate(self.blocks):
             if recompute:  # non-reentrant: the RNG state is replayed, so dropout masks match the first forward
@@ -422,7 +457,7 @@ class GPT(nn.Module):
             x = x + self.pos_emb(at)
         rope = (self.rope_cos[at][:, None], self.rope_sin[at][:, None]) if self.config.arch == "llama" else None
         for layer, block in enumerate(self.blocks):
-            x = block(x, rope, cache, layer, 0, (None, False))
+            x = block(x, rope, cache, layer, 0, Mask(None, False))
         return self.softcap(self.lm_head(self.norm(x[:, cache.logit_rows]))[..., :self.config.vocab_size])
 
     def softcap(self, logits: torch.Tensor) -> torch.Tensor:

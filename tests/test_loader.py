@@ -226,3 +226,29 @@ def test_document_rows_resume_exactly_and_split_across_ranks(documents):
     with pytest.raises(UserError, match="documents=False, this run has True"):
         TokenBatches(shards, 4, T, seed=4, documents=True).load_state_dict(
             TokenBatches(shards, 4, T, seed=4).state_dict())
+
+
+def test_document_rows_mark_each_piece_as_a_segment(documents):
+    """segments=True (train.doc_mask): each row's third tensor numbers its pieces, the padding one past them; the
+    same rows as without, and inside one segment the tokens run on in the split."""
+    shards, _ = documents
+    plain = read_rows(TokenBatches(shards, 4, T, seed=5, documents=True), 6)
+    loader = TokenBatches(shards, 4, T, seed=5, documents=True, segments=True)
+    packed = loader._packed_epoch(0)
+    at = 0
+    for _ in range(6):
+        x, y, segments = (t.numpy() for t in next(loader))
+        for row_x, row_y, seg in zip(x, y, segments):
+            np.testing.assert_array_equal(row_x, plain[at][0])
+            np.testing.assert_array_equal(row_y, plain[at][1])
+            pieces = packed[at]
+            n = int(loader.pieces[1][pieces].sum())
+            # piece j's tokens are segment j; the rest of the row (padding, target -100) one more
+            ends = np.cumsum(loader.pieces[1][pieces])  # where each piece's tokens end in the row
+            want = [min(int((ends <= i).sum()), len(pieces)) for i in range(T)]
+            np.testing.assert_array_equal(seg, want)
+            assert (row_y[n - 1:] == -100).all() and (seg[:n - 1] < len(pieces)).all()
+            for i in range(1, n - 1):
+                if seg[i] == seg[i - 1] and row_x[i] != EOT and row_x[i - 1] != EOT:
+                    assert row_x[i] == row_x[i - 1] + 1  # ids are positions: one piece reads on
+            at += 1

@@ -555,3 +555,40 @@ def test_kernels_for_some_ops_only():
         assert model(x, y).item() == pytest.approx(want, abs=1e-5)
     with pytest.raises(ValueError, match="kernel ops: softmax not among norm, mlp, attention, head"):
         plain.set_kernels("triton", ("softmax",))
+
+
+# --- packed documents (segments, train.doc_mask) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("arch, kw, kernels", [("llama", {"n_kv_head": 2}, "torch"), ("gpt2", {}, "torch"),
+                                               ("llama", {"n_kv_head": 2, **KNOBS}, "torch"),
+                                               ("llama", {"n_kv_head": 2}, "triton")])
+def test_packed_documents_compute_what_each_document_does_alone(arch, kw, kernels, monkeypatch):
+    """A row of several documents with `segments`: every document's logits, losses and gradients (float64) are
+    those of one forward of it alone, on the torch path and through kiln's kernels (the flash kernel's segment
+    ids, in the interpreter on a CPU, whose softmaxes run in fp32 whatever the inputs: to 1e-5, as test_triton_kernels_match_torch)."""
+    tol = dict(rtol=1e-10, atol=1e-10)
+    if kernels == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        tol = dict(rtol=1e-4, atol=1e-5)
+    model = make(arch, scramble=0.1, **kw).double().set_kernels(kernels)
+    x, y = tokens(2, 24), tokens(2, 24, seed=7)
+    starts = [[0, 5, 13, 14], [0, 20]]  # documents of 5, 8, 1 and 10 tokens; of 20 and 4
+    segments = torch.zeros(2, 24, dtype=torch.int64)
+    for b, row in enumerate(starts):
+        for i, s in enumerate(row):
+            segments[b, s:] = i
+    packed = copy.deepcopy(model)
+    logits = packed(x, segments=segments)
+    loss = packed(x, y, reduction="sum", segments=segments)
+    loss.backward()
+    alone_loss = 0.0
+    for b, row in enumerate(starts):
+        for lo, hi in zip(row, [*row[1:], 24]):
+            torch.testing.assert_close(logits[b, lo:hi], model(x[b:b + 1, lo:hi])[0], **tol)
+            alone_loss = alone_loss + model(x[b:b + 1, lo:hi], y[b:b + 1, lo:hi], reduction="sum")
+    alone_loss.backward()
+    torch.testing.assert_close(loss, alone_loss, **tol)
+    for (name, p), q in zip(model.named_parameters(), packed.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **tol, msg=lambda m: f"{name}: {m}")
+    with pytest.raises(ValueError, match="segments"):
+        packed(x, segments=segments[:, :5])

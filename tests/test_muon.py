@@ -164,5 +164,6 @@ def test_muon_keys_are_part_of_a_runs_identity_only_with_muon():
     assert "muon_lr" not in adamw and "optimizer" not in adamw  # AdamW checkpoints written before still resume
     assert run_identity(build_section(TrainParams, {"optimizer": "muon"}))["muon_lr"] == 0.02
     # the same rule for train.batching: only document rows are another run
-    assert "batching" not in adamw
+    assert "batching" not in adamw and "doc_mask" not in adamw
+    assert run_identity(build_section(TrainParams, {"batching": "documents", "doc_mask": True}))["doc_mask"]
     assert run_identity(build_section(TrainParams, {"batching": "documents"}))["batching"] == "documents"

@@ -26,7 +26,9 @@ GPUs) goes on after the windows already consumed, in the new shape.
   epoch every token is a target exactly once and no piece is split or repeated; the epoch's rows are then
   visited in a seeded order, and, as windows, the epochs form one stream that global batches take in turn.
   Documents that start at no row boundary under windows (the DAG's median one is ~1,900 tokens, 14 rows at
-  T = 128) are where this differs most.
+  T = 128) are where this differs most. With `segments=True` (`train.doc_mask`) each batch also holds the pieces'
+  segment ids (B, T), so the model attends within each piece only, positions restarting (the padding is a
+  segment of its own).
 - sequential windows (evaluation): consecutive windows of stride T, interleaved across ranks, until the
   split runs out.
 """
@@ -221,16 +223,18 @@ def pack_rows(lengths: np.ndarray, row: int, order: np.ndarray) -> list[np.ndarr
 
 class TokenBatches:
     def __init__(self, shards: ShardSet, batch_size: int, seq_len: int, *, seed: int = 0, rank: int = 0,
-                 world_size: int = 1, random: bool = True, documents: bool = False):
+                 world_size: int = 1, random: bool = True, documents: bool = False, segments: bool = False):
         if shards.tokens < seq_len + 1:
             raise UserError(f"split has {shards.tokens} tokens, fewer than one window of seq_len+1={seq_len + 1}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         if documents and not random:
             raise ValueError("document rows are a training order: random=True")
+        if segments and not documents:
+            raise ValueError("segment ids are document rows': documents=True")
         self.shards, self.batch_size, self.seq_len = shards, batch_size, seq_len
         self.seed, self.rank, self.world_size, self.random = seed, rank, world_size, random
-        self.documents = documents
+        self.documents, self.segments = documents, segments
         self.pieces = document_pieces(shards, seq_len + 1) if documents else None
         self.step = 0
         # Memos of pure functions of (seed, epoch): where each epoch starts in the stream of windows (or rows),
@@ -243,7 +247,7 @@ class TokenBatches:
     def __iter__(self):
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> tuple[torch.Tensor, ...]:
         if self.documents:
             return self._document_batch()
         starts = self._starts(self.step)
@@ -254,18 +258,22 @@ class TokenBatches:
         rows = torch.from_numpy(rows)
         return rows[:, :-1], rows[:, 1:]
 
-    def _document_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's document rows: pieces laid end to end, then end-of-text tokens read with target -100."""
+    def _document_batch(self) -> tuple[torch.Tensor, ...]:
+        """The step's document rows: pieces laid end to end, then end-of-text tokens read with target -100; with
+        `segments`, each input token's piece number in its row (the padding's one past the last piece)."""
         B, T = self.batch_size, self.seq_len
         first = self.step * B * self.world_size + self.rank * B
         self.step += 1
         starts, lengths = self.pieces
         x = np.full((B, T), self.shards.eot_id, dtype=np.int64)
         y = np.full((B, T), IGNORE, dtype=np.int64)
+        segments = np.zeros((B, T), dtype=np.int64)
         for b, pieces in enumerate(self._document_rows(np.arange(first, first + B))):
             tokens = np.concatenate([self.shards.read(int(starts[i]), int(lengths[i])) for i in pieces])
             x[b, :len(tokens) - 1], y[b, :len(tokens) - 1] = tokens[:-1], tokens[1:]
-        return torch.from_numpy(x), torch.from_numpy(y)
+            segments[b] = np.repeat(np.arange(len(pieces) + 1), [*lengths[pieces], T + 1])[:T]
+        batch = torch.from_numpy(x), torch.from_numpy(y)
+        return (*batch, torch.from_numpy(segments)) if self.segments else batch
 
     def _packed_epoch(self, epoch: int) -> list[np.ndarray]:
         if self._packed is None or self._packed[0] != epoch:

@@ -31,8 +31,9 @@ RAMP_SHAPE = ("batch_size", "nproc_per_node")
 
 
 def lm_loss(model, batch):
-    x, y = batch
-    return model(x, y)
+    """The mean next-token loss of a batch (x, y) or, packed documents, (x, y, segments)."""
+    x, y, *segments = batch
+    return model(x, y, segments=segments[0] if segments else None)
 
 
 @dataclass
@@ -93,7 +94,8 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
     run = Run(
         params=params, total_steps=steps, micro_batch_tokens=params.batch_size * seq_len, loss_fn=lm_loss,
         batches=TokenBatches(data.train, params.batch_size, seq_len, seed=params.seed, rank=world.rank,
-                             world_size=world.size, documents=params.batching == "documents"),
+                             world_size=world.size, documents=params.batching == "documents",
+                             segments=params.doc_mask),
         evaluate=lambda m: evaluate_lm(m, data.val, data.bytes_per_token, params.batch_size, seq_len,
                                        params.eval_tokens, params.precision, world),
         checkpoints=Checkpoints(checkpoint_dir, fingerprint, params.keep_checkpoints, world, resume_from, command),

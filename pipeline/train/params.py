@@ -109,6 +109,7 @@ class TrainParams(Section):
     muon_weight_decay: float = 0.0
     # windows: random windows of the token stream | documents: every row starts at a document (pipeline/text/loader)
     batching: str = "windows"
+    doc_mask: bool = False  # documents only: attention stops at document boundaries, positions restarting
     eval_every: int = 200
     eval_tokens: int = 32768
     checkpoint_every: int = 200
@@ -147,6 +148,9 @@ class TrainParams(Section):
                                            "compiles)")
         if self.batching not in BATCHINGS:
             raise self.bad("batching", " or ".join(BATCHINGS))
+        if self.doc_mask and self.batching != "documents":
+            raise self.bad("doc_mask", "false with train.batching=windows (a window's documents are not marked; "
+                                       "batching: documents packs them)")
         if self.schedule not in ("cosine", "wsd"):
             raise self.bad("schedule", "cosine or wsd")
         if (self.max_steps is None) == (self.tokens is None):
@@ -215,5 +219,6 @@ def run_identity(params: TrainParams, keep: tuple[str, ...] = ()) -> dict:
     when the precision is fp8, the optimizer's keys only with Muon, batching only with documents: other runs compute
     the same without them (and every checkpoint written before they existed still resumes)."""
     outside = OUTSIDE_IDENTITY + (("fp8_recipe",) if params.precision != "fp8" else ()) + \
-        (MUON_KEYS if params.optimizer == "adamw" else ()) + (("batching",) if params.batching == "windows" else ())
+        (MUON_KEYS if params.optimizer == "adamw" else ()) + (("batching",) if params.batching == "windows" else ()) + \
+        (("doc_mask",) if not params.doc_mask else ())
     return {k: v for k, v in dataclasses.asdict(params).items() if k not in outside or k in keep}

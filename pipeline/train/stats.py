@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.model.gpt import GPT, Attention, apply_rope
+from kiln.model.gpt import GPT, Attention, Mask, apply_rope
 from kiln.pipeline.train.curves import metric_files, pyplot, read_metric, save_png
 
 GROUPS = {"attn": ".attn.", "mlp": ".mlp.", "norm": "_norm."}
@@ -104,22 +104,26 @@ class StepStats:
         def hook(module: Attention, args, output):
             if torch.is_grad_enabled() and args[2] is None:
                 with torch.no_grad():
-                    self._logit_max(layer, module, args[0][:1], args[1])
+                    self._logit_max(layer, module, args[0][:1], args[1], args[5])
         return hook
 
-    def _logit_max(self, layer: str, module: Attention, x: torch.Tensor, rope) -> None:
+    def _logit_max(self, layer: str, module: Attention, x: torch.Tensor, rope, mask) -> None:
         T = x.size(1)
         q = module.q_proj(x).view(1, T, module.n_head, module.head_dim)
         k = module.k_proj(x).view(1, T, module.n_kv_head, module.head_dim)
         if module.q_norm is not None:  # QK-norm: the logits the attention computes are the normed ones
             q, k = module.q_norm(q), module.k_norm(k)
         q, k = q.transpose(1, 2).float(), k.transpose(1, 2).float()
-        if rope is not None:
+        if rope is not None:  # per-row tables (packed documents' positions): the first row's
+            rope = tuple(t[:1] if t.dim() == 4 else t for t in rope)
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k = k.repeat_interleave(module.n_head // module.n_kv_head, dim=1)
         logits = q @ k.transpose(-1, -2) / math.sqrt(module.head_dim)
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        top = logits.masked_fill(~causal, float("-inf")).max().item()
+        seen = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        segments = Mask(*mask).segments
+        if segments is not None:  # packed documents: the pairs within one document
+            seen = seen & (segments[0, :, None] == segments[0, None, :])
+        top = logits.masked_fill(~seen, float("-inf")).max().item()
         key = f"attn_logit_max/{layer}"
         self.maxima[key] = max(self.maxima.get(key, float("-inf")), top)
 
