@@ -101,6 +101,11 @@ def test_real_pretrain_stage_ran_in_the_scratch_folder(smoke):
     assert (work / "run" / "model" / "model.safetensors").is_file()  # a hand run's folder, not data/
     summary = json.loads((out / "summary.json").read_text())
     assert summary["headline"]["pretrain_val_loss"] == metrics["val_loss"]
+    # the Muon run beside it: the same steps from the same seed, and its step time against AdamW's
+    muon = json.loads((out / "pretrain_muon.json").read_text())["pretrain"]
+    assert muon["steps"] == 4 and muon["tokens"] == metrics["tokens"] and muon["val_loss"] != metrics["val_loss"]
+    assert summary["headline"]["pretrain_muon_val_loss"] == muon["val_loss"]
+    assert summary["headline"]["muon_step_time_vs_adamw"] > 0
 
 
 @pytest.mark.slow  # the smoke run of every step, ~2.5 min on 2 cores: `make test-slow`

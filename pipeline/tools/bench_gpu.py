@@ -99,12 +99,13 @@ STEP_TESTS = ["tests/test_kernel_cross_entropy.py", "tests/test_kernel_linear_cr
 # one run splits the gap by op (GPT-2 uses no other kiln op: its norm is LayerNorm and its MLP GELU).
 GPU_VARIANTS = "bf16-compile-torch,bf16-compile-triton,bf16-compile-triton:head,bf16-compile-triton:attention"
 
-# Seconds each step may take, per size. Quick's sum to 480 s: with the wheels' install (~20 s) one call stays
+# Seconds each step may take, per size. Quick's sum to 500 s: with the wheels' install (~20 s) one call stays
 # under 9 minutes. From the H200 runs: 2026-11-26 (quick) train 75 s for two compiled rows, pretrain 55 s,
 # serve 19 s; 2026-11-27 (first run) train cut at 100 s inside kiln's compiled row (kiln's compiled in 56 s),
 # kernels cut at 140 s after all 20 rows; 2026-11-27 (this layout) train 152 s for its four compiled rows
 # (compiles 30, 44, 21, 21 s) and their profiles, kernels' 6 step rows ~70 s (cut at 75 s on the way out),
-# pretrain 60 s, serve 31 s, and the two cross-entropy test files 52 s on 8 workers (with flash attention's
+# pretrain 60 s (before its Muon run was added: 40 s more allowed for it, unmeasured), serve 31 s, and the two
+# cross-entropy test files 52 s on 8 workers (with flash attention's
 # and the ops' files beside them the step did not finish in 75 s, so quick leaves flash attention's to full;
 # the ops' file beside the two is not timed yet). A step cut at
 # its limit keeps the rows its JSON already holds (serve writes its JSON at the end: give it room). Full's
@@ -113,7 +114,7 @@ GPU_VARIANTS = "bf16-compile-torch,bf16-compile-triton,bf16-compile-triton:head,
 # 1,000 tokens; its limit is a guess with room.
 LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "generate": 120, "serve": 120,
                     "grpo": 240},
-          "quick": {"train": 200, "kernels": 90, "tests": 80, "pretrain": 70, "generate": 80, "serve": 40,
+          "quick": {"train": 190, "kernels": 80, "tests": 80, "pretrain": 110, "generate": 80, "serve": 40,
                     "grpo": 240},
           "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 300, "serve": 300,
                    "grpo": 300}}
@@ -186,9 +187,14 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
                           kiln("data", "shard", "--params", params, "--corpus", "run/corpus", "--tokenizer",
                                "run/tokenizer/tokenizer.json", "--out", "run"),
                           kiln("train", "--params", params, *_sets(train), "--shards", "run/shards", "--tokenizer",
-                               "run/tokenizer/tokenizer.json", "--out", "run")],
+                               "run/tokenizer/tokenizer.json", "--out", "run"),
+                          # the recipe issue's row: the same run (seed, data, steps) with Muon on the blocks
+                          kiln("train", "--params", params, *_sets([*train, "train.optimizer=muon"]), "--shards",
+                               "run/shards", "--tokenizer", "run/tokenizer/tokenizer.json", "--out", "run-muon")],
              cwd=work, collect={"run/metrics/pretrain.json": "pretrain.json", "run/metrics/pretrain": "pretrain",
-                                "run/metrics/timings/pretrain.json": "pretrain_timings.json"}),
+                                "run/metrics/timings/pretrain.json": "pretrain_timings.json",
+                                "run-muon/metrics/pretrain.json": "pretrain_muon.json",
+                                "run-muon/metrics/timings/pretrain.json": "pretrain_muon_timings.json"}),
         Step("generate", [kiln("bench", "generate", "--params", params, *_sets(model), *generate_shape,
                                "--batch-sizes", "1,2" if smoke else "1,16,64", "--out", str(out / "generate.json")),
                           kiln("bench", "generate", "--params", params, *_sets(model), *generate_shape,
@@ -386,11 +392,16 @@ def headline(out: Path, since: float = 0.0) -> dict:
         found["kernel_goals_met"] = f"{sum(r['goal_met'] is True for r in rows)}/{len(rows)}"
     if path := fresh("tests.xml"):
         found["tests_results"] = junit_results(path)
-    for name in ("pretrain.json", "pretrain_timings.json"):
-        if path := fresh(name):
-            metrics = json.loads(path.read_text())
-            metrics = metrics.get("pretrain", metrics)  # the timings file is flat
-            found |= {f"pretrain_{k}": metrics[k] for k in ("val_loss", "tokens_per_s", "mfu") if k in metrics}
+    for run in ("pretrain", "pretrain_muon"):
+        for name in (f"{run}.json", f"{run}_timings.json"):
+            if path := fresh(name):
+                metrics = json.loads(path.read_text())
+                metrics = metrics.get("pretrain", metrics)  # the timings file is flat
+                found |= {f"{run}_{k}": metrics[k] for k in ("val_loss", "tokens_per_s", "mfu") if k in metrics}
+    if found.get("pretrain_tokens_per_s") and found.get("pretrain_muon_tokens_per_s"):
+        # Muon's step time against AdamW's (the same tokens a step), and its val loss after the same tokens
+        found["muon_step_time_vs_adamw"] = round(found["pretrain_tokens_per_s"] / found["pretrain_muon_tokens_per_s"],
+                                                 3)
     if path := fresh("generate_quantize.json"):
         for kind in json.loads(path.read_text())["quantize"]:
             if kind["quantize"]:
