@@ -99,12 +99,12 @@ STEP_TESTS = ["tests/test_kernel_cross_entropy.py", "tests/test_kernel_linear_cr
 # one run splits the gap by op (GPT-2 uses no other kiln op: its norm is LayerNorm and its MLP GELU).
 GPU_VARIANTS = "bf16-compile-torch,bf16-compile-triton,bf16-compile-triton:head,bf16-compile-triton:attention"
 
-# Seconds each step may take, per size. Quick's sum to 500 s: with the wheels' install (~20 s) one call stays
+# Seconds each step may take, per size. Quick's sum to 480 s: with the wheels' install (~20 s) one call stays
 # under 9 minutes. From the H200 runs: 2026-11-26 (quick) train 75 s for two compiled rows, pretrain 55 s,
 # serve 19 s; 2026-11-27 (first run) train cut at 100 s inside kiln's compiled row (kiln's compiled in 56 s),
 # kernels cut at 140 s after all 20 rows; 2026-11-27 (this layout) train 152 s for its four compiled rows
 # (compiles 30, 44, 21, 21 s) and their profiles, kernels' 6 step rows ~70 s (cut at 75 s on the way out),
-# pretrain 60 s (before its Muon run was added: 40 s more allowed for it, unmeasured), serve 31 s, and the two
+# pretrain 60 s (before its Muon run was added: 30 s more allowed for it, unmeasured), serve 31 s, and the two
 # cross-entropy test files 52 s on 8 workers (with flash attention's
 # and the ops' files beside them the step did not finish in 75 s, so quick leaves flash attention's to full;
 # the ops' file beside the two is not timed yet). A step cut at
@@ -114,7 +114,7 @@ GPU_VARIANTS = "bf16-compile-torch,bf16-compile-triton,bf16-compile-triton:head,
 # 1,000 tokens; its limit is a guess with room.
 LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "generate": 120, "serve": 120,
                     "grpo": 240},
-          "quick": {"train": 190, "kernels": 80, "tests": 80, "pretrain": 110, "generate": 80, "serve": 40,
+          "quick": {"train": 180, "kernels": 80, "tests": 80, "pretrain": 100, "generate": 80, "serve": 40,
                     "grpo": 240},
           "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 300, "serve": 300,
                    "grpo": 300}}
