@@ -286,6 +286,20 @@ def test_two_nodes_by_rendezvous_train_as_one_process(tiny, tmp_path, single, si
     assert_same_run(tmp_path / "nodes", single_muon if optimizer == "muon" else single, steps=shape["max_steps"])
 
 
+def resumes_bitwise_from_step_10(root, launch):
+    """Drop the run's step-20 checkpoint, `launch` it again: it resumes at step 10 and ends bitwise where it did."""
+    straight = load_file(root / "base/model/model.safetensors")
+    ckpts = sorted((root / "ckpt").glob("*/step_*"))
+    assert [p.name for p in ckpts] == ["step_00000010", "step_00000020"]
+    shutil.rmtree(ckpts[-1])
+    resumed = launch()
+    assert resumed.returncode == 0, resumed.output
+    assert "resuming from" in resumed.output and "(step 10)" in resumed.output
+    again = load_file(root / "base/model/model.safetensors")
+    for name, tensor in straight.items():
+        assert torch.equal(tensor, again[name]), name
+
+
 @pytest.mark.slow  # multi-process runs, ~60 s on 2 cores: `make test-slow`
 def test_muon_under_fsdp_matches_one_process_and_resumes_bitwise(tiny, single_muon, tmp_path):
     """FSDP2 on two ranks: each matrix's Nesterov momentum gathered, orthogonalised whole, each rank's rows kept;
@@ -296,16 +310,7 @@ def test_muon_under_fsdp_matches_one_process_and_resumes_bitwise(tiny, single_mu
     assert done.returncode == 0, done.output
     assert "x 2 processes (fsdp)" in done.output
     assert_same_run(tmp_path, single_muon, steps=20)
-    straight = load_file(tmp_path / "base/model/model.safetensors")
-    ckpts = sorted((tmp_path / "ckpt").glob("*/step_*"))
-    assert [p.name for p in ckpts] == ["step_00000010", "step_00000020"]
-    shutil.rmtree(ckpts[-1])
-    resumed = torchrun(tmp_path, *args)
-    assert resumed.returncode == 0, resumed.output
-    assert "resuming from" in resumed.output and "(step 10)" in resumed.output
-    again = load_file(tmp_path / "base/model/model.safetensors")
-    for name, tensor in straight.items():
-        assert torch.equal(tensor, again[name]), name
+    resumes_bitwise_from_step_10(tmp_path, lambda: torchrun(tmp_path, *args))
 
 
 @pytest.mark.slow  # multi-process runs, ~60 s on 2 cores: `make test-slow`
@@ -318,12 +323,4 @@ def test_muon_with_zero1_matches_one_process_and_resumes_bitwise(tiny, single_mu
     assert done.returncode == 0, done.output
     assert "x 2 processes (ddp)" in done.output
     assert_same_run(tmp_path, single_muon, steps=20)
-    straight = load_file(tmp_path / "base/model/model.safetensors")
-    ckpts = sorted((tmp_path / "ckpt").glob("*/step_*"))
-    shutil.rmtree(ckpts[-1])
-    resumed = kiln(tmp_path, *args)
-    assert resumed.returncode == 0, resumed.output
-    assert "resuming from" in resumed.output and "(step 10)" in resumed.output
-    again = load_file(tmp_path / "base/model/model.safetensors")
-    for name, tensor in straight.items():
-        assert torch.equal(tensor, again[name]), name
+    resumes_bitwise_from_step_10(tmp_path, lambda: kiln(tmp_path, *args))
