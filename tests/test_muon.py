@@ -141,6 +141,42 @@ def test_build_optimizer_gives_the_blocks_matrices_to_muon_and_the_rest_to_adamw
     assert isinstance(plain, torch.optim.AdamW)  # the default is today's AdamW, untouched
 
 
+def test_embed_and_head_lrs_get_groups_of_their_own_only_when_set():
+    from kiln.model.config import ModelConfig
+    from kiln.model.gpt import GPT
+    from kiln.pipeline.config import build_section
+    from kiln.pipeline.errors import UserError
+    from kiln.pipeline.train.loop import build_optimizer
+    from kiln.pipeline.train.params import TrainParams, run_identity
+    from kiln.pipeline.train.stats import optimizer_group_name
+
+    def model(tied):
+        return GPT(ModelConfig(arch="llama", n_layer=1, n_head=2, n_kv_head=1, d_model=32, max_seq_len=16,
+                               vocab_size=64, tie_embeddings=tied))
+
+    untied = model(False)
+    params = build_section(TrainParams, {"optimizer": "muon", "lr": 0.004, "embed_lr": 0.2, "head_lr": 0.008})
+    opt = build_optimizer(untied, params, torch.device("cpu"))
+    for group in opt.param_groups:  # as the loop does, halfway down a schedule
+        group["lr"] = 0.002 * group.get("lr_scale", 1.0)
+    named = {id(p): n for n, p in untied.named_parameters()}
+    by_group = {optimizer_group_name(g): ([named[id(p)] for p in g["params"]], g["lr"]) for g in opt.param_groups}
+    assert by_group["adamw_embed"] == (["tok_emb.weight"], pytest.approx(0.1))
+    assert by_group["adamw_head"] == (["lm_head.weight"], pytest.approx(0.004))
+    assert by_group["adamw_decay"] == ([], pytest.approx(0.002))  # every other matrix is Muon's
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(named)
+    tied = model(True)
+    shared = build_optimizer(tied, build_section(TrainParams, {"embed_lr": 0.2}), torch.device("cpu"))
+    assert [len(g["params"]) for g in shared.param_groups] == [7, 3, 1]  # 7 block matrices, 3 norms, the tied embedding
+    with pytest.raises(UserError, match=r"train\.head_lr=0\.008: expected null with model\.tie_embeddings=true"):
+        build_optimizer(tied, params, torch.device("cpu"))
+    plain = build_section(TrainParams, {})
+    assert len(build_optimizer(tied, plain, torch.device("cpu")).param_groups) == 2  # unset: the old layout
+    assert "embed_lr" not in run_identity(plain) and run_identity(params)["embed_lr"] == 0.2
+    with pytest.raises(UserError, match=r"train\.embed_lr"):
+        build_section(TrainParams, {"embed_lr": 0})
+
+
 @pytest.mark.parametrize("settings,key", [
     ({"optimizer": "sgd"}, "optimizer"),
     ({"muon_momentum_start": 0.99}, "muon_momentum_start"),

@@ -78,6 +78,9 @@ def test_fingerprint_follows_what_is_trained_not_how(tiny, data, tmp_path, monke
     observed = plan(*sections(scaling={"stats_every": 5}), data)[0]  # statistics: the same run, observed
     assert observed.fingerprint == base and observed.train.stats_every == 5
     assert plan(*sections(scaling={"lr": 2e-2}), data)[0].fingerprint != base
+    muon = plan(*sections(scaling={"optimizer": "muon", "muon_lr": 0.03, "embed_lr": 0.1}), data)[0]
+    assert (muon.train.optimizer, muon.train.muon_lr, muon.train.embed_lr) == ("muon", 0.03, 0.1)  # pretraining's recipe
+    assert muon.fingerprint != base
     assert plan(*sections(scaling={"eval_tokens": 512}), data)[0].fingerprint != base
     assert plan(*sections(), dataclasses.replace(data, tokenizer_sha256="0" * 64))[0].fingerprint != base
     # runs.csv persists: after a change to the shards or to the sweep's code, no row of before is this run's

@@ -52,6 +52,14 @@ class ScalingParams(Section):
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    embed_lr: float | None = None
+    head_lr: float | None = None
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+    muon_momentum_start: float = 0.85
+    muon_momentum_warmup: int = 300
+    muon_weight_decay: float = 0.0
     stats_every: int = 0
 
     def check(self) -> None:

@@ -50,10 +50,15 @@ def build_optimizer(model: torch.nn.Module, params: TrainParams, device: torch.d
     train.optimizer=muon, the blocks' matrices go to Muon (pipeline/train/muon.py) instead; a LoRA adapter's
     matrices stay on AdamW, as the embeddings and the head do."""
     muon = muon_matrices(model) if params.optimizer == "muon" else []
-    taken = {id(p) for p in muon}
+    embed, head = own_lr_matrices(model, params)
+    taken = {id(p) for p in muon + embed + head}
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2 and id(p) not in taken]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": params.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # the embedding's and the head's own lrs (nanochat's split), as scales of the schedule of train.lr; groups
+    # only when set, so a run without them keeps the optimizer state (and checkpoints) it always had
+    groups += [{"params": ps, "weight_decay": params.weight_decay, "lr_scale": lr / params.lr, "name": name}
+               for name, ps, lr in (("embed", embed, params.embed_lr), ("head", head, params.head_lr)) if ps]
     kwargs = {"lr": params.lr, "betas": (params.beta1, params.beta2), "fused": device.type == "cuda"}
     adamw = sharded(torch.optim.AdamW, groups, zero1, **kwargs)
     if not muon:
@@ -74,6 +79,20 @@ def sharded(kind: type, groups: list[dict], zero1: bool, **kwargs) -> torch.opti
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return ZeroRedundancyOptimizer(groups, optimizer_class=kind, **kwargs)
+
+
+def own_lr_matrices(model: torch.nn.Module, params: TrainParams) -> tuple[list, list]:
+    """The trainable token (and position) embeddings when train.embed_lr is set, and the untied LM head when
+    train.head_lr is. A tied head is the embedding matrix: embed_lr sets its lr, and head_lr is refused."""
+    gpt = distributed.unwrap(model)
+    tied = gpt.lm_head.weight is gpt.tok_emb.weight
+    if params.head_lr is not None and tied:
+        raise UserError(f"params: train.head_lr={params.head_lr:g}: expected null with model.tie_embeddings=true "
+                        "(the head is the embedding matrix; train.embed_lr sets its lr)")
+    embeddings = [m.weight for m in (gpt.tok_emb, getattr(gpt, "pos_emb", None)) if m is not None]
+    embed = [p for p in embeddings if p.requires_grad] if params.embed_lr is not None else []
+    head = [gpt.lm_head.weight] if params.head_lr is not None and gpt.lm_head.weight.requires_grad else []
+    return embed, head
 
 
 def muon_matrices(model: torch.nn.Module) -> list[torch.nn.Parameter]:

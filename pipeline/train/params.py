@@ -100,6 +100,9 @@ class TrainParams(Section):
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0  # 0 = off
+    # AdamW's lr for the embeddings and for an untied head (null: lr); like muon_lr, the schedule scales them
+    embed_lr: float | None = None
+    head_lr: float | None = None
     # adamw | muon: Muon on the transformer blocks' matrices, AdamW (lr, betas, weight_decay) on the rest
     optimizer: str = "adamw"
     muon_lr: float = 0.02  # the peak lr of the Muon group; the schedule scales it as it scales lr
@@ -181,6 +184,9 @@ class TrainParams(Section):
     def check_muon(self) -> None:
         if self.optimizer not in ("adamw", "muon"):
             raise self.bad("optimizer", "adamw or muon")
+        for name in ("embed_lr", "head_lr"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise self.bad(name, "a positive number or null")
         if not self.muon_lr > 0:
             raise self.bad("muon_lr", "a positive number")
         if not 0 <= self.muon_momentum_start <= self.muon_momentum:
@@ -220,5 +226,6 @@ def run_identity(params: TrainParams, keep: tuple[str, ...] = ()) -> dict:
     the same without them (and every checkpoint written before they existed still resumes)."""
     outside = OUTSIDE_IDENTITY + (("fp8_recipe",) if params.precision != "fp8" else ()) + \
         (MUON_KEYS if params.optimizer == "adamw" else ()) + (("batching",) if params.batching == "windows" else ()) + \
-        (("doc_mask",) if not params.doc_mask else ())
+        (("doc_mask",) if not params.doc_mask else ()) + \
+        tuple(k for k in ("embed_lr", "head_lr") if getattr(params, k) is None)
     return {k: v for k, v in dataclasses.asdict(params).items() if k not in outside or k in keep}

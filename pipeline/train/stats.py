@@ -37,9 +37,12 @@ STATISTICS = ("grad_norm", "update_ratio", "act_rms", "act_max", "attn_logit_max
 
 
 def optimizer_group_name(group: dict) -> str:
-    """muon (a Muon group: it warms its momentum up), adamw_decay or adamw_no_decay (by its weight decay)."""
+    """muon (a Muon group: it warms its momentum up), adamw_embed or adamw_head (a group of its own lr, named),
+    adamw_decay or adamw_no_decay (by its weight decay)."""
     if "momentum_warmup" in group:
         return "muon"
+    if "name" in group:
+        return f"adamw_{group['name']}"
     return "adamw_decay" if group.get("weight_decay") else "adamw_no_decay"
 
 
