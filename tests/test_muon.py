@@ -137,8 +137,8 @@ def test_build_optimizer_gives_the_blocks_matrices_to_muon_and_the_rest_to_adamw
     for group in opt.param_groups:
         group["lr"] = 0.002 * group.get("lr_scale", 1.0)
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.002, 0.002, 0.015])
-    plain = build_optimizer(model, build_section(TrainParams, {}), torch.device("cpu"))
-    assert isinstance(plain, torch.optim.AdamW)  # the default is today's AdamW, untouched
+    plain = build_optimizer(model, build_section(TrainParams, {"optimizer": "adamw"}), torch.device("cpu"))
+    assert isinstance(plain, torch.optim.AdamW)  # asked for, AdamW is the plain one, untouched
 
 
 def test_embed_and_head_lrs_get_groups_of_their_own_only_when_set():
@@ -166,11 +166,12 @@ def test_embed_and_head_lrs_get_groups_of_their_own_only_when_set():
     assert by_group["adamw_decay"] == ([], pytest.approx(0.002))  # every other matrix is Muon's
     assert sum(len(g["params"]) for g in opt.param_groups) == len(named)
     tied = model(True)
-    shared = build_optimizer(tied, build_section(TrainParams, {"embed_lr": 0.2}), torch.device("cpu"))
+    shared = build_optimizer(tied, build_section(TrainParams, {"optimizer": "adamw", "embed_lr": 0.2}),
+                             torch.device("cpu"))
     assert [len(g["params"]) for g in shared.param_groups] == [7, 3, 1]  # 7 block matrices, 3 norms, the tied embedding
     with pytest.raises(UserError, match=r"train\.head_lr=0\.008: expected null with model\.tie_embeddings=true"):
         build_optimizer(tied, params, torch.device("cpu"))
-    plain = build_section(TrainParams, {})
+    plain = build_section(TrainParams, {"optimizer": "adamw"})
     assert len(build_optimizer(tied, plain, torch.device("cpu")).param_groups) == 2  # unset: the old layout
     assert "embed_lr" not in run_identity(plain) and run_identity(params)["embed_lr"] == 0.2
     with pytest.raises(UserError, match=r"train\.embed_lr"):
@@ -196,7 +197,7 @@ def test_muon_keys_are_part_of_a_runs_identity_only_with_muon():
     from kiln.pipeline.config import build_section
     from kiln.pipeline.train.params import TrainParams, run_identity
 
-    adamw = run_identity(build_section(TrainParams, {"muon_lr": 0.5}))
+    adamw = run_identity(build_section(TrainParams, {"optimizer": "adamw", "muon_lr": 0.5}))
     assert "muon_lr" not in adamw and "optimizer" not in adamw  # AdamW checkpoints written before still resume
     assert run_identity(build_section(TrainParams, {"optimizer": "muon"}))["muon_lr"] == 0.02
     # the same rule for train.batching: only document rows are another run

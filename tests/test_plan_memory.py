@@ -163,7 +163,8 @@ def test_checkpointing_plans_less_and_the_largest_batch_is_the_largest_that_fits
 def test_the_command_prints_and_writes_the_plan(tmp_path):
     out = tmp_path / "plan.json"
     result = CliRunner().invoke(app, ["plan", "memory", "--device-gb", "1", "--out", str(out),
-                                      "--set", "model.n_layer=2", "--set", "precision=bf16"])
+                                      "--set", "model.n_layer=2", "--set", "precision=bf16", "--set",
+                                      "optimizer=adamw"])
     assert result.exit_code == 0, result.output
     assert "AdamW state" in result.output and "largest micro-batch in 1 GB" in result.output
     plan_json = json.loads(out.read_text())
@@ -172,7 +173,8 @@ def test_the_command_prints_and_writes_the_plan(tmp_path):
     assert plan_json["kernels"] == "torch" and not plan_json["compile"]  # auto: what a run on this CPU uses
 
     compiled = CliRunner().invoke(app, ["plan", "memory", "--device-gb", "1", "--out", str(out), "--set",
-                                        "model.n_layer=2", "--set", "precision=bf16", "--set", "compile=true"])
+                                        "model.n_layer=2", "--set", "precision=bf16", "--set", "compile=true",
+                                        "--set", "optimizer=adamw"])
     assert compiled.exit_code == 0 and "torch.compile" in compiled.output, compiled.output
     compiled_json = json.loads(out.read_text())
     assert compiled_json["compile"] and compiled_json["activation_bytes"] < plan_json["activation_bytes"]

@@ -47,6 +47,7 @@ class PostTrainParams(Section):
     min_lr: float = 3e-4
     warmup_steps: int = 10
     weight_decay: float = 0.0
+    optimizer: str = "adamw"  # fine-tuning keeps AdamW; muon takes train.muon_*
     eval_every: int = 50
     checkpoint_every: int = 50
     log_every: int = 10

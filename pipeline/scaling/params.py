@@ -44,8 +44,8 @@ class ScalingParams(Section):
     kernels: str = "torch"
     compile: bool = False
     batch_size: int = 16
-    lr: float = 3e-3
-    min_lr: float = 3e-4
+    lr: float = 1e-2
+    min_lr: float = 1e-3
     schedule: str = "cosine"
     decay_fraction: float = 0.2
     weight_decay: float = 0.1
@@ -54,7 +54,7 @@ class ScalingParams(Section):
     grad_clip: float = 1.0
     embed_lr: float | None = None
     head_lr: float | None = None
-    optimizer: str = "adamw"
+    optimizer: str = "muon"
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
     muon_momentum_start: float = 0.85

@@ -42,11 +42,11 @@ class ModelParams(Section):
     max_seq_len: int = 128
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
-    tie_embeddings: bool = True
+    tie_embeddings: bool = False
     dropout: float = 0.0
     norm: str = "auto"  # auto (llama: rmsnorm, gpt2: layernorm) | rmsnorm | layernorm | dyt
-    # the record runs' knobs (model/config.py), each off by default
-    qk_norm: bool = False
+    # the record runs' knobs (model/config.py): QK-norm on (docs/stages.md: the recipe), the rest off
+    qk_norm: bool = True
     mlp: str = "auto"  # auto | relu2
     logit_softcap: float = 0.0
     zero_init: bool = False
@@ -87,13 +87,13 @@ class TrainParams(Section):
     kernels: str = "torch"  # auto | triton | torch: kiln's Triton kernels in the model (GPT.set_kernels)
     compile: bool = False
     compile_mode: str | None = None  # torch.compile's mode (COMPILE_MODES); null: its default
-    batch_size: int = 8  # sequences per micro-step on one device
-    batch_tokens: int = 1024  # tokens per optimizer step, reached by gradient accumulation
-    max_steps: int | None = 1600
+    batch_size: int = 32  # sequences per micro-step on one device
+    batch_tokens: int = 4096  # tokens per optimizer step, reached by gradient accumulation
+    max_steps: int | None = 400
     tokens: int | None = None  # run length in tokens; used when max_steps is null
-    lr: float = 3e-3
-    min_lr: float = 3e-4
-    warmup_steps: int = 80
+    lr: float = 1e-2
+    min_lr: float = 1e-3
+    warmup_steps: int = 20
     schedule: str = "cosine"  # cosine | wsd (warmup, stable, then linear decay)
     decay_fraction: float = 0.2  # wsd: share of the run spent decaying
     weight_decay: float = 0.1
@@ -104,7 +104,7 @@ class TrainParams(Section):
     embed_lr: float | None = None
     head_lr: float | None = None
     # adamw | muon: Muon on the transformer blocks' matrices, AdamW (lr, betas, weight_decay) on the rest
-    optimizer: str = "adamw"
+    optimizer: str = "muon"
     muon_lr: float = 0.02  # the peak lr of the Muon group; the schedule scales it as it scales lr
     muon_momentum: float = 0.95
     muon_momentum_start: float = 0.85  # warmed up linearly to muon_momentum over muon_momentum_warmup steps
@@ -113,9 +113,9 @@ class TrainParams(Section):
     # windows: random windows of the token stream | documents: every row starts at a document (pipeline/text/loader)
     batching: str = "windows"
     doc_mask: bool = False  # documents only: attention stops at document boundaries, positions restarting
-    eval_every: int = 200
+    eval_every: int = 50
     eval_tokens: int = 32768
-    checkpoint_every: int = 200
+    checkpoint_every: int = 100
     keep_checkpoints: int = 2
     log_every: int = 20
     # Processes on this node: > 1 makes `kiln pretrain` (sft, dpo, grpo) start itself under torchrun (one per GPU,
