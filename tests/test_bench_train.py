@@ -16,7 +16,10 @@ from kiln.pipeline.errors import UserError
 
 from conftest import imports_without_the_data_stack, write_params
 
-TINY = {"n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 32, "max_seq_len": 32}
+# the library's model (tied, no QK-norm) and AdamW, whatever params.yaml's recipe: the figures below are computed
+# from ModelConfig(**TINY) and plan memory's AdamW
+TINY = {"n_layer": 1, "n_head": 2, "n_kv_head": 2, "d_model": 32, "max_seq_len": 32, "tie_embeddings": True,
+        "qk_norm": False}
 ARGS = ["--vocab-size", "300", "--seq-len", "16", "--batch-size", "2", "--steps", "2", "--warmup", "1",
         "--device", "cpu"]
 
@@ -30,7 +33,7 @@ def independent_cpu_flops(n: int = 512) -> float:
 
 @pytest.fixture
 def params(tmp_path):
-    return write_params(tmp_path / "params.yaml", {"model": TINY})
+    return write_params(tmp_path / "params.yaml", {"model": TINY, "train": {"optimizer": "adamw"}})
 
 
 def test_cli_writes_variants_ratios_and_mfu(tmp_path, params):

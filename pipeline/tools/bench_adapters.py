@@ -57,7 +57,7 @@ def measure(config: ModelConfig, method: str, rank: int, alpha: float, targets: 
     apply_adapter(model, method, rank, alpha, 0.0, have)
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = [t for t in model.state_dict(keep_vars=True).values() if not t.requires_grad]  # RoPE tables: not saved
-    optimizer = build_optimizer(model, TrainParams(), device)
+    optimizer = build_optimizer(model, TrainParams(optimizer="adamw"), device)  # fine-tuning's optimizer
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     x = torch.randint(0, config.vocab_size, (1, min(tokens, config.max_seq_len)), device=device)

@@ -227,6 +227,12 @@ def profile_steps(one, device: torch.device, trace: Path | None) -> tuple[list[d
     return top, round(total / 1e3 / PROFILED_STEPS, 3)
 
 
+def fused_adamw(optimizer) -> bool:
+    """Whether the step's AdamW (alone, or beside Muon) runs torch's fused kernel."""
+    adamw = next(o for o in getattr(optimizer, "optimizers", [optimizer]) if isinstance(o, torch.optim.AdamW))
+    return bool(adamw.defaults.get("fused"))
+
+
 def time_variant(template: GPT, run: Run, device: torch.device, seq_len: int, steps: int, warmup: int,
                  progress: Progress, profiled: bool = False, trace: Path | None = None) -> dict:
     """`profiled`: after the timed steps, PROFILED_STEPS more under torch.profiler (their trace to `trace` if
@@ -276,7 +282,7 @@ def time_variant(template: GPT, run: Run, device: torch.device, seq_len: int, st
     top, busy = profile_steps(one, device, trace) if profiled else (None, None)
     peak_memory = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
     tokens_per_s = run.batch_size * seq_len * steps / seconds
-    return {"kernels": kernels if ops is None else f"{kernels}:{'+'.join(ops)}", "fused_adamw": bool(optimizer.defaults.get("fused")),
+    return {"kernels": kernels if ops is None else f"{kernels}:{'+'.join(ops)}", "fused_adamw": fused_adamw(optimizer),
             "padded_vocab_size": model.lm_head.weight.shape[0],
             "step_ms": round(seconds / steps * 1e3, 3), "tokens_per_s": round(tokens_per_s, 1),
             "compile_seconds": round(first, 2) if run.compiled else None,

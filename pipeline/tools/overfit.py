@@ -60,7 +60,7 @@ def overfit(model_params: ModelParams, params: TrainParams, shards_dir: Path, to
         raise UserError(f"{tokenizer_path}: tokenizer not found (run `kiln tokenizer train` first)")
     shards = ShardSet(shards_dir, "train", tokenizer_sha256=sha256_file(tokenizer_path))
     config = model_params.config(shards.vocab_size)
-    params = dataclasses.replace(params, weight_decay=0.0, lr=params.lr if lr is None else lr)
+    params = dataclasses.replace(params, optimizer="adamw", weight_decay=0.0, lr=params.lr if lr is None else lr)
     device = prepare_device(params)
     torch.manual_seed(params.seed)
     model = GPT(config).to(device).set_kernels(params.kernels).train()
