@@ -1,11 +1,10 @@
 """What SFT, DPO and GRPO share: the model they start from, examples as padded tensors, their batches, and
 the summed log-probability of an answer that the SFT and DPO losses (and every multiple-choice score) are made of.
 
-Padding, not packing: each example is one row of `max_seq_len` tokens, padded on the right with `<|pad|>` and
+Padding by default: each example is one row of `max_seq_len` tokens, padded on the right with `<|pad|>` and
 targets of -100. With causal attention a right pad never affects the tokens before it, so no attention mask is
-needed and the model stays the one pretraining uses; packing several examples into a row would need a
-block-diagonal mask and per-example positions in every attention path (SDPA, flash kernel, KV cache). The
-price is compute on pad positions, small for the built-in task (most examples fill most of the row).
+needed. The price is compute on pad positions, small for the built-in task (most examples fill most of the row)
+and large on chat data of mixed lengths: `sft.packing` packs whole examples into rows instead (post/packing.py).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from kiln.model.lora import adapter_state_dict, apply_adapter, merged_state_dict
 from kiln.model.modes import evaluating
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
+from kiln.pipeline.post.packing import IGNORE, example_tokens
 from kiln.pipeline.post.params import PostTrainParams
 from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.runtime import World, autocast, from_env, prepare_device
@@ -32,7 +32,6 @@ from kiln.pipeline.text.bpe import load_tokenizer
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.params import TrainParams
 
-IGNORE = -100
 
 
 @dataclass
@@ -119,11 +118,10 @@ def to_rows(rendered: list[Rendered], seq_len: int, pad: int, what: str) -> tupl
     y = torch.full((len(rendered), seq_len), IGNORE, dtype=torch.long)
     cut = 0
     for i, r in enumerate(rendered):
-        ids, mask = r.ids[:seq_len + 1], r.mask[:seq_len + 1]
-        cut += len(r.ids) > seq_len + 1
-        n = len(ids) - 1
-        x[i, :n] = torch.tensor(ids[:-1])
-        y[i, :n] = torch.tensor([t if m else IGNORE for t, m in zip(ids[1:], mask[1:])])
+        inputs, targets, was_cut = example_tokens(r, seq_len)
+        cut += was_cut
+        x[i, :len(inputs)] = torch.tensor(inputs)
+        y[i, :len(inputs)] = torch.tensor(targets)
     if cut:
         console.print(f"{what}: {cut:,} of {len(rendered):,} examples cut to max_seq_len={seq_len}", highlight=False)
     return x, y
@@ -150,7 +148,7 @@ class ExampleBatches:
     ...", each permutation seeded by (seed, epoch), for B = batch_size examples on each of W = world_size ranks;
     rank r takes [kBW + rB, kBW + (r+1)B). Its state is k alone, so a resumed run sees the batches an
     uninterrupted one would, and an optimizer step's examples are the same whatever B and W (only how they are
-    split changes). With `per_token`, tensors are (x, y, row weights) and each micro-batch also carries
+    split changes). With `per_token`, tensors are (x, y, row weights, then any others) and each micro-batch also carries
     (weighted targets in its whole optimizer step, every rank's) / (accum x W), so that weighted summed losses
     divided by it, averaged over ranks as DDP and FSDP average gradients, are the step's weighted mean over
     target tokens exactly, however they fall across micro-batches and ranks.
@@ -161,7 +159,7 @@ class ExampleBatches:
         self.tensors, self.batch_size, self.accum, self.seed = tensors, batch_size, accum, seed
         self.per_token, self.n, self.rank, self.world_size = per_token, len(tensors[0]), rank, world_size
         if per_token:
-            x, y, weights = tensors
+            x, y, weights = tensors[:3]
             self.targets = (y != IGNORE).sum(dim=1).double() * weights.double()
         self.step = 0
 

@@ -16,10 +16,11 @@ import torch
 
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, Start, fits, rows_sha256, score_rows, start, to_rows
+from kiln.pipeline.post.packing import packed_rows
 from kiln.pipeline.post.params import SFTParams
 from kiln.pipeline.post.stage import Stage, run_stage
 from kiln.pipeline.progress import console
-from kiln.pipeline.tasks.chat_format import ChatFormat
+from kiln.pipeline.tasks.chat_format import ChatFormat, Rendered
 from kiln.pipeline.text.corpus import iter_texts
 from kiln.pipeline.train.curves import Panel
 from kiln.pipeline.train.params import TrainParams
@@ -34,13 +35,14 @@ PANELS = [Panel("loss on assistant tokens", "cross-entropy (nats/token)", {"loss
 
 def masked_loss(model, batch):
     """Cross-entropy of the targets, each row's weighted, summed, over (weighted targets in the step /
-    accumulation steps): the step's weighted mean per target token."""
-    x, y, weights, per_micro = batch
-    return (model(x, y, reduction="none").sum(dim=1) * weights).sum() / per_micro
+    accumulation steps): the step's weighted mean per target token. Packed rows carry each token's example."""
+    x, y, weights, *segments, per_micro = batch
+    losses = model(x, y, reduction="none", segments=segments[0] if segments else None)
+    return (losses.sum(dim=1) * weights).sum() / per_micro
 
 
-def rows_of(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, what: str):
-    """Padded (x, y) rows of the conversations that keep an answer token within seq_len (the rest counted)."""
+def rendered_of(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, what: str) -> list[Rendered]:
+    """The conversations that keep an answer token within seq_len, rendered (the rest counted)."""
     rendered = [chat.render(c) for c in conversations]
     kept = [r for r in rendered if fits(r, seq_len)]
     if len(kept) < len(rendered):
@@ -48,7 +50,26 @@ def rows_of(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, wha
                       f"max_seq_len={seq_len}", highlight=False)
     if not kept and rendered:
         raise UserError(f"{what}: no example has an answer token within max_seq_len={seq_len}")
-    return to_rows(kept, seq_len, chat.pad, what)
+    return kept
+
+
+def rows_of(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, what: str):
+    """Padded (x, y) rows of the conversations that keep an answer token within seq_len."""
+    return to_rows(rendered_of(conversations, chat, seq_len, what), seq_len, chat.pad, what)
+
+
+def train_rows(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, packing: bool) -> tuple:
+    """The training examples as rows: padded (x, y), or packed (x, y, segments) with `packing`; how many examples
+    they hold, and how many answer tokens an example has on average."""
+    rendered = rendered_of(conversations, chat, seq_len, "sft train")
+    if not packing:
+        x, y = to_rows(rendered, seq_len, chat.pad, "sft train")
+        return (x, y), len(x), (y != -100).float().sum(1).mean().item()
+    x, y, segments, cut = packed_rows(rendered, seq_len, chat.pad)
+    if cut:
+        console.print(f"sft train: {cut:,} of {len(rendered):,} examples cut to max_seq_len={seq_len}",
+                      highlight=False)
+    return (x, y, segments), len(rendered), (y != -100).sum().item() / max(1, len(rendered))
 
 
 def text_rows(corpus_dir: Path, chat: ChatFormat, seq_len: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -79,13 +100,16 @@ def sft(params: SFTParams, train_params: TrainParams, base_dir: Path, tokenizer_
 def sft_stage(params: SFTParams, s: Start, base_dir: Path, corpus_dir: Path) -> Stage:
     """SFT's rows (the examples', then the corpus text's), its weighted loss and its held-out measures."""
     loop, chat, data, seq_len, world = s.loop, s.chat, s.data, s.model.config.max_seq_len, s.world
-    x, y = rows_of(data.train, chat, seq_len, "sft train")
+    rows, examples, answer_tokens = train_rows(data.train, chat, seq_len, params.packing)
+    x, y = rows[:2]
     n_text = round(len(x) * params.text_share / (1 - params.text_share))
     weights = torch.ones(len(x))
+    segments = rows[2:]  # packed: each token's example; a text row is one stream, as in pretraining
     if n_text:
         text_x, text_y = text_rows(corpus_dir, chat, seq_len, n_text, params.seed)
         x, y = torch.cat([x, text_x]), torch.cat([y, text_y])
         weights = torch.cat([weights, torch.full((n_text,), params.text_weight)])
+        segments = tuple(torch.cat([s, torch.zeros_like(text_x)]) for s in segments)
     val_x, val_y = rows_of(data.val, chat, seq_len, "sft held-out")
     scorer = ChoiceScorer(data.items, chat, seq_len)
     val_targets = int((val_y != -100).sum())
@@ -96,14 +120,14 @@ def sft_stage(params: SFTParams, s: Start, base_dir: Path, corpus_dir: Path) -> 
             out["val_loss"] = -score_rows(m, val_x, val_y, params.batch_size, loop.precision).sum().item() / val_targets
         return out
 
-    examples = len(x) - n_text
+    packed = f" packed into {len(x) - n_text:,} rows" if params.packing else ""
     return Stage(
         name="sft", loss_fn=masked_loss,
-        batches=lambda accum: ExampleBatches((x, y, weights), params.batch_size, accum, params.seed, per_token=True,
-                                             rank=world.rank, world_size=world.size),
-        evaluate=evaluate, data=rows_sha256(x, y, weights), micro_batch_tokens=params.batch_size * seq_len,
-        summary=f"{examples:,} train examples ({(y[:examples] != -100).float().sum(1).mean():.1f} answer tokens "
-                f"each on average) and {n_text:,} rows of corpus text, {len(val_x):,} held-out examples, "
+        batches=lambda accum: ExampleBatches((x, y, weights, *segments), params.batch_size, accum, params.seed,
+                                             per_token=True, rank=world.rank, world_size=world.size),
+        evaluate=evaluate, data=rows_sha256(x, y, weights, *segments), micro_batch_tokens=params.batch_size * seq_len,
+        summary=f"{examples:,} train examples{packed} ({answer_tokens:.1f} answer tokens each on average) and "
+                f"{n_text:,} rows of corpus text, {len(val_x):,} held-out examples, "
                 f"{loop.max_steps} steps x {params.batch_examples} rows, from {base_dir}",
         panels=PANELS, title=f"{len(x):,} examples",
         metrics=lambda result, before: {**result, "examples": examples, "text_rows": n_text,
