@@ -22,7 +22,7 @@ from kiln.model.lora import adapter_state_dict, apply_adapter, merged_state_dict
 from kiln.model.modes import evaluating
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.post.packing import IGNORE, example_tokens
+from kiln.pipeline.post.packing import IGNORE, example_tokens, packed_rows
 from kiln.pipeline.post.params import PostTrainParams
 from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.runtime import World, autocast, from_env, prepare_device
@@ -110,21 +110,26 @@ def _start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokeniz
                  world, params.SECTION)
 
 
-def to_rows(rendered: list[Rendered], seq_len: int, pad: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+def to_rows(rendered: list[Rendered], seq_len: int, pad: int, what: str,
+            packing: bool = False) -> tuple[torch.Tensor, ...]:
     """Inputs x and targets y, (N, seq_len) each: y is x shifted by one, -100 where the mask is 0 or padded.
     Longer examples are cut at seq_len + 1 tokens (counted); an example left with no target is an error the
-    caller prevents (they are dropped before this)."""
-    x = torch.full((len(rendered), seq_len), pad, dtype=torch.long)
-    y = torch.full((len(rendered), seq_len), IGNORE, dtype=torch.long)
-    cut = 0
-    for i, r in enumerate(rendered):
-        inputs, targets, was_cut = example_tokens(r, seq_len)
-        cut += was_cut
-        x[i, :len(inputs)] = torch.tensor(inputs)
-        y[i, :len(inputs)] = torch.tensor(targets)
+    caller prevents (they are dropped before this). With `packing`, whole examples share rows (fewer than N)
+    and a third tensor gives each token's example (post/packing.py)."""
+    if packing:
+        *rows, cut = packed_rows(rendered, seq_len, pad)
+    else:
+        rows = [torch.full((len(rendered), seq_len), pad, dtype=torch.long),
+                torch.full((len(rendered), seq_len), IGNORE, dtype=torch.long)]
+        cut = 0
+        for i, r in enumerate(rendered):
+            inputs, targets, was_cut = example_tokens(r, seq_len)
+            cut += was_cut
+            rows[0][i, :len(inputs)] = torch.tensor(inputs)
+            rows[1][i, :len(inputs)] = torch.tensor(targets)
     if cut:
         console.print(f"{what}: {cut:,} of {len(rendered):,} examples cut to max_seq_len={seq_len}", highlight=False)
-    return x, y
+    return tuple(rows)
 
 
 def fits(r: Rendered, seq_len: int) -> bool:
@@ -148,8 +153,8 @@ class ExampleBatches:
     ...", each permutation seeded by (seed, epoch), for B = batch_size examples on each of W = world_size ranks;
     rank r takes [kBW + rB, kBW + (r+1)B). Its state is k alone, so a resumed run sees the batches an
     uninterrupted one would, and an optimizer step's examples are the same whatever B and W (only how they are
-    split changes). With `per_token`, tensors are (x, y, row weights, then any others) and each micro-batch also carries
-    (weighted targets in its whole optimizer step, every rank's) / (accum x W), so that weighted summed losses
+    split changes). With `per_token`, tensors are (x, y, row weights, then any others) and each micro-batch also
+    carries (weighted targets in its whole optimizer step, every rank's) / (accum x W), so that weighted summed losses
     divided by it, averaged over ranks as DDP and FSDP average gradients, are the step's weighted mean over
     target tokens exactly, however they fall across micro-batches and ranks.
     """

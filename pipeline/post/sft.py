@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.post.common import ChoiceScorer, ExampleBatches, Start, fits, rows_sha256, score_rows, start, to_rows
-from kiln.pipeline.post.packing import packed_rows
+from kiln.pipeline.post.common import (IGNORE, ChoiceScorer, ExampleBatches, Start, fits, rows_sha256, score_rows,
+                                       start, to_rows)
 from kiln.pipeline.post.params import SFTParams
 from kiln.pipeline.post.stage import Stage, run_stage
 from kiln.pipeline.progress import console
@@ -62,14 +62,8 @@ def train_rows(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, 
     """The training examples as rows: padded (x, y), or packed (x, y, segments) with `packing`; how many examples
     they hold, and how many answer tokens an example has on average."""
     rendered = rendered_of(conversations, chat, seq_len, "sft train")
-    if not packing:
-        x, y = to_rows(rendered, seq_len, chat.pad, "sft train")
-        return (x, y), len(x), (y != -100).float().sum(1).mean().item()
-    x, y, segments, cut = packed_rows(rendered, seq_len, chat.pad)
-    if cut:
-        console.print(f"sft train: {cut:,} of {len(rendered):,} examples cut to max_seq_len={seq_len}",
-                      highlight=False)
-    return (x, y, segments), len(rendered), (y != -100).sum().item() / max(1, len(rendered))
+    rows = to_rows(rendered, seq_len, chat.pad, "sft train", packing)
+    return rows, len(rendered), (rows[1] != IGNORE).sum().item() / max(1, len(rendered))
 
 
 def text_rows(corpus_dir: Path, chat: ChatFormat, seq_len: int, n: int, seed: int) -> tuple[torch.Tensor, ...]:

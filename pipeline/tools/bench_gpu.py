@@ -70,8 +70,8 @@ STEPS = ("env", "train", "kernels", "tests", "pretrain", "generate", "serve", "g
 
 # The GPT-2 124M shape (12 layers, 12 heads, d 768, T 1024) as `--set` overrides; the vocabulary is GPT-2's BPE
 # (50,257 + kiln's 3 chat tokens = 50,260, which the model pads to 50,304).
-GPT2_124M = ["model.arch=gpt2", "model.tie_embeddings=true", "model.n_layer=12", "model.n_head=12", "model.n_kv_head=12", "model.d_model=768",
-             "model.max_seq_len=1024"]
+GPT2_124M = ["model.arch=gpt2", "model.tie_embeddings=true", "model.n_layer=12", "model.n_head=12",
+             "model.n_kv_head=12", "model.d_model=768", "model.max_seq_len=1024"]
 GPT2_VOCAB = "50260"
 # The stage runs compile with torch's kernels, what train.kernels=auto picks until bench train's headline shows
 # kiln's faster under compile (train/loop.py, KILN_KERNELS_FASTER_UNDER_COMPILE).
