@@ -30,6 +30,8 @@ import torch.utils.checkpoint
 from kiln.kernels.backend import BACKENDS, use_triton
 from kiln.model.config import ModelConfig
 from kiln.model.logprobs import TokenStats, softcap, token_logprobs
+from kiln.model.packed import Packed
+from kiln.model.paged import PagedCache
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -83,36 +85,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Pairs are the two halves of the head (HF Llama's "rotate_half" layout, not interleaved), so Llama weights
     convert without permuting q/k rows. The dot product q·k then depends only on the distance between tokens.
     """
-    x1, x2 = x.float().chunk(2, dim=-1)
+    # at least float32 (bf16 would lose the angle's precision), float64 kept: float64 checks compare sums of
+    # gradients that a float32 rotation would round differently
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.type_as(x)
 
 
 class Mask(NamedTuple):
-    """What a forward's queries may see: SDPA's attn_mask and is_causal and, for packed documents, their segment
-    ids (B, T), which kiln's flash kernel takes instead of the (B, 1, T, T) mask that holds the same for SDPA."""
+    """What a forward's queries may see: SDPA's attn_mask and is_causal and, for packed sequences that share
+    nothing, their segment ids (B, T), which kiln's flash kernel takes instead of the (B, 1, T, T) mask that holds
+    the same for SDPA."""
 
     attn_mask: torch.Tensor | None
     is_causal: bool
     segments: torch.Tensor | None = None
-
-
-def segment_mask(segments: torch.Tensor) -> Mask:
-    """Packed documents (`segments` (B, T), one id per document): each query sees the keys of its own document up
-    to itself, as if each were a sequence of its own."""
-    T = segments.size(1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
-    same = segments[:, None, :, None] == segments[:, None, None, :]
-    return Mask(same & causal, False, segments)
-
-
-def segment_positions(segments: torch.Tensor) -> torch.Tensor:
-    """(B, T) positions that restart at 0 where each segment starts."""
-    T = segments.size(1)
-    index = torch.arange(T, device=segments.device).expand_as(segments)
-    starts = torch.ones_like(segments, dtype=torch.bool)
-    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
 def attention_mask(pos: int, T: int, pad: torch.Tensor | None, device) -> Mask:
@@ -164,7 +151,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, eps=config.norm_eps) if config.qk_norm else None
         self.resid_drop = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope, cache: KVCache | None, layer: int, pos: int, mask) -> torch.Tensor:
+    def forward(self, x, rope, cache: KVCache | PagedCache | None, layer: int, pos: int, mask) -> torch.Tensor:
         B, T, _ = x.shape
         fused = use_triton(self.backend, x)
         attn_mask, is_causal, segments = Mask(*mask)
@@ -188,7 +175,7 @@ class Attention(nn.Module):
 
             y = flash_attention(q, k, v, causal=True, backend="triton", segments=segments)
             return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
-        if cache is not None and hasattr(cache, "attend"):  # a paged cache: it stores and attends itself
+        if isinstance(cache, PagedCache):  # it stores and attends itself
             y = cache.attend(layer, q, k, v)
             return self.resid_drop(self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
         if cache is not None:
@@ -295,7 +282,7 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, cache: KVCache | None, layer: int, pos: int, mask) -> torch.Tensor:
+    def forward(self, x, rope, cache: KVCache | PagedCache | None, layer: int, pos: int, mask) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, cache, layer, pos, mask)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -376,44 +363,47 @@ class GPT(nn.Module):
             elif name.endswith(self.RESIDUAL_PROJECTIONS):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache: KVCache | None = None,
-                pos: int = 0, pad: torch.Tensor | None = None, reduction: str = "mean", temperature: float = 1.0,
-                stats: bool = False, segments: torch.Tensor | None = None) -> torch.Tensor | TokenStats:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                cache: KVCache | PagedCache | None = None, pos: int = 0, pad: torch.Tensor | None = None,
+                reduction: str = "mean", temperature: float = 1.0, stats: bool = False,
+                packed: Packed | None = None) -> torch.Tensor | TokenStats:
         """idx (B, T) token ids at positions [pos, pos+T).
 
         Without targets: logits (B, T, vocab_size) — the padded vocabulary rows are cut off, so they can never
         be predicted or sampled. With targets (B, T) int64: the cross-entropy in float32, ignoring -100;
         reduction "mean" (over non-ignored tokens), "sum", or "none" ((B, T), 0 where ignored).
         With a cache, keys/values of the new tokens are stored at [pos, pos+T) and attention covers [0, pos+T).
-        A paged cache (one with `attend`, the serving engine's) instead brings a flat batch of several
+        A `PagedCache` (the serving engine's) instead brings a flat batch of several
         sequences' new tokens (B = 1): their positions, where to store them, what each attends to, and
         `logit_rows`, the tokens whose logits are returned ((1, len(logit_rows), vocab_size)).
         `pad` (B,) int64 batches sequences of different lengths by left padding: row b's first pad[b] slots
         (of the cache, or of idx without one) are padding, never attended to, and its tokens' positions count
         from slot pad[b], so each row computes what it would alone.
-        `segments` (B, T) integers pack several documents in a row (`train.doc_mask`; no cache, no pad): a token
-        attends only within its own segment and its position counts from the segment's start, so each document
-        computes what it would alone.
+        `packed` lays several sequences in each row (model/packed.py; no cache, no pad): packed documents or
+        examples, and prompts stored once before the answers that share them. Each token attends to what it would
+        see alone and has the position it would have there, so each sequence computes what it would alone.
         Per-token results never hold the (B·T, vocab) logits: reduction "none" and `stats` run the head a chunk
         of tokens at a time (model/logprobs.py). `stats=True` returns TokenStats of (B, T) tensors under
         softmax(logits / temperature): log p(target), the entropy, and whether the target is the argmax.
         """
         c = self.config
         B, T = idx.shape
-        paged = cache is not None and hasattr(cache, "attend")
-        if paged:
+        if isinstance(cache, PagedCache):
             return self._paged_forward(idx, cache)
-        if pos + T > c.max_seq_len:
+        # a packed row may be longer than max_seq_len (a prompt and the answers sharing it): its producer keeps
+        # every sequence, so every position, within it
+        if packed is None and pos + T > c.max_seq_len:
             raise ValueError(f"positions [{pos}, {pos + T}) exceed max_seq_len={c.max_seq_len}")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction: {reduction!r} is not one of {', '.join(REDUCTIONS)}")
         if pad is not None and pad.shape != (B,):
             raise ValueError(f"pad: expected shape ({B},), got {tuple(pad.shape)}")
-        if segments is not None and (segments.shape != (B, T) or cache is not None or pad is not None):
-            raise ValueError(f"segments: expected shape ({B}, {T}) and neither a cache nor pad, got "
-                             f"{tuple(segments.shape)}")
+        if packed is not None:
+            if cache is not None or pad is not None:
+                raise ValueError("packed: takes neither a cache nor pad")
+            packed.check(B, T)
         x = self.embed(idx)
-        at = positions(pos, T, pad, idx.device) if segments is None else segment_positions(segments)
+        at = positions(pos, T, pad, idx.device) if packed is None else packed.positions()
         if self.pos_emb is not None:
             x = x + self.pos_emb(at)
         x = self.drop(x)
@@ -421,7 +411,8 @@ class GPT(nn.Module):
         if c.arch == "llama":
             rope = (self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]) if at.dim() == 1 else \
                 (self.rope_cos[at][:, None], self.rope_sin[at][:, None])
-        mask = attention_mask(pos, T, pad, idx.device) if segments is None else segment_mask(segments)
+        mask = attention_mask(pos, T, pad, idx.device) if packed is None else \
+            Mask(packed.mask(), False, packed.segments if packed.shares is None else None)
         recompute = self.checkpointing and cache is None and torch.is_grad_enabled()
         for layer, block in enumerate(self.blocks):
             if recompute:  # non-reentrant: the RNG state is replayed, so dropout masks match the first forward

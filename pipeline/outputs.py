@@ -55,7 +55,8 @@ def _non_finite_key(obj, where: str = "") -> str | None:
 # they go to metrics/timings/<stage>.json, which neither DVC nor git tracks: `dvc metrics diff` of a rerun shows
 # no change and a fresh `dvc repro` leaves `git status` clean.
 TIMING_KEYS = frozenset({"seconds", "train_seconds", "tokens_per_s", "mb_per_s", "mfu", "peak_memory_gb", "trained",
-                         "reused", "trained_flops", "rollout_tokens_per_s", "generate_share"})
+                         "reused", "trained_flops", "rollout_tokens_per_s", "generate_share",
+                         "pairs_per_s"})
 
 
 def write_metrics(stage: str, values: dict, metrics_dir: Path | None = None) -> Path:

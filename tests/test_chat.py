@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kiln.pipeline.tasks.chat_format import ChatFormat
-from kiln.pipeline.post.common import IGNORE, ExampleBatches, held_out
+from kiln.pipeline.post.common import ExampleBatches, held_out
+from kiln.pipeline.scoring.rows import IGNORE
 from kiln.pipeline.post.dpo_loss import dpo_loss
 from kiln.pipeline.text.bpe import load_tokenizer
 

@@ -1,6 +1,7 @@
 """The `grpo` stage end to end on tiny models: it learns a reachable task, a killed run resumes to the same model,
 its micro-batches are the rollouts it sampled, and a reward that fails stops it in one line with nothing written."""
 
+import copy
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from kiln.pipeline.config import build_section
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.tasks.chat_data import PromptAnswer
 from kiln.pipeline.tasks.chat_format import ChatFormat
-from kiln.pipeline.post.common import IGNORE
+from kiln.pipeline.scoring.rows import IGNORE
 from kiln.pipeline.code_digest import stage_code_sha256
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.post.grpo import Prompts, Rollouts, completion_rows, encode_prompts, reward_sha256
@@ -202,13 +203,55 @@ def test_compiled_micro_batches_come_in_a_few_widths(tiny, project):
         return [next(rollouts) for _ in range(2)], rollouts.batch[0].shape[1]
 
     exact, full = micro_batches(False)
-    assert all((y[:, -1] != IGNORE).any() for _, y, *_ in exact)  # eagerly the last column scores a token
+    assert all((m[5][:, -1] != IGNORE).any() for m in exact)  # eagerly the last column scores a token
     for bucket in (None, 4):
         bucketed, _ = micro_batches(True, bucket)
-        for (x, y, *_), (x0, y0, *_) in zip(bucketed, exact):
-            width, want = x.shape[1], x0.shape[1]
-            assert width == min(-(-want // (bucket or WIDTH_BUCKET)) * (bucket or WIDTH_BUCKET), full)
-            assert torch.equal(x[:, :want], x0) and torch.equal(y[:, :want], y0) and (y[:, want:] == IGNORE).all()
+        for m, m0 in zip(bucketed, exact):
+            (shared_x, shared_y, *_, y), y0 = m[:6], m0[5]
+            width, want, step = y.shape[1], y0.shape[1], bucket or WIDTH_BUCKET
+            assert width == min(-(-want // step) * step, full)
+            assert torch.equal(y[:, :want], y0) and (y[:, want:] == IGNORE).all()
+            # the shared rows, too, come in multiples of the bucket, and hold the same targets
+            assert shared_x.shape[1] % step == 0 and torch.equal(shared_y[shared_y != IGNORE].sort().values,
+                                                                 y0[y0 != IGNORE].sort().values)
+
+
+@pytest.mark.parametrize("beta, epochs", [(0.0, 1), (0.1, 2)])
+def test_shared_prompt_loss_and_gradients_equal_separate_rows(tiny, project, beta, epochs):
+    """The policy pass computes each group's prompt once (a row of the prompt and then its completions): the loss,
+    its metrics and every gradient equal those of a row per completion (float64); so do the old and reference
+    log-probabilities scored the same way."""
+    from kiln.pipeline.post.grpo_loss import policy_loss
+
+    chat = ChatFormat(load_tokenizer(tiny.tokenizer, ordinary=True))
+    model, _ = load_model(project / "start")
+    model = model.double()
+    rows = [PromptAnswer([{"role": "user", "content": f"Say x, {'x ' * i}times."}], "x") for i in range(6)]
+    prompts = encode_prompts(rows, chat, model.config.max_seq_len, 4, "test")
+    # a micro-batch of 6 completions: one whole group of 4 and half of the next, whose prompt it holds once too
+    params = build_section(GRPOParams, {**GRPO, "batch_examples": 12, "batch_size": 6, "group_size": 4,
+                                        "beta": beta, "epochs": epochs, "temperature": 0.9})
+    torch.manual_seed(0)
+    rollouts = Rollouts(model, prompts, params, chat, make_reward("contains"), "fp32", accum=2)
+    batch = next(rollouts)
+    shared_x, _, segments, shares, where, y, advantages, old, ref, per_micro = batch
+    assert len(shared_x) == 2 and shared_x.numel() < y.numel()  # fewer tokens than the separate rows
+    x = rollouts.batch[0][:6, :y.shape[1]]
+    separate = copy.deepcopy(model)
+    token = separate(x, y, temperature=0.9, stats=True)
+    mask = (y != IGNORE).double()
+    if epochs > 1 or beta:  # scored alone, the separate rows give the same log-probabilities
+        torch.testing.assert_close((old if epochs > 1 else ref) * mask, token.logp.detach() * mask,
+                                   rtol=1e-10, atol=1e-10)
+    want, want_metrics = policy_loss(token.logp, old if old.numel() else token.logp.detach(), advantages, mask,
+                                     params.epsilon_low, params.epsilon_high, ref if ref.numel() else None, beta,
+                                     params.loss_type, params.max_new_tokens, per_micro)
+    want.backward()
+    got = rollouts.loss(model, batch)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for (name, p), q in zip(model.named_parameters(), separate.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-9, atol=1e-12, msg=lambda m: f"{name}: {m}")
 
 
 

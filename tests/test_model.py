@@ -22,6 +22,7 @@ import kiln.model.checkpoint
 from kiln.model.generate import generate
 from kiln.model.checkpoint import load_config, load_model, save_model
 from kiln.model.config import ModelConfig
+from kiln.model.packed import Packed
 from kiln.model.gpt import GPT, KVCache
 
 from kernel_checks import DEVICE
@@ -578,8 +579,8 @@ def test_packed_documents_compute_what_each_document_does_alone(arch, kw, kernel
         for i, s in enumerate(row):
             segments[b, s:] = i
     packed = copy.deepcopy(model)
-    logits = packed(x, segments=segments)
-    loss = packed(x, y, reduction="sum", segments=segments)
+    logits = packed(x, packed=Packed(segments))
+    loss = packed(x, y, reduction="sum", packed=Packed(segments))
     loss.backward()
     alone_loss = 0.0
     for b, row in enumerate(starts):
@@ -590,5 +591,46 @@ def test_packed_documents_compute_what_each_document_does_alone(arch, kw, kernel
     torch.testing.assert_close(loss, alone_loss, **tol)
     for (name, p), q in zip(model.named_parameters(), packed.parameters()):
         torch.testing.assert_close(q.grad, p.grad, **tol, msg=lambda m: f"{name}: {m}")
-    with pytest.raises(ValueError, match="segments"):
-        packed(x, segments=segments[:, :5])
+    with pytest.raises(ValueError, match="packed.segments"):
+        packed(x, packed=Packed(segments[:, :5]))
+
+
+@pytest.mark.parametrize("arch, kw, kernels", [("llama", {"n_kv_head": 2, **KNOBS}, "torch"), ("gpt2", {}, "torch"),
+                                               ("llama", {"n_kv_head": 2}, "triton")])
+def test_shared_prompts_compute_what_each_prompt_and_answer_do_alone(arch, kw, kernels, monkeypatch):
+    """Rows holding a prompt once and the answers that follow it (`Packed.shares`), beside a sequence that shares
+    nothing and padding: each answer's logits and losses, and every gradient (float64), are those of its prompt
+    and itself in a row alone, the prompt's own counted once. Kiln's kernels take this mask through SDPA."""
+    tol = dict(rtol=1e-10, atol=1e-10)
+    if kernels == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        tol = dict(rtol=1e-4, atol=1e-5)
+    model = make(arch, scramble=0.1, **kw).double().set_kernels(kernels)
+    T = 40  # longer than max_seq_len (32): a packed row may be, its positions stay below it
+    x, y = tokens(2, T), tokens(2, T, seed=7)
+    # (start, end, the piece it shares): row 0 a prompt of 9, its answers of 7, 1 and 12, then pads; row 1 a
+    # sequence alone, then a prompt of 6 and its answers of 5 and 4, then pads
+    pieces = [[(0, 9, 0), (9, 16, 0), (16, 17, 0), (17, 29, 0), (29, T, 4)],
+              [(0, 11, 0), (11, 17, 1), (17, 22, 1), (22, 26, 1), (26, T, 4)]]
+    segments, shares = torch.zeros(2, T, dtype=torch.int64), torch.zeros(2, T, dtype=torch.int64)
+    for b, row in enumerate(pieces):
+        for i, (lo, hi, shared) in enumerate(row):
+            segments[b, lo:hi], shares[b, lo:hi] = i, shared
+        y[b, row[-1][0]:] = -100
+    layout = Packed(segments, shares)
+    got = copy.deepcopy(model)
+    logits = got(x, packed=layout)
+    loss = got(x, y, reduction="sum", packed=layout)
+    loss.backward()
+    alone_loss = 0.0
+    for b, row in enumerate(pieces):
+        for i, (lo, hi, shared) in enumerate(row[:-1]):
+            p_lo, p_hi = (row[shared][0], row[shared][1]) if shared != i else (lo, lo)
+            idx = torch.cat([x[b, p_lo:p_hi], x[b, lo:hi]])[None]
+            tgt = torch.cat([torch.full((p_hi - p_lo,), -100), y[b, lo:hi]])[None]
+            torch.testing.assert_close(logits[b, lo:hi], model(idx)[0, p_hi - p_lo:], **tol)
+            alone_loss = alone_loss + model(idx, tgt, reduction="sum")
+    alone_loss.backward()
+    torch.testing.assert_close(loss, alone_loss, **tol)
+    for (name, p), q in zip(model.named_parameters(), got.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **tol, msg=lambda m: f"{name}: {m}")

@@ -23,11 +23,11 @@ from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.tasks.chat_data import Pair
 from kiln.pipeline.tasks.chat_format import ChatFormat
-from kiln.pipeline.post.common import IGNORE
+from kiln.pipeline.scoring.rows import IGNORE
 from kiln.pipeline.tasks.corpus_task import task_items
 from kiln.pipeline.post.dpo import dpo, pair_metrics
 from kiln.pipeline.post.params import DPOParams, SFTParams
-from kiln.pipeline.post.preference import PairRows, logps, pair_rows
+from kiln.pipeline.scoring.answers import PairRows, logps, pair_rows
 from kiln.pipeline.post.sft import sft, text_rows
 from kiln.pipeline.text.bpe import load_tokenizer
 from kiln.pipeline.train.params import TrainParams

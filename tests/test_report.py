@@ -183,7 +183,8 @@ def test_the_params_the_report_digests_are_those_dvc_yaml_gives_evaluate():
     import yaml
 
     from kiln.pipeline.evaluate.evaluate import READS
+    from kiln.pipeline.post.held_out import READS as HELD_OUT_READS
 
     stages = yaml.safe_load((Path(__file__).resolve().parents[1] / "dvc.yaml").read_text())["stages"]
-    digested = {"eval"} | {f"{section}.{key}" for section, keys in READS.items() for key in keys}
+    digested = {"eval"} | {f"{section}.{key}" for section, keys in (READS | HELD_OUT_READS).items() for key in keys}
     assert set(stages["evaluate"]["params"]) == digested

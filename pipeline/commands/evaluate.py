@@ -49,5 +49,6 @@ def evaluate_command(params: ParamsOpt = layout.PARAMS, set_: SetOpt = [],
                                                                set_)
     # the stage's code (torch) is imported once the params are known good: a bad value fails in a blink
     from kiln.pipeline.evaluate.evaluate import evaluate
+    from kiln.pipeline.post.held_out import HeldOut
 
-    evaluate(eval_params, train, sft_params, dpo_params, shards, tokenizer, corpus, models, out)
+    evaluate(eval_params, train, HeldOut(sft_params, dpo_params), shards, tokenizer, corpus, models, out)

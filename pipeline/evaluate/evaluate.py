@@ -24,6 +24,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -38,15 +39,13 @@ from kiln.pipeline.evaluate.params import EvalParams, GenTaskSpec
 from kiln.pipeline.evaluate.report import report_markdown
 from kiln.pipeline.evaluate.scoring import ChoiceTask
 from kiln.pipeline.outputs import atomic_write_files, metrics_files, sha256_file
-from kiln.pipeline.post.common import ChoiceScorer, load_chat_data
-from kiln.pipeline.post.params import DPOParams, SFTParams
-from kiln.pipeline.post.preference import PairRows, logps, pair_rows
+from kiln.pipeline.scoring.answers import PostTrainData, logps
 from kiln.pipeline.progress import Progress, console, print_columns
 from kiln.pipeline.runtime import prepare_device
 from kiln.pipeline.serve.engine import complete
 from kiln.pipeline.serve.text_model import Sampling, TextModel
 from kiln.pipeline.tasks.chat_format import ChatFormat
-from kiln.pipeline.tasks.corpus_task import cloze_items, held_out_items
+from kiln.pipeline.tasks.corpus_task import cloze_items
 from kiln.pipeline.tasks.tasks import Task, load_task
 from kiln.pipeline.text.loader import ShardSet
 from kiln.pipeline.train.lm_eval import byte_lengths, evaluate_lm
@@ -54,12 +53,15 @@ from kiln.pipeline.train.params import TrainParams
 
 REPORT = "report.md"  # in the metrics folder, beside eval.json
 SAMPLES = "samples"  # the folder of <model>.md generations, beside them too
-@dataclass
-class PostTrainData:
-    """The held-out data of the post-training stages: built-in items (accuracy) and preference pairs."""
 
-    scorer: ChoiceScorer
-    pairs: PairRows
+
+class HeldOutSource(Protocol):
+    """Where post-training's held-out data comes from (post/held_out.py `HeldOut`, given by the command): what
+    it loads, and the params keys it reads, for the report's digest."""
+
+    def load(self, chat: ChatFormat, seq_len: int, corpus_dir: Path) -> PostTrainData: ...
+
+    def keys(self) -> dict[str, dict]: ...
 
 
 def starting_models(dirs: dict[str, Path]) -> dict[str, str | None]:
@@ -132,15 +134,6 @@ def encode_tasks(tasks: dict[str, Task], gen_tasks: list[GenTask], tokenizer, eo
     return scorers
 
 
-def load_posttrain(sft: SFTParams, dpo: DPOParams, chat: ChatFormat, seq_len: int, corpus_dir: Path) -> PostTrainData:
-    items = held_out_items(corpus_dir, chat, seq_len, sft.val_examples, sft.seed) if sft.data == "builtin" else []
-    if dpo.data == "builtin":
-        pairs = [item.pair() for item in held_out_items(corpus_dir, chat, seq_len, dpo.val_examples, dpo.seed)]
-    else:
-        pairs = load_chat_data(dpo, chat, seq_len, corpus_dir).val
-    return PostTrainData(ChoiceScorer(items, chat, seq_len), pair_rows(pairs, chat, seq_len, "eval dpo held-out"))
-
-
 def samples_markdown(name: str, model_dir: Path, lm: TextModel, prompts: list[str], sampling: Sampling,
                      chat: ChatFormat | None) -> str:
     """Each prompt and its generation, as markdown; a chat model gets each prompt as a user message. No prompts
@@ -189,7 +182,7 @@ class Plan:
         return 2 + len(self.tasks) + len(self.gen_tasks) + (self.post is not None)
 
 
-def plan_evaluation(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOParams, shards_dir: Path,
+def plan_evaluation(params: EvalParams, train: TrainParams, held_out: HeldOutSource, shards_dir: Path,
                     tokenizer_path: Path, corpus_dir: Path, models_dir: Path) -> Plan:
     """Every model folder, the tokenizer, the val shards, every task and sample prompt checked and loaded, in the
     order whose first failure is the cheapest to find."""
@@ -209,7 +202,7 @@ def plan_evaluation(params: EvalParams, train: TrainParams, sft: SFTParams, dpo:
     starts = starting_models(dirs)
     if params.quantize:  # each quantized copy is compared with its original, item by item
         starts |= {quantized_name(name, params.quantize): name for name in dirs}
-    post = load_posttrain(sft, dpo, chat, seq_len, corpus_dir) if params.posttrain else None
+    post = held_out.load(chat, seq_len, corpus_dir) if params.posttrain else None
     sampling = Sampling(params.max_new_tokens, params.temperature, params.top_k, params.top_p, params.seed)
     sampling.check()
     return Plan(dirs, starts, val, bytes_per_token, device, first, chat, seq_len, tasks, scorers, gen_tasks, post,
@@ -334,18 +327,16 @@ def chance_levels(plan: Plan, metrics: dict) -> dict[str, float]:
     return {k: v for k, v in chance.items() if k in metrics}
 
 
-# What evaluate reads besides its own section, as dvc.yaml's evaluate stage lists it.
-READS = {"train": ("device", "precision", "kernels"), "sft": ("data", "val_examples", "seed"),
-         "dpo": ("data", "format", "split", "max_examples", "val_examples", "seed")}
+# What evaluate reads of train, as dvc.yaml's evaluate stage lists it (the sft and dpo keys: its HeldOutSource's).
+READS = {"train": ("device", "precision", "kernels")}
 
 
-def provenance(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOParams, dirs: dict[str, Path]) -> str:
+def provenance(params: EvalParams, train: TrainParams, held_out: HeldOutSource, dirs: dict[str, Path]) -> str:
     """The report's line on where it came from: a digest of the params it read and each model's hash. No commit
     id: written inside, it would change the report (a DVC output) at every commit; the commit whose dvc.lock
     records the report's hash is the one."""
-    read = {"eval": dataclasses.asdict(params)} | {
-        section: {k: getattr(obj, k) for k in READS[section]} for section, obj in (("train", train), ("sft", sft),
-                                                                                   ("dpo", dpo))}
+    read = {"eval": dataclasses.asdict(params), "train": {k: getattr(train, k) for k in READS["train"]},
+            **held_out.keys()}
     digest = hashlib.sha256(json.dumps(read, sort_keys=True, default=str).encode()).hexdigest()[:12]
     models = ", ".join(f"{name} `{sha256_file(path / 'model.safetensors')[:12]}`" for name, path in dirs.items())
     return (f"Made with params digest `{digest}` (sha256 of the `eval` section and the train, sft and dpo keys "
@@ -365,7 +356,7 @@ def item_counts(plan: Plan) -> dict[str, int]:
     return counts
 
 
-def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOParams, shards_dir: Path,
+def evaluate(params: EvalParams, train: TrainParams, held_out: HeldOutSource, shards_dir: Path,
              tokenizer_path: Path, corpus_dir: Path, models_dir: Path = layout.MODELS,
              metrics_dir: Path | None = None) -> dict:
     """Score every model of eval.models; eval.json, report.md and samples/<model>.md go to `metrics_dir` (the
@@ -373,7 +364,7 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
     metrics_dir = layout.metrics_dir() if metrics_dir is None else Path(metrics_dir)
     samples_dir = metrics_dir / SAMPLES
     with Progress("eval: checking the models and loading every task"):
-        p = plan_evaluation(params, train, sft, dpo, shards_dir, tokenizer_path, corpus_dir, models_dir)
+        p = plan_evaluation(params, train, held_out, shards_dir, tokenizer_path, corpus_dir, models_dir)
     scores = Scores(p)
     # every model, each followed by its quantized copy when eval.quantize asks for one
     kinds = [None, params.quantize] if params.quantize else [None]
@@ -389,7 +380,7 @@ def evaluate(params: EvalParams, train: TrainParams, sft: SFTParams, dpo: DPOPar
     intervals = Intervals(scores.per_item, p.starts, params.seed)
     names = [name for name, _, _ in runs]
     page = report_markdown(metrics, names, p.starts, list(zip(p.gen_tasks, scores.answers)), intervals,
-                           SAMPLES, chance_levels(p, metrics), provenance(params, train, sft, dpo, p.dirs))
+                           SAMPLES, chance_levels(p, metrics), provenance(params, train, held_out, p.dirs))
     # the samples, the report and the metrics land together or not at all (a full disk once left new samples
     # beside an old report)
     atomic_write_files({**{samples_dir / f"{name}.md": text.encode("utf-8") for name, text in scores.samples.items()},

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from kiln.model.modes import evaluating
-from kiln.pipeline.post.common import IGNORE
+from kiln.pipeline.scoring.rows import IGNORE
 from kiln.pipeline.runtime import autocast
 from kiln.pipeline.tasks.tasks import MCItem
 

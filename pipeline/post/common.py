@@ -1,16 +1,14 @@
-"""What SFT, DPO and GRPO share: the model they start from, examples as padded tensors, their batches, and
-the summed log-probability of an answer that the SFT and DPO losses (and every multiple-choice score) are made of.
+"""What SFT, DPO and GRPO share: the model they start from, their data and their batches.
 
-Padding by default: each example is one row of `max_seq_len` tokens, padded on the right with `<|pad|>` and
-targets of -100. With causal attention a right pad never affects the tokens before it, so no attention mask is
-needed. The price is compute on pad positions, small for the built-in task (most examples fill most of the row)
-and large on chat data of mixed lengths: `sft.packing` packs whole examples into rows instead (post/packing.py).
+Their examples become token rows and are scored in pipeline/scoring/ (padded rows, packed rows, prompts computed
+once), which evaluate shares.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,13 +17,12 @@ import torch
 
 from kiln.model.checkpoint import load_model, save_model
 from kiln.model.lora import adapter_state_dict, apply_adapter, merged_state_dict
-from kiln.model.modes import evaluating
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.post.packing import IGNORE, example_tokens, packed_rows
+from kiln.pipeline.scoring.rows import IGNORE, fits
 from kiln.pipeline.post.params import PostTrainParams
 from kiln.pipeline.progress import Progress, console
-from kiln.pipeline.runtime import World, autocast, from_env, prepare_device
+from kiln.pipeline.runtime import World, from_env, prepare_device
 from kiln.pipeline.tasks.chat_format import ChatFormat, Rendered
 from kiln.pipeline.tasks.corpus_task import TaskItem
 from kiln.pipeline.text.bpe import load_tokenizer
@@ -110,31 +107,16 @@ def _start(params: PostTrainParams, train: TrainParams, model_dir: Path, tokeniz
                  world, params.SECTION)
 
 
-def to_rows(rendered: list[Rendered], seq_len: int, pad: int, what: str,
-            packing: bool = False) -> tuple[torch.Tensor, ...]:
-    """Inputs x and targets y, (N, seq_len) each: y is x shifted by one, -100 where the mask is 0 or padded.
-    Longer examples are cut at seq_len + 1 tokens (counted); an example left with no target is an error the
-    caller prevents (they are dropped before this). With `packing`, whole examples share rows (fewer than N)
-    and a third tensor gives each token's example (post/packing.py)."""
-    if packing:
-        *rows, cut = packed_rows(rendered, seq_len, pad)
-    else:
-        rows = [torch.full((len(rendered), seq_len), pad, dtype=torch.long),
-                torch.full((len(rendered), seq_len), IGNORE, dtype=torch.long)]
-        cut = 0
-        for i, r in enumerate(rendered):
-            inputs, targets, was_cut = example_tokens(r, seq_len)
-            cut += was_cut
-            rows[0][i, :len(inputs)] = torch.tensor(inputs)
-            rows[1][i, :len(inputs)] = torch.tensor(targets)
-    if cut:
-        console.print(f"{what}: {cut:,} of {len(rendered):,} examples cut to max_seq_len={seq_len}", highlight=False)
-    return tuple(rows)
-
-
-def fits(r: Rendered, seq_len: int) -> bool:
-    """At least one target survives the cut to seq_len + 1 tokens."""
-    return any(r.mask[1:seq_len + 1])
+def rendered_of(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, what: str) -> list[Rendered]:
+    """The conversations that keep an answer token within seq_len, rendered (the rest counted)."""
+    rendered = [chat.render(c) for c in conversations]
+    kept = [r for r in rendered if fits(r, seq_len)]
+    if len(kept) < len(rendered):
+        console.print(f"{what}: skipped {len(rendered) - len(kept):,} examples with no answer token within "
+                      f"max_seq_len={seq_len}", highlight=False)
+    if not kept and rendered:
+        raise UserError(f"{what}: no example has an answer token within max_seq_len={seq_len}")
+    return kept
 
 
 def held_out(keys: list[str], n_val: int) -> tuple[list[int], list[int]]:
@@ -156,12 +138,14 @@ class ExampleBatches:
     split changes). With `per_token`, tensors are (x, y, row weights, then any others) and each micro-batch also
     carries (weighted targets in its whole optimizer step, every rank's) / (accum x W), so that weighted summed losses
     divided by it, averaged over ranks as DDP and FSDP average gradients, are the step's weighted mean over
-    target tokens exactly, however they fall across micro-batches and ranks.
+    target tokens exactly, however they fall across micro-batches and ranks. `collate` lays each micro-batch out
+    anew (DPO's pairs as rows of a shared prompt).
     """
 
     def __init__(self, tensors: tuple[torch.Tensor, ...], batch_size: int, accum: int, seed: int,
-                 per_token: bool = False, rank: int = 0, world_size: int = 1):
-        self.tensors, self.batch_size, self.accum, self.seed = tensors, batch_size, accum, seed
+                 per_token: bool = False, rank: int = 0, world_size: int = 1,
+                 collate: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None):
+        self.tensors, self.batch_size, self.accum, self.seed, self.collate = tensors, batch_size, accum, seed, collate
         self.per_token, self.n, self.rank, self.world_size = per_token, len(tensors[0]), rank, world_size
         if per_token:
             x, y, weights = tensors[:3]
@@ -188,7 +172,7 @@ class ExampleBatches:
         if self.per_token:
             first = k // self.accum * self.accum * B * W
             batch.append(self.targets[self._indices(first, self.accum * B * W)].sum() / (self.accum * W))
-        return batch
+        return batch if self.collate is None else self.collate(batch)
 
     def state_dict(self) -> dict:
         # batch_size is the global micro-batch: a run resumes on any split of it into ranks
@@ -203,28 +187,6 @@ class ExampleBatches:
                 raise UserError(f"resume state: example batches {key}{what}={state.get(key)!r}, this run has "
                                 f"{mine!r}")
         self.step = int(state["step"])
-
-
-def answer_logps(model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Summed log-probability of each row's targets (N,), in float32, with gradients."""
-    return -model(x, y, reduction="none").sum(dim=-1)
-
-
-def answer_tokens(y: torch.Tensor) -> torch.Tensor:
-    """How many targets each row has (N,): the length of its answer."""
-    return (y != IGNORE).sum(dim=-1)
-
-
-@torch.no_grad()
-def score_rows(model, x: torch.Tensor, y: torch.Tensor, batch_size: int, precision: str) -> torch.Tensor:
-    """answer_logps of every row, on CPU in float64, batch by batch in eval mode."""
-    device = next(model.parameters()).device
-    out = []
-    with evaluating(model):
-        for i in range(0, len(x), batch_size):
-            with autocast(device, precision):
-                out.append(answer_logps(model, x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)))
-    return torch.cat(out).double().cpu() if out else torch.zeros(0, dtype=torch.float64)
 
 
 @dataclass
@@ -248,31 +210,6 @@ def load_chat_data(params: PostTrainParams, chat: ChatFormat, seq_len: int, corp
     keys = [json.dumps(row if isinstance(row, list) else vars(row), sort_keys=True) for row in rows]
     train, val = held_out(keys, params.val_examples)
     return ChatData([rows[i] for i in train[:params.max_examples]], [rows[i] for i in val], [])
-
-
-class ChoiceScorer:
-    """Accuracy on multiple-choice items: the answer counts as picked when its summed log-probability (after
-    the prompt, <|im_end|> included) beats every wrong choice's strictly, so a tie is never a hit."""
-
-    def __init__(self, items: list[TaskItem], chat: ChatFormat, seq_len: int):
-        self.kinds = [item.kind for item in items]
-        self.n_choices = len(items[0].choices) if items else 0
-        rendered = [chat.render(item.conversation(choice), first_trained=len(item.prompt))
-                    for item in items for choice in item.choices]
-        self.x, self.y = to_rows(rendered, seq_len, chat.pad, "held-out choices")
-
-    def accuracy(self, model, batch_size: int, precision: str) -> dict[str, float]:
-        return {k: float(v.mean()) for k, v in self.hits(model, batch_size, precision).items()}
-
-    def hits(self, model, batch_size: int, precision: str) -> dict[str, np.ndarray]:
-        """Each item's outcome (1.0 picked, 0.0 not) behind `val_accuracy` and each kind's `val_accuracy_<kind>`."""
-        if not self.kinds:
-            return {}
-        scores = score_rows(model, self.x, self.y, batch_size, precision).view(-1, self.n_choices)
-        hits = (scores[:, 0] > scores[:, 1:].max(dim=1).values).double().numpy()
-        kinds = np.array(self.kinds)
-        return {"val_accuracy": hits} | {f"val_accuracy_{kind}": hits[kinds == kind]
-                                         for kind in sorted(set(self.kinds))}
 
 
 def rows_sha256(*tensors: torch.Tensor) -> str:

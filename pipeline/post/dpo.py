@@ -1,6 +1,7 @@
 """Stage `dpo`: data/models/sft -> data/models/dpo/, direct preference optimisation (Rafailov et al., 2023).
 
-The policy starts as the SFT model, which is also the frozen reference. The reference's log-probabilities of
+The policy starts as the SFT model, which is also the frozen reference. Each pair is one row, its prompt computed
+once for both answers (scoring/answers.py), in training and in every scoring pass. The reference's log-probabilities of
 every chosen and rejected answer are computed once, before training, so no second model sits in memory while
 the policy trains. An answer's log-probability is summed over its tokens after the shared prompt (its
 `<|im_end|>` included). The losses are TRL's (`DPOTrainer._compute_loss`, trl 1.16): `dpo.loss: ipo` divides
@@ -24,19 +25,12 @@ from pathlib import Path
 
 import torch
 
-from kiln.pipeline.post.common import (
-    ChoiceScorer,
-    ExampleBatches,
-    Start,
-    answer_logps,
-    answer_tokens,
-    rows_sha256,
-    start,
-)
+from kiln.pipeline.post.common import ExampleBatches, Start, rows_sha256, start
 from kiln.pipeline.post.dpo_loss import batch_loss, dpo_loss
 from kiln.pipeline.post.params import DPOParams
-from kiln.pipeline.post.preference import PairRows, logps, pair_rows
 from kiln.pipeline.post.stage import Stage, run_stage
+from kiln.pipeline.scoring.answers import (ChoiceScorer, PairRows, answer_tokens, logps, pair_logps, pair_rows,
+                                           shared_pairs)
 from kiln.pipeline.train.curves import Panel
 from kiln.pipeline.train.params import TrainParams
 
@@ -93,17 +87,22 @@ def dpo_stage(params: DPOParams, s: Start, sft_dir: Path) -> Stage:
         return out
 
     def loss_fn(m, batch):
-        xc, yc, xr, yr, ref_c, ref_r = batch
-        pc, pr = answer_logps(m, torch.cat([xc, xr]), torch.cat([yc, yr])).split(len(xc))
+        *shared, yc, yr, ref_c, ref_r = batch
+        pc, pr = pair_logps(m, shared, yc, yr)
         tokens = answer_tokens(yc), answer_tokens(yr)
         losses = dpo_loss(pc, pr, ref_c, ref_r, tokens, params.beta, params.label_smoothing, params.loss)[0]
         return batch_loss(losses, pc, tokens[0], params.sft_weight)
 
     tensors = (*train_rows.chosen, *train_rows.rejected, train_rows.ref_chosen.float(), train_rows.ref_rejected.float())
+
+    def collate(batch: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A micro-batch of padded pairs as a row per pair, its prompt once (scoring/answers.py)."""
+        xc, yc, xr, yr, ref_c, ref_r = batch
+        return [*shared_pairs(xc, yc, xr, yr, chat.pad), yc, yr, ref_c, ref_r]
     return Stage(
         name="dpo", loss_fn=loss_fn,
         batches=lambda accum: ExampleBatches(tensors, params.batch_size, accum, params.seed, rank=world.rank,
-                                             world_size=world.size),
+                                             world_size=world.size, collate=collate),
         evaluate=evaluate, data=rows_sha256(*tensors[:4]),
         fingerprint={"dpo": {"beta": params.beta, "label_smoothing": params.label_smoothing, "loss": params.loss,
                              "sft_weight": params.sft_weight}},
@@ -112,6 +111,12 @@ def dpo_stage(params: DPOParams, s: Start, sft_dir: Path) -> Stage:
                 f"{params.beta}, {loop.max_steps} steps x {params.batch_examples} pairs, from {sft_dir}",
         panels=PANELS, title=f"{len(train_rows):,} pairs",
         # before training the policy is its own reference: its rewards (log-ratios of 0) say nothing
-        metrics=lambda result, before: {**result, "pairs": len(train_rows), "val_pairs": len(val_rows),
+        # The loop counts every pair as two rows of max_seq_len; a pair's forward holds its prompt once and its
+        # answers, fewer tokens and varying: an MFU from those counts would be fiction, so pairs/s stands instead.
+        flops_per_token=0.0,
+        metrics=lambda result, before: {**{k: v for k, v in result.items() if k not in ("tokens", "tokens_per_s")},
+                                        "pairs_per_s": round(result["steps"] * params.batch_examples
+                                                             / result["seconds"], 2) if result["seconds"] else 0.0,
+                                        "pairs": len(train_rows), "val_pairs": len(val_rows),
                                         "sft": {k: round(v, 5) for k, v in before.items()
                                                 if not k.startswith(("train/rewards", "val/rewards"))}})

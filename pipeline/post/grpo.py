@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import importlib.machinery
 import json
 import time
@@ -38,13 +39,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kiln.model.logprobs import TokenStats
 from kiln.model.lora import adapters_off, is_adapted
 from kiln.model.modes import evaluating
+from kiln.model.packed import Packed
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.post.common import IGNORE, ExampleBatches, Start, start
+from kiln.pipeline.post.common import ExampleBatches, Start, start
 from kiln.pipeline.post.grpo_loss import group_advantages, policy_loss
 from kiln.pipeline.post.grpo_params import GRPOParams
+from kiln.pipeline.scoring.rows import IGNORE, shared_rows
 from kiln.pipeline.post.stage import Stage, run_stage
 from kiln.pipeline.progress import console
 from kiln.pipeline.runtime import PRECISIONS, SINGLE, World, autocast
@@ -160,7 +164,18 @@ class Rollouts:
         width = int((y[rows] != IGNORE).any(dim=0).nonzero().max()) + 1  # trailing all-padding columns dropped
         width = min(-(-width // self.bucket) * self.bucket, y.shape[1])
         old, ref = (t[rows, :width] if t.numel() else t for t in (old, ref))
-        return [x[rows, :width], y[rows, :width], advantages[rows], old, ref, per_micro]
+        return [*self._shared(x[rows, :width], y[rows, :width], rows.start), y[rows, :width], advantages[rows], old,
+                ref, per_micro]
+
+    def _shared(self, x: torch.Tensor, y: torch.Tensor, first: int) -> tuple[torch.Tensor, ...]:
+        """Completions first, first + 1, ... (rows x, y) as rows of one copy of their prompt and then each of its
+        completions there (scoring/rows.py `shared_rows`): x, y, segments, shares, and where each of the separate
+        rows' columns is in them."""
+        G = self.params.group_size
+        groups = [[i - first for i in g] for _, g in itertools.groupby(range(first, first + len(x)),
+                                                                          key=lambda i: i // G)]
+        shared_x, shared_y, packed, where = shared_rows(x, y, groups, self.chat.pad, self.bucket)
+        return shared_x, shared_y, packed.segments, packed.shares, where
 
     def _rollout(self, index: int, step: int) -> list[torch.Tensor]:
         """Rollout batch `index`: its prompts' groups sampled and scored. With grpo.sampling_rounds > 1 (DAPO's
@@ -260,22 +275,31 @@ class Rollouts:
 
     @torch.no_grad()
     def _score(self, model, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities of the completion tokens under `model` (B, T), micro-batch by micro-batch."""
+        """Log-probabilities of the completion tokens under `model` (N, W), micro-batch by micro-batch, each
+        prompt computed once."""
         device = next(model.parameters()).device
         out = []
         with evaluating(model):
-            for i in range(0, len(x), self.params.batch_size):
+            for i in range(0, len(y), self.params.batch_size):
                 with autocast(device, self.precision):
                     rows = slice(i, i + self.params.batch_size)
-                    out.append(model(x[rows].to(device), y[rows].to(device), temperature=self.params.temperature,
-                                     stats=True).logp.cpu())
+                    shared = self._shared(x[rows], y[rows], i)
+                    out.append(self._token_stats(model, shared, y[rows].to(device)).logp.cpu())
         return torch.cat(out)
 
+    def _token_stats(self, model, shared: tuple[torch.Tensor, ...], y: torch.Tensor) -> TokenStats:
+        """Each completion token's log p (at the sampling temperature, as TRL) and entropy, in the separate rows'
+        layout of `y`, from one forward of the shared rows."""
+        x, ys, segments, shares, where = (t.to(y.device) for t in shared)
+        token = model(x, ys, temperature=self.params.temperature, stats=True, packed=Packed(segments, shares))
+        valid = y != IGNORE
+        return TokenStats(*(torch.where(valid, t.reshape(-1)[where], torch.zeros((), dtype=t.dtype, device=t.device))
+                            for t in token))
+
     def loss(self, model, batch: list[torch.Tensor]) -> torch.Tensor:
-        x, y, advantages, old, ref, per_micro = batch
+        *shared, y, advantages, old, ref, per_micro = batch
         p = self.params
-        # log p of each completion token at the sampling temperature (as TRL), and the policy's entropy
-        token = model(x, y, temperature=p.temperature, stats=True)
+        token = self._token_stats(model, tuple(shared), y)
         logps, mask = token.logp, (y != IGNORE).float()
         loss, metrics = policy_loss(logps, old if old.numel() else logps.detach(), advantages, mask,
                                     p.epsilon_low, p.epsilon_high, ref if ref.numel() else None, p.beta,

@@ -2,9 +2,9 @@
 
 The targets are the assistant tokens of the examples (their `<|im_end|>` included) and every token of the
 `sft.text_share` rows of corpus text mixed in, each text row weighted `sft.text_weight`; the loss is their
-weighted mean over an optimizer step, however they fall across micro-batches. Examples are padded rows (see
-post/common.py for why not packed). Held-out: the loss on answer tokens only, and for the built-in task the
-accuracy of picking the true answer among four, measured on the base model before training too.
+weighted mean over an optimizer step, however they fall across micro-batches. Examples are packed into rows
+(`sft.packing`, scoring/rows.py), or padded one a row. Held-out: the loss on answer tokens only, and for the
+built-in task the accuracy of picking the true answer among four, measured on the base model before training too.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import numpy as np
 import torch
 
 from kiln.pipeline.errors import UserError
-from kiln.pipeline.post.common import (IGNORE, ChoiceScorer, ExampleBatches, Start, fits, rows_sha256, score_rows,
-                                       start, to_rows)
+from kiln.pipeline.post.common import ExampleBatches, Start, rendered_of, rows_sha256, start
 from kiln.pipeline.post.params import SFTParams
+from kiln.pipeline.post.sft_loss import masked_loss
 from kiln.pipeline.post.stage import Stage, run_stage
-from kiln.pipeline.progress import console
-from kiln.pipeline.tasks.chat_format import ChatFormat, Rendered
+from kiln.pipeline.scoring.answers import ChoiceScorer, score_rows
+from kiln.pipeline.scoring.rows import IGNORE, to_rows
+from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.text.corpus import iter_texts
 from kiln.pipeline.train.curves import Panel
 from kiln.pipeline.train.params import TrainParams
@@ -31,26 +32,6 @@ PANELS = [Panel("loss on assistant tokens", "cross-entropy (nats/token)", {"loss
                                                        "val_accuracy_continue": "continue"}),
           Panel("learning rate", "lr", {"lr": "lr"}),
           Panel("gradient norm before clipping", "global L2 norm", {"grad_norm": "grad_norm"})]
-
-
-def masked_loss(model, batch):
-    """Cross-entropy of the targets, each row's weighted, summed, over (weighted targets in the step /
-    accumulation steps): the step's weighted mean per target token. Packed rows carry each token's example."""
-    x, y, weights, *segments, per_micro = batch
-    losses = model(x, y, reduction="none", segments=segments[0] if segments else None)
-    return (losses.sum(dim=1) * weights).sum() / per_micro
-
-
-def rendered_of(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, what: str) -> list[Rendered]:
-    """The conversations that keep an answer token within seq_len, rendered (the rest counted)."""
-    rendered = [chat.render(c) for c in conversations]
-    kept = [r for r in rendered if fits(r, seq_len)]
-    if len(kept) < len(rendered):
-        console.print(f"{what}: skipped {len(rendered) - len(kept):,} examples with no answer token within "
-                      f"max_seq_len={seq_len}", highlight=False)
-    if not kept and rendered:
-        raise UserError(f"{what}: no example has an answer token within max_seq_len={seq_len}")
-    return kept
 
 
 def rows_of(conversations: list[list[dict]], chat: ChatFormat, seq_len: int, what: str):
@@ -111,7 +92,8 @@ def sft_stage(params: SFTParams, s: Start, base_dir: Path, corpus_dir: Path) -> 
     def evaluate(m) -> dict:
         out = scorer.accuracy(m, params.batch_size, loop.precision)
         if val_targets:
-            out["val_loss"] = -score_rows(m, val_x, val_y, params.batch_size, loop.precision).sum().item() / val_targets
+            out["val_loss"] = -score_rows(m, val_x, val_y, params.batch_size, loop.precision,
+                                            chat.pad).sum().item() / val_targets
         return out
 
     packed = f" packed into {len(x) - n_text:,} rows" if params.packing else ""

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from kiln.kernels.backend import use_triton
 from kiln.kernels.paged_attention import paged_attention
 from kiln.model.config import ModelConfig
+from kiln.model.paged import PagedCache
 from kiln.pipeline.serve import shared_prefix
 from kiln.pipeline.serve.input_batch import slots_of
 from kiln.pipeline.serve.transfer import HostToDevice
@@ -47,7 +48,7 @@ class Segment(NamedTuple):
     logits: int = 1
 
 
-class PagedKVCache:
+class PagedKVCache(PagedCache):
     """Keys and values for `num_blocks` blocks of `block_size` tokens, every layer, and the step being run."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device=None, dtype=None,

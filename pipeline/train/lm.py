@@ -11,6 +11,7 @@ import torch
 
 from kiln.model.config import ModelConfig
 from kiln.model.gpt import GPT
+from kiln.model.packed import Packed
 from kiln.pipeline.code_digest import stage_code_sha256
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
@@ -33,7 +34,7 @@ RAMP_SHAPE = ("batch_size", "nproc_per_node")
 def lm_loss(model, batch):
     """The mean next-token loss of a batch (x, y) or, packed documents, (x, y, segments)."""
     x, y, *segments = batch
-    return model(x, y, segments=segments[0] if segments else None)
+    return model(x, y, packed=Packed(segments[0]) if segments else None)
 
 
 @dataclass

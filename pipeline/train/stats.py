@@ -123,9 +123,9 @@ class StepStats:
         k = k.repeat_interleave(module.n_head // module.n_kv_head, dim=1)
         logits = q @ k.transpose(-1, -2) / math.sqrt(module.head_dim)
         seen = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        segments = Mask(*mask).segments
-        if segments is not None:  # packed documents: the pairs within one document
-            seen = seen & (segments[0, :, None] == segments[0, None, :])
+        attn_mask = Mask(*mask).attn_mask
+        if attn_mask is not None:  # packed sequences: the pairs the first row's mask lets attend
+            seen = seen & attn_mask[0, 0]
         top = logits.masked_fill(~seen, float("-inf")).max().item()
         key = f"attn_logit_max/{layer}"
         self.maxima[key] = max(self.maxima.get(key, float("-inf")), top)
