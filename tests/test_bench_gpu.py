@@ -58,6 +58,17 @@ def test_native_tests_ran_and_the_summary_counts_passed_apart_from_skipped(smoke
 
 
 @pytest.mark.slow  # the smoke run of every step, ~2.5 min on 2 cores: `make test-slow`
+def test_post_step_times_packed_against_padded_sft(smoke):
+    """The packing issue's row: SFT's padded and packed rows on chat examples of mixed lengths the step wrote,
+    agreeing on their loss, their ratio of non-pad tokens/s in the headline."""
+    _, out, _ = smoke
+    post = json.loads((out / "post.json").read_text())
+    assert post["rows"]["packed"]["rows"] < post["rows"]["padded"]["rows"] and post["check_relative_difference"] < 1e-5
+    headline = json.loads((out / "summary.json").read_text())["headline"]
+    assert headline["post_packed_over_padded"] == post["packed_over_padded"] > 0
+
+
+@pytest.mark.slow  # the smoke run of every step, ~2.5 min on 2 cores: `make test-slow`
 def test_kernel_table_has_every_op_and_baseline(smoke):
     _, out, _ = smoke
     report = json.loads((out / "kernels.json").read_text())

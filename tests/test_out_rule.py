@@ -30,7 +30,8 @@ INPUTS = {"params", "shards", "tokenizer", "corpus", "path", "fit", "runs", "siz
           "resume_from", "models", "model", "draft", "folders"}
 # What a command needs besides the option tried (its arguments, its required options)
 NEEDS = {("seeds",): ["pretrain"], ("compare",): ["a", "b"], ("scaling", "fit"): ["--runs", "x.csv", "--out", "../fit.json"],
-         ("convert", "to-hf"): ["data/models/sft"], ("convert", "from-hf"): ["data/models/sft"]}
+         ("convert", "to-hf"): ["data/models/sft"], ("convert", "from-hf"): ["data/models/sft"],
+         ("bench", "post"): ["--data", "chat.jsonl"]}
 
 
 def commands(group=app, path=()):

@@ -129,6 +129,36 @@ def parse_kinds(text: str) -> list[str]:
     return kinds
 
 
+@app.command("post")
+@reports_errors
+@writes(layout.BENCH, out=False)
+def bench_post(data: Annotated[list[str], typer.Option(
+                   help="A chat data file or hf:<dataset> in any of SFT's formats (or GSM8K's question/answer); "
+                        "repeat for several, e.g. the shared Dolly/HH-RLHF, GSM8K and Alpaca files.")],
+               params: ParamsOpt = layout.PARAMS, set_: SetOpt = [], tokenizer: TokenizerOpt = layout.TOKENIZER,
+               seq_len: Annotated[int, typer.Option(help="Context the examples are rendered and trained at.")]
+               = 1024,
+               batch_size: Annotated[int, typer.Option(help="Rows per micro-batch.")] = 8,
+               steps: Annotated[int, typer.Option(help="Timed micro-batches per layout.")] = 20,
+               warmup: Annotated[int, typer.Option(help="Untimed micro-batches before them.")] = 2,
+               check: Annotated[int, typer.Option(help="Examples whose summed loss each layout must agree on.")]
+               = 64,
+               max_examples: Annotated[int | None, typer.Option(help="Rows to keep of each --data.")] = None,
+               device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
+               = "auto",
+               out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+               layout.BENCH / "post.json"):
+    """SFT's padded rows against its packed rows (sft.packing) on real chat data: non-pad tokens/s, the rows' fill
+    and peak memory side by side in one run, each layout training a copy of the same model (the `model` section's
+    shape at --seq-len), after checking both give the same summed loss on the same examples."""
+    from kiln.pipeline.config import load_section
+    from kiln.pipeline.tools.bench_post import bench_post as run
+    from kiln.pipeline.train.params import ModelParams
+
+    run(load_section(ModelParams, params, set_), data, tokenizer, seq_len, batch_size, steps, warmup, check,
+        max_examples, device, out)
+
+
 @app.command("generate")
 @reports_errors
 @writes(layout.BENCH, out=False)

@@ -66,7 +66,7 @@ from kiln.pipeline.progress import console
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = ("quick", "full", "smoke")
-STEPS = ("env", "train", "kernels", "tests", "pretrain", "generate", "serve", "grpo")
+STEPS = ("env", "train", "kernels", "tests", "pretrain", "post", "generate", "serve", "grpo")
 
 # The GPT-2 124M shape (12 layers, 12 heads, d 768, T 1024) as `--set` overrides; the vocabulary is GPT-2's BPE
 # (50,257 + kiln's 3 chat tokens = 50,260, which the model pads to 50,304).
@@ -84,12 +84,21 @@ TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/
          "tests/test_serve_graphs.py",
          "tests/test_kernel_ops.py", "tests/test_compile.py", "tests/test_model.py"]
 
+# Chat examples of mixed lengths for the post step: prompts of 5 to `words` words, answers Pareto-long (a few long,
+# most short), as real chat data is
+CHAT_DATA = ("import json, random; r = random.Random(0); w = 'the king of Denmark said well'.split(); "
+             "open('run/chat.jsonl', 'w').writelines(json.dumps({{"
+             "'prompt': ' '.join(r.choices(w, k=r.randint(5, {words}))), "
+             "'response': ' '.join(r.choices(w, k=int(r.paretovariate(1.2) * 20)))}}) + chr(10) "
+             "for _ in range({rows}))")
+
 PACK_EVERY = 30  # seconds: a call cut off at its limit still returns the rows its running step has written
 
 # The steps each size runs unless --steps names others: quick leaves out generate, whose 24 runs did not fit its
 # 40 s on the H200 and which no recent change touches, and grpo (two stage runs), to keep one call under 9
 # minutes.
-SIZE_STEPS = {"quick": ("env", "train", "kernels", "tests", "pretrain", "serve"), "full": STEPS, "smoke": STEPS}
+SIZE_STEPS = {"quick": ("env", "train", "kernels", "tests", "pretrain", "post", "serve"), "full": STEPS,
+              "smoke": STEPS}
 # Quick's kernel rows: the ops the GPT-2 step runs (flash attention, the fused head and its cross-entropy);
 # its tests: the head's and the custom ops' (flash attention's took too long beside them); full: all of both.
 STEP_OPS = "linear_cross_entropy,cross_entropy,flash_attention"
@@ -99,25 +108,25 @@ STEP_TESTS = ["tests/test_kernel_cross_entropy.py", "tests/test_kernel_linear_cr
 # one run splits the gap by op (GPT-2 uses no other kiln op: its norm is LayerNorm and its MLP GELU).
 GPU_VARIANTS = "bf16-compile-torch,bf16-compile-triton,bf16-compile-triton:head,bf16-compile-triton:attention"
 
-# Seconds each step may take, per size. Quick's sum to 480 s: with the wheels' install (~20 s) one call stays
-# under 9 minutes. From the H200 runs: 2026-11-26 (quick) train 75 s for two compiled rows, pretrain 55 s,
-# serve 19 s; 2026-11-27 (first run) train cut at 100 s inside kiln's compiled row (kiln's compiled in 56 s),
-# kernels cut at 140 s after all 20 rows; 2026-11-27 (this layout) train 152 s for its four compiled rows
-# (compiles 30, 44, 21, 21 s) and their profiles, kernels' 6 step rows ~70 s (cut at 75 s on the way out),
-# pretrain 60 s (before its Muon run was added: 30 s more allowed for it, unmeasured), serve 31 s, and the two
-# cross-entropy test files 52 s on 8 workers (with flash attention's
-# and the ops' files beside them the step did not finish in 75 s, so quick leaves flash attention's to full;
-# the ops' file beside the two is not timed yet). A step cut at
-# its limit keeps the rows its JSON already holds (serve writes its JSON at the end: give it room). Full's
-# train (the compile modes, a max-autotune compile per kernel choice) takes a call of its own.
-# grpo (not yet run on a GPU): two runs of 20 steps from a cold start each, 124M in bf16 with prompts of up to
-# 1,000 tokens; its limit is a guess with room.
-LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "generate": 120, "serve": 120,
+# Seconds each step may take, per size. Quick's sum to 480 s: with the wheels' install (~20 s) one call stays under 9
+# minutes (post's 30 s, not yet run on a GPU, came from train's 180, kernels' 80, tests' 80 and serve's 40, each kept
+# above its last measured time). From the H200 runs: 2026-11-26 (quick)
+# train 75 s for two compiled rows, pretrain 55 s, serve 19 s; 2026-11-27 (first run) train cut at 100 s inside kiln's
+# compiled row (kiln's compiled in 56 s), kernels cut at 140 s after all 20 rows; 2026-11-27 (this layout) train 152 s
+# for its four compiled rows (compiles 30, 44, 21, 21 s) and their profiles, kernels' 6 step rows ~70 s (cut at 75 s
+# on the way out), pretrain 60 s (before its Muon run was added: 30 s more allowed for it, unmeasured), serve 31 s,
+# and the two cross-entropy test files 52 s on 8 workers (with flash attention's and the ops' files beside them the
+# step did not finish in 75 s, so quick leaves flash attention's to full; the ops' file beside the two is not timed
+# yet). A step cut at its limit keeps the rows its JSON already holds (serve writes its JSON at the end: give it
+# room). Full's train (the compile modes, a max-autotune compile per kernel choice) takes a call of its own. grpo (not
+# yet run on a GPU): two runs of 20 steps from a cold start each, 124M in bf16 with prompts of up to 1,000 tokens; its
+# limit is a guess with room.
+LIMITS = {"smoke": {"train": 240, "kernels": 240, "tests": 240, "pretrain": 300, "post": 120, "generate": 120,
+                    "serve": 120, "grpo": 240},
+          "quick": {"train": 170, "kernels": 70, "tests": 75, "pretrain": 100, "post": 30, "generate": 80, "serve": 35,
                     "grpo": 240},
-          "quick": {"train": 180, "kernels": 80, "tests": 80, "pretrain": 100, "generate": 80, "serve": 40,
-                    "grpo": 240},
-          "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "generate": 300, "serve": 300,
-                   "grpo": 300}}
+          "full": {"train": 560, "kernels": 540, "tests": 420, "pretrain": 540, "post": 120, "generate": 300,
+                   "serve": 300, "grpo": 300}}
 
 
 @dataclass
@@ -173,6 +182,14 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
                             "--device", "cuda"])
     prompts = [[sys.executable, "-c", "import json; open('run/grpo_prompts.jsonl', 'w').writelines(json.dumps("
                 "{'prompt': f'Say {w}.', 'answer': w}) + chr(10) for w in 'abcdefgh')"]] if smoke else []
+    # SFT's packed rows against its padded ones (the packing issue's row): chat examples of mixed lengths, made
+    # here (the machine has no datasets), at the GPT-2 shape's 1,024-token context
+    chat = [sys.executable, "-c", CHAT_DATA.format(**({"rows": 40, "words": 10} if smoke else {"rows": 400,
+                                                                                                "words": 300}))]
+    post_shape = (["--seq-len", "32", "--batch-size", "2", "--steps", "2", "--warmup", "1", "--check", "4",
+                   "--device", "cpu"] if smoke else
+                  ["--seq-len", "1024", "--batch-size", "8", "--steps", "10", "--warmup", "2", "--check", "16",
+                   "--device", "cuda"])
     return [
         Step("train", [kiln("bench", "train", "--params", params, *_sets(model), "--variants", variants, *grid, *shape,
                             "--top-ops", "--device", "cpu" if smoke else "cuda", "--out", str(out / "train.json"))]),
@@ -195,6 +212,9 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
                                 "run/metrics/timings/pretrain.json": "pretrain_timings.json",
                                 "run-muon/metrics/pretrain.json": "pretrain_muon.json",
                                 "run-muon/metrics/timings/pretrain.json": "pretrain_muon_timings.json"}),
+        Step("post", [chat, kiln("bench", "post", "--params", params, *_sets(model), "--data", "run/chat.jsonl",
+                                 "--tokenizer", "run/tokenizer/tokenizer.json", *post_shape,
+                                 "--out", str(out / "post.json"))], cwd=work),
         Step("generate", [kiln("bench", "generate", "--params", params, *_sets(model), *generate_shape,
                                "--batch-sizes", "1,2" if smoke else "1,16,64", "--out", str(out / "generate.json")),
                           kiln("bench", "generate", "--params", params, *_sets(model), *generate_shape,
@@ -402,6 +422,11 @@ def headline(out: Path, since: float = 0.0) -> dict:
         # Muon's step time against AdamW's (the same tokens a step), and its val loss after the same tokens
         found["muon_step_time_vs_adamw"] = round(found["pretrain_tokens_per_s"] / found["pretrain_muon_tokens_per_s"],
                                                  3)
+    if path := fresh("post.json"):
+        # packed SFT rows against padded ones: non-pad tokens/s, the goal 2x
+        post = json.loads(path.read_text())
+        found["post_packed_over_padded"] = post["packed_over_padded"]
+        found["post_fill"] = {k: row["fill"] for k, row in post["rows"].items()}
     if path := fresh("generate_quantize.json"):
         for kind in json.loads(path.read_text())["quantize"]:
             if kind["quantize"]:
