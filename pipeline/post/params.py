@@ -174,9 +174,9 @@ class SFTParams(PostTrainParams):
     # loss weight of each text token relative to an answer token: a text row has ~10x an answer's targets, and
     # at weight 1 the text drowns the task (measured: docs/stages.md)
     text_weight: float = 0.25
-    # pack whole examples into rows best-fit, each attending to itself only (post/packing.py); batch_size and
+    # pack whole examples into rows best-fit, each attending to itself only (scoring/rows.py); batch_size and
     # batch_examples then count rows, and text_share is a share of rows
-    packing: bool = False
+    packing: bool = True
 
     def check(self) -> None:
         super().check()
