@@ -1,6 +1,6 @@
-"""`kiln bench post` times SFT's padded and packed layouts on the same chat examples: the packed rows hold every
-example's tokens in fewer rows, and both layouts' summed loss on the same examples must agree before any figure
-counts."""
+"""`kiln bench post` times SFT's padded and packed layouts on the same chat examples, and GRPO's pass with a row per
+completion and a row per group: the packed rows hold every example's tokens in fewer rows, the shared rows every
+completion with fewer tokens, and both layouts' losses on the same examples must agree before any figure counts."""
 
 import json
 
@@ -15,7 +15,8 @@ def test_packed_and_padded_rows_move_the_same_tokens_in_fewer_rows(tiny, tmp_pat
     write_jsonl(data, [{"prompt": "say " + "x " * (i % 7), "response": "king " * (1 + (i * 5) % 23)}
                        for i in range(40)])
     model = ModelParams(n_layer=1, n_head=2, n_kv_head=2, d_model=32, max_seq_len=64)
-    result = bench_post(model, [str(data)], tiny.tokenizer, 64, 4, 3, 1, 8, None, "cpu", tmp_path / "post.json")
+    result = bench_post(model, [str(data)], tiny.tokenizer, 64, 4, 3, 1, 8, None, "cpu", tmp_path / "post.json",
+                        group_size=2, completion_tokens=8, repeats=2)
     assert json.loads((tmp_path / "post.json").read_text())["rows"] == result["rows"]
     padded, packed = result["rows"]["padded"], result["rows"]["packed"]
     assert result["examples"] == padded["rows"] == 40 > packed["rows"]  # one example a row, against several
@@ -23,7 +24,14 @@ def test_packed_and_padded_rows_move_the_same_tokens_in_fewer_rows(tiny, tmp_pat
     # equal micro-batches of rows: the packed ones hold more real tokens
     assert packed["non_pad_tokens"] > padded["non_pad_tokens"]
     assert result["check_relative_difference"] < 1e-5
-    assert result["packed_over_padded"] == round(packed["non_pad_tokens_per_s"] / padded["non_pad_tokens_per_s"], 3)
+    # two repeats, the layouts taking turns: the ratio is the median of the repeats' own
+    assert len(padded["non_pad_tokens_per_s_runs"]) == len(result["packed_over_padded_runs"]) == 2
+    assert result["packed_over_padded"] == min(result["packed_over_padded_runs"])  # the lower of two
+    # GRPO's pass: the same completions, each pair's prompt once, the same loss
+    separate, shared = result["grpo"]["separate"], result["grpo"]["shared"]
+    assert shared["completion_tokens"] == separate["completion_tokens"] > 0
+    assert shared["forward_tokens"] < separate["forward_tokens"]
+    assert result["grpo_check_relative_difference"] < 1e-5
 
 
 def test_bad_options_fail_in_one_line(tiny, tmp_path):

@@ -144,19 +144,24 @@ def bench_post(data: Annotated[list[str], typer.Option(
                check: Annotated[int, typer.Option(help="Examples whose summed loss each layout must agree on.")]
                = 64,
                max_examples: Annotated[int | None, typer.Option(help="Rows to keep of each --data.")] = None,
+               group_size: Annotated[int, typer.Option(help="GRPO rows: completions per prompt.")] = 8,
+               completion_tokens: Annotated[int, typer.Option(help="GRPO rows: a completion's most tokens.")] = 64,
+               repeats: Annotated[int, typer.Option(help="Times each layout is timed, taking turns with the "
+                                                         "other; the median is reported, every ratio kept.")] = 3,
                device: Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
                = "auto",
                out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
                layout.BENCH / "post.json"):
     """SFT's padded rows against its packed rows (sft.packing) on real chat data: non-pad tokens/s, the rows' fill
     and peak memory side by side in one run, each layout training a copy of the same model (the `model` section's
-    shape at --seq-len), after checking both give the same summed loss on the same examples."""
+    shape at --seq-len), after checking both give the same summed loss on the same examples; and GRPO's training
+    pass on groups of completions of the data's prompts, a row per completion against a row per group."""
     from kiln.pipeline.config import load_section
     from kiln.pipeline.tools.bench_post import bench_post as run
     from kiln.pipeline.train.params import ModelParams
 
     run(load_section(ModelParams, params, set_), data, tokenizer, seq_len, batch_size, steps, warmup, check,
-        max_examples, device, out)
+        max_examples, device, out, group_size, completion_tokens, repeats)
 
 
 @app.command("generate")

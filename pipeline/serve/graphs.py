@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kiln.model.modes import evaluating
-from kiln.pipeline.serve.kv_cache import EVERY_ROW, PagedKVCache
+from kiln.pipeline.serve.kv_cache import PagedKVCache
 
 GRAPH_BATCH = 256  # by default, decode batches up to this size replay graphs (vLLM captures up to 512)
 # the captured inputs: the token ids and the arrays of the cache's decode-only step
@@ -110,7 +110,7 @@ class DecodeGraphs:
         """Copy the begun step's token ids and cache arrays into the static buffers; returns its bucket."""
         bucket = len(on_device["ids"])
         for name, buffer in self.inputs.items():
-            buffer[:bucket].copy_(on_device[name] if name == "ids" else getattr(self.cache, name))
+            buffer[:bucket].copy_(on_device[name] if name == "ids" else self.cache.decode_arrays()[name])
         return bucket
 
     def _forward(self, bucket: int) -> Callable[[], torch.Tensor]:
@@ -119,8 +119,6 @@ class DecodeGraphs:
         views = {name: buffer[:bucket] for name, buffer in self.inputs.items()}
 
         def forward() -> torch.Tensor:
-            for name in INPUTS[1:]:
-                setattr(self.cache, name, views[name])
-            self.cache.decode_rows, self.cache.logit_rows = None, EVERY_ROW  # decodes only: every row's logits
+            self.cache.bind_decodes(views)
             return self.model(views["ids"][None], cache=self.cache)[0]
         return forward

@@ -169,6 +169,19 @@ class PagedKVCache(PagedCache):
         self.logit_rows = EVERY_ROW
         return {name: on_device[name] for name in extra or {}}
 
+    def decode_arrays(self) -> dict[str, torch.Tensor]:
+        """The begun decode-only step's device arrays, by the names a CUDA graph's static buffers have
+        (serve/graphs.py)."""
+        return {"positions": self.positions, "slots": self.slots, "decode_tables": self.decode_tables,
+                "decode_lens": self.decode_lens}
+
+    def bind_decodes(self, arrays: dict[str, torch.Tensor]) -> None:
+        """Make the step a decode-only one over these device arrays (`decode_arrays`' names): a CUDA graph's
+        static buffers, which its replays refill. Every row is a decode and gets logits."""
+        self.positions, self.slots = arrays["positions"], arrays["slots"]
+        self.decode_tables, self.decode_lens = arrays["decode_tables"], arrays["decode_lens"]
+        self.decode_rows, self.logit_rows = None, EVERY_ROW
+
     def _shared(self, tables: np.ndarray, lens: np.ndarray) -> dict[str, np.ndarray]:
         """The torch path's groups of decodes that share leading blocks (serve/shared_prefix.py), to upload with
         the step's indices under a `shared_` prefix; none on the paged kernel, with the cascade off, or when

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 import weakref
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -120,6 +121,27 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> list[torch
     return out
 
 
+@dataclass
+class PackedStep:
+    """A step's rows as `ModelRunner._pack` packs them on the host, in the plan's order: what the device runs and
+    what reading back applies. `plain_decodes`: every sequence feeds its last token and samples one, nothing else
+    asked (the rest is then not packed: `_decode` packs its own)."""
+
+    slots: np.ndarray
+    counts: np.ndarray  # new tokens a sequence feeds
+    starts: np.ndarray  # its first new token's position
+    lengths: np.ndarray  # its tokens so far
+    rows: np.ndarray  # the sequences that sample a token
+    fork_rows: list[tuple[int, Request]]  # (sequence, fork) for the forks whose first token it draws
+    decodes_only: bool
+    plain_decodes: bool = True
+    tables: np.ndarray | None = None
+    logit_counts: np.ndarray | None = None  # logits rows per sequence
+    extra: dict[str, np.ndarray] = field(default_factory=dict)  # to the device with the cache's arrays
+    settings: dict[str, np.ndarray] | None = None  # the sampler's, None when every row is greedy
+    asked: LogprobsAsked = NOTHING_ASKED
+
+
 class ModelRunner:
     """Runs `model` (and a `draft`, for speculative decoding) over `cache` (and `draft_cache`)."""
 
@@ -176,12 +198,25 @@ class ModelRunner:
 
     @torch.no_grad()
     def execute(self, plan: list[ScheduledSequence]) -> StepResult:
+        """The plan's step: packed on the host (`_pack`), run on the device (`_run`: the forward, the sampler and
+        the log-probabilities asked for), its tokens read back in one copy (`_read_back`). Plain decodes take
+        `_decode`, a step with drafts to verify `_speculative`."""
         follows, self.follows, self.decoded = self.follows, None, None
         if self.draft is not None and any(seq.lookahead for seq in plan):
             self.stale = [seq.request for seq in plan]
             return self._speculative(plan)
         if follows is not None and len(follows) == len(plan):
             return self._decode(follows)
+        step = self._pack(plan)
+        if step.plain_decodes:
+            return self._decode(step.slots)
+        new, values = self._run(step)
+        return self._read_back(step, new, values)
+
+    def _pack(self, plan: list[ScheduledSequence]) -> PackedStep:
+        """The step's rows from the per-slot rows and the plan: which sequences sample (their chunk ends where
+        their tokens do) and which forks start, each row's logits rows, the token ids, and the arrays the device
+        needs besides the cache's."""
         n, b = len(plan), self.batch
         requests = [seq.request for seq in plan]
         slots = b.slots(requests)
@@ -194,14 +229,17 @@ class ModelRunner:
         forks = [fork for _, fork in fork_rows]
         asks = bool(b.logprobs[slots].any()) or any(f.sampling.logprobs is not None for f in forks)
         decodes_only = n == 0 or counts.max() == 1
+        step = PackedStep(slots, counts, starts, lengths, rows, fork_rows, decodes_only)
         if n and decodes_only and len(rows) == n and not ending and not asks:
-            return self._decode(slots)
-        tables = b.block_tables(slots, starts + counts, self.cache.block_size)
+            return step
+        step.plain_decodes = False
+        step.tables = b.block_tables(slots, starts + counts, self.cache.block_size)
         # each row's logits rows: one, or every position of a prompt whose log-probabilities are asked for
         logit_counts = np.ones(n, np.int64)
         if asks:
             whole = np.fromiter((r.sampling.prompt_logprobs is not None for r in requests), bool, n)
             logit_counts[whole] = counts[whole]
+        step.logit_counts = logit_counts
         wide = bool(logit_counts.sum() > n)
         last = np.cumsum(logit_counts) - 1 if wide else np.arange(n)
         # a row that feeds its sequence's last token (a decode) reads it from its slot; the others (prompt
@@ -212,46 +250,57 @@ class ModelRunner:
             firsts = (np.cumsum(counts) - counts).tolist()
             for i in chunks:
                 ids[firsts[i]:firsts[i] + counts[i]] = requests[i].token_slice(starts[i], starts[i] + counts[i])
-        extra = {"ids": ids}
+        step.extra = {"ids": ids}
         if len(rows) < n or fork_rows or wide:  # the logits rows the sampler reads, when not all in order
-            extra["sample_rows"] = np.concatenate([last[rows], last[[i for i, _ in fork_rows]]]).astype(np.int64)
-        settings = self._settings(slots[rows], lengths[rows], forks)
-        if settings is not None:  # an all-greedy step needs no sampling settings on the device
-            extra |= settings
-        asked = NOTHING_ASKED
+            step.extra["sample_rows"] = np.concatenate([last[rows], last[[i for i, _ in fork_rows]]]).astype(np.int64)
+        step.settings = self._settings(slots[rows], lengths[rows], forks)
+        if step.settings is not None:  # an all-greedy step needs no sampling settings on the device
+            step.extra |= step.settings
         if asks:
             params = [r.sampling for r in [*(requests[i] for i in rows), *forks]]
-            asked = LogprobsAsked(plan, logit_counts, last, params)
-            extra |= asked.indices()
-        on_device, logits, started = self._forward(starts, tables, extra, None if decodes_only else (counts, logit_counts))
+            step.asked = LogprobsAsked(plan, logit_counts, last, params)
+            step.extra |= step.asked.indices()
+        return step
+
+    def _run(self, step: PackedStep) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """The device's part: the forward, the sampled tokens (None when no sequence samples) and the
+        log-probabilities asked for, still on the device."""
+        rows = None if step.decodes_only else (step.counts, step.logit_counts)
+        on_device, logits, started = self._forward(step.starts, step.tables, step.extra, rows)
         new = None
-        if len(rows):  # (forks draw only beside their request's row)
+        if len(step.rows):  # (forks draw only beside their request's row)
             chosen = logits[on_device["sample_rows"]] if "sample_rows" in on_device else logits
-            new = sample(chosen, settings, on_device)
-        values = asked.compute(logits, new, on_device)
+            new = sample(chosen, step.settings, on_device)
+        values = step.asked.compute(logits, new, on_device)
         if self.timing:
             self.device_seconds += self._clock() - started
+        return new, values
+
+    def _read_back(self, step: PackedStep, new: torch.Tensor | None, values: list[torch.Tensor]) -> StepResult:
+        """The step's one read back (the tokens and the log-probabilities asked for), applied to the per-slot
+        rows; the result the scheduler applies."""
+        b, n, rows, fork_rows = self.batch, len(step.slots), step.rows, step.fork_rows
         if new is None and not values:  # prompt chunks only, none at its end: each applied on its own
-            b.advance(slots, counts, rows, np.zeros(0, np.int64))
+            b.advance(step.slots, step.counts, rows, np.zeros(0, np.int64))
             return StepResult(None, None, decoded=[-1] * n, special=list(range(n)))
         self.reads += 1
-        count = len(rows) + len(forks)
-        if values:  # the step's one read back: the tokens and the log-probabilities asked for (ids exact in float64)
-            read = torch.cat([new.double() if new is not None else logits.new_zeros(0, dtype=torch.float64),
-                              *values]).tolist()
+        count = len(rows) + len(fork_rows)
+        if values:  # the tokens and the log-probabilities in one copy (ids exact in float64)
+            read = torch.cat([new.double() if new is not None else values[0].new_zeros(0), *values]).tolist()
             new_tokens = [int(t) for t in read[:count]]
         else:
-            read, new_tokens = [], new.tolist()  # the step's one read back
+            read, new_tokens = [], new.tolist()
         sampled = np.array(new_tokens[:len(rows)], dtype=np.int64)
         decoded = np.full(n, -1, np.int64)  # each sequence's token, -1 for a chunk short of its end
         decoded[rows] = sampled
         # the rows the scheduler applies one by one: prompt chunks (the ones ending here start their forks) and
         # rows with log-probabilities; the rest are plain decodes, applied together and flagged as a decode
         # step's are
-        plain = (decoded >= 0) & (counts == 1) & (starts >= b.prompt_len[slots]) & ~b.logprobs[slots]
+        slots = step.slots
+        plain = (decoded >= 0) & (step.counts == 1) & (step.starts >= b.prompt_len[slots]) & ~b.logprobs[slots]
         decodes = np.flatnonzero(plain)
         flagged = decodes[b.flagged(slots[decodes], decoded[decodes], self.cache.block_size)].tolist()
-        b.advance(slots, counts, rows, sampled)
+        b.advance(slots, step.counts, rows, sampled)
         forked: list[list[int] | None] | None = None
         if fork_rows:
             forked = [None] * n  # a list for each request whose forks start (a few of hundreds), None for the rest
@@ -259,7 +308,7 @@ class ModelRunner:
                 if forked[i] is None:
                     forked[i] = []
                 forked[i].append(token)
-        logprobs, fork_logprobs, prompt_logprobs = asked.unpack(read[count:], rows.tolist(), fork_rows)
+        logprobs, fork_logprobs, prompt_logprobs = step.asked.unpack(read[count:], rows.tolist(), fork_rows)
         return StepResult(None, None, forked, logprobs, fork_logprobs, prompt_logprobs,
                           decoded=decoded.tolist(), flagged=flagged, special=np.flatnonzero(~plain).tolist())
 

@@ -187,7 +187,7 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
     chat = [sys.executable, "-c", CHAT_DATA.format(**({"rows": 40, "words": 10} if smoke else {"rows": 400,
                                                                                                 "words": 300}))]
     post_shape = (["--seq-len", "32", "--batch-size", "2", "--steps", "2", "--warmup", "1", "--check", "4",
-                   "--device", "cpu"] if smoke else
+                   "--group-size", "2", "--completion-tokens", "8", "--repeats", "1", "--device", "cpu"] if smoke else
                   ["--seq-len", "1024", "--batch-size", "8", "--steps", "10", "--warmup", "2", "--check", "16",
                    "--device", "cuda"])
     return [
@@ -427,6 +427,7 @@ def headline(out: Path, since: float = 0.0) -> dict:
         post = json.loads(path.read_text())
         found["post_packed_over_padded"] = post["packed_over_padded"]
         found["post_fill"] = {k: row["fill"] for k, row in post["rows"].items()}
+        found["post_grpo_shared_over_separate"] = post["shared_over_separate"]
     if path := fresh("generate_quantize.json"):
         for kind in json.loads(path.read_text())["quantize"]:
             if kind["quantize"]:
