@@ -256,7 +256,7 @@ def test_a_step_not_run_is_named_and_older_files_never_stand_in_for_it(tmp_path)
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["headline"] == {} and summary["not_run"] == [s for s in STEPS if s != "env"]
-    assert "not run: train, kernels, tests, pretrain, generate, serve, grpo" in result.output
+    assert "not run: train, kernels, tests, pretrain, post, generate, serve, grpo" in result.output
     assert "headline:" not in result.output and "pretrain_val_loss" not in result.output
 
 

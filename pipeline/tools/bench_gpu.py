@@ -84,12 +84,12 @@ TESTS = ["tests/test_kernel_rms_norm.py", "tests/test_kernel_swiglu.py", "tests/
          "tests/test_serve_graphs.py",
          "tests/test_kernel_ops.py", "tests/test_compile.py", "tests/test_model.py"]
 
-# Chat examples of mixed lengths for the post step: prompts of 5 to `words` words, answers Pareto-long (a few long,
-# most short), as real chat data is
+# Chat examples of mixed lengths for the post step: prompts of 5 to `words` words, answers Pareto-long from `answer`
+# words (a few long, most short), as real chat data is
 CHAT_DATA = ("import json, random; r = random.Random(0); w = 'the king of Denmark said well'.split(); "
              "open('run/chat.jsonl', 'w').writelines(json.dumps({{"
              "'prompt': ' '.join(r.choices(w, k=r.randint(5, {words}))), "
-             "'response': ' '.join(r.choices(w, k=int(r.paretovariate(1.2) * 20)))}}) + chr(10) "
+             "'response': ' '.join(r.choices(w, k=int(r.paretovariate(1.2) * {answer})))}}) + chr(10) "
              "for _ in range({rows}))")
 
 PACK_EVERY = 30  # seconds: a call cut off at its limit still returns the rows its running step has written
@@ -184,9 +184,10 @@ def plan(size: str, out: Path, work: Path) -> list[Step]:
                 "{'prompt': f'Say {w}.', 'answer': w}) + chr(10) for w in 'abcdefgh')"]] if smoke else []
     # SFT's packed rows against its padded ones (the packing issue's row): chat examples of mixed lengths, made
     # here (the machine has no datasets), at the GPT-2 shape's 1,024-token context
-    chat = [sys.executable, "-c", CHAT_DATA.format(**({"rows": 40, "words": 10} if smoke else {"rows": 400,
-                                                                                                "words": 300}))]
-    post_shape = (["--seq-len", "32", "--batch-size", "2", "--steps", "2", "--warmup", "1", "--check", "4",
+    chat = [sys.executable, "-c", CHAT_DATA.format(**({"rows": 40, "words": 6, "answer": 2} if smoke else
+                                                     {"rows": 400, "words": 300, "answer": 20}))]
+    # (the toy tokenizer's 300 tokens spend several on a word: 128 positions hold two short examples)
+    post_shape = (["--seq-len", "128", "--batch-size", "2", "--steps", "2", "--warmup", "1", "--check", "4",
                    "--group-size", "2", "--completion-tokens", "8", "--repeats", "1", "--device", "cpu"] if smoke else
                   ["--seq-len", "1024", "--batch-size", "8", "--steps", "10", "--warmup", "2", "--check", "16",
                    "--device", "cuda"])
