@@ -39,9 +39,9 @@ from kiln.pipeline.evaluate.params import EvalParams, GenTaskSpec
 from kiln.pipeline.evaluate.report import report_markdown
 from kiln.pipeline.evaluate.scoring import ChoiceTask
 from kiln.pipeline.outputs import atomic_write_files, metrics_files, sha256_file
-from kiln.pipeline.scoring.answers import PostTrainData, logps
 from kiln.pipeline.progress import Progress, console, print_columns
 from kiln.pipeline.runtime import prepare_device
+from kiln.pipeline.scoring.answers import PostTrainData, logps
 from kiln.pipeline.serve.engine import complete
 from kiln.pipeline.serve.text_model import Sampling, TextModel
 from kiln.pipeline.tasks.chat_format import ChatFormat

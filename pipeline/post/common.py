@@ -19,10 +19,10 @@ from kiln.model.checkpoint import load_model, save_model
 from kiln.model.lora import adapter_state_dict, apply_adapter, merged_state_dict
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
-from kiln.pipeline.scoring.rows import IGNORE, fits
 from kiln.pipeline.post.params import PostTrainParams
 from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.runtime import World, from_env, prepare_device
+from kiln.pipeline.scoring.rows import IGNORE, fits
 from kiln.pipeline.tasks.chat_format import ChatFormat, Rendered
 from kiln.pipeline.tasks.corpus_task import TaskItem
 from kiln.pipeline.text.bpe import load_tokenizer

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import itertools
 import importlib.machinery
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -48,10 +48,10 @@ from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.post.common import ExampleBatches, Start, start
 from kiln.pipeline.post.grpo_loss import group_advantages, policy_loss
 from kiln.pipeline.post.grpo_params import GRPOParams
-from kiln.pipeline.scoring.rows import IGNORE, shared_rows
 from kiln.pipeline.post.stage import Stage, run_stage
 from kiln.pipeline.progress import console
 from kiln.pipeline.runtime import PRECISIONS, SINGLE, World, autocast
+from kiln.pipeline.scoring.rows import IGNORE, shared_rows
 from kiln.pipeline.serve.engine import Engine, complete
 from kiln.pipeline.serve.request import Request, SamplingParams, fork_groups
 from kiln.pipeline.tasks.chat_data import PromptAnswer

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 import numpy as np
+import torch
 
 from kiln.model.modes import evaluating
 from kiln.model.packed import Packed
