@@ -51,7 +51,7 @@ from kiln.pipeline.post.grpo_params import GRPOParams
 from kiln.pipeline.post.stage import Stage, run_stage
 from kiln.pipeline.progress import console
 from kiln.pipeline.runtime import PRECISIONS, SINGLE, World, autocast
-from kiln.pipeline.scoring.rows import IGNORE, shared_rows
+from kiln.pipeline.scoring.rows import IGNORE, separate, shared_rows
 from kiln.pipeline.serve.engine import Engine, complete
 from kiln.pipeline.serve.request import Request, SamplingParams, fork_groups
 from kiln.pipeline.tasks.chat_data import PromptAnswer
@@ -292,9 +292,7 @@ class Rollouts:
         layout of `y`, from one forward of the shared rows."""
         x, ys, segments, shares, where = (t.to(y.device) for t in shared)
         token = model(x, ys, temperature=self.params.temperature, stats=True, packed=Packed(segments, shares))
-        valid = y != IGNORE
-        return TokenStats(*(torch.where(valid, t.reshape(-1)[where], torch.zeros((), dtype=t.dtype, device=t.device))
-                            for t in token))
+        return TokenStats(*(separate(t, where, y) for t in token))
 
     def loss(self, model, batch: list[torch.Tensor]) -> torch.Tensor:
         *shared, y, advantages, old, ref, per_micro = batch

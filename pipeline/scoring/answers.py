@@ -21,7 +21,7 @@ from kiln.model.packed import Packed
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.progress import console
 from kiln.pipeline.runtime import autocast
-from kiln.pipeline.scoring.rows import IGNORE, fits, shared_rows, to_rows
+from kiln.pipeline.scoring.rows import IGNORE, fits, separate, shared_rows, to_rows
 from kiln.pipeline.tasks.chat_data import Pair
 from kiln.pipeline.tasks.chat_format import ChatFormat
 from kiln.pipeline.tasks.corpus_task import TaskItem
@@ -41,8 +41,7 @@ def shared_answer_logps(model, shared: list[torch.Tensor], y: torch.Tensor) -> t
     """answer_logps of separate rows with targets y (N, W), with gradients, from one forward of their shared rows
     (scoring/rows.py `shared_rows`: x, y, segments, shares, where)."""
     x, shared_y, segments, shares, where = shared
-    logp = -model(x, shared_y, reduction="none", packed=Packed(segments, shares)).reshape(-1)[where]
-    return torch.where(y != IGNORE, logp, 0.0).sum(dim=-1)
+    return -separate(model(x, shared_y, reduction="none", packed=Packed(segments, shares)), where, y).sum(dim=-1)
 
 
 @torch.no_grad()

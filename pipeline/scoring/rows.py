@@ -6,7 +6,7 @@ Padded rows spend compute on pad positions: on chat data of mixed lengths most o
 several whole examples in one row (never split), largest first, each into the fullest row it still fits (best-fit
 decreasing, as nanochat's loader and TRL's packing do), and marks every token with the example it belongs to. The
 model turns those ids into a block-diagonal causal mask and positions that restart at each example
-(model/gpt.py `segment_mask`, `segment_positions`), so an example's tokens see exactly what they would see alone
+(model/packed.py `Packed`), so an example's tokens see exactly what they would see alone
 in a padded row: the summed loss of the examples, and its gradients, equal the padded path's.
 
 The pads after a row's last example get an id of their own: their targets are ignored and, the mask being
@@ -111,6 +111,12 @@ def shared_prefix(xs: list[list[int]], ys: list[list[int]]) -> int:
         if any(x[t] != xs[0][t] for x in xs[1:]):
             return t
     return min(first, common)
+
+
+def separate(t: torch.Tensor, where: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A per-token result `t` of shared rows in the separate rows' layout (`where`, from `shared_rows`), 0 where the
+    separate rows' targets `y` are ignored."""
+    return torch.where(y != IGNORE, t.reshape(-1)[where], torch.zeros((), dtype=t.dtype, device=t.device))
 
 
 def shared_rows(x: torch.Tensor, y: torch.Tensor, groups: list[list[int]], pad: int,
