@@ -389,10 +389,14 @@ def test_n_samples_of_one_prompt_cost_one_prefill_and_draw_as_if_alone(length):
     full, partial = divmod(length, 4)
     for fork in group[1:]:
         assert fork.table[:full] == parent.table[:full] and fork.computed == length and len(fork.output) == 1
-        if partial:  # its own block, holding what the request's holds for the prompt's last tokens
+        if partial:  # its own block, a copy of the request's for the prompt's last tokens, made before it decodes
             assert fork.table[full] != parent.table[full]
-            for cache in (engine.cache.k, engine.cache.v):
-                assert torch.equal(cache[:, fork.table[full], :partial], cache[:, parent.table[full], :partial])
+            assert (parent.table[full], fork.table[full], partial) in engine.scheduler.changes.copies
+    engine.step()  # each fork's first decode, into its own block
+    for fork in group[1:] if partial else ():
+        for cache in (engine.cache.k, engine.cache.v):
+            assert torch.equal(cache[:, fork.table[full], :partial], cache[:, parent.table[full], :partial])
+            assert not torch.equal(cache[:, fork.table[full], partial], cache[:, parent.table[full], partial])
     while engine.has_work():
         engine.step()
     assert engine.scheduler.prefill_tokens == length

@@ -22,7 +22,8 @@ from kiln.pipeline.serve.graphs import GRAPH_BATCH
 from kiln.pipeline.serve.kv_cache import PagedKVCache
 from kiln.pipeline.serve.request import Request
 from kiln.pipeline.serve.runner import ModelRunner
-from kiln.pipeline.serve.scheduler import ScheduledSequence, Scheduler
+from kiln.pipeline.serve.scheduler import Scheduler
+from kiln.pipeline.serve.step import ScheduledSequence
 
 
 class Engine:
@@ -97,14 +98,10 @@ class Engine:
 
     def execute(self, plan: list[ScheduledSequence]) -> list[tuple[Request, int]]:
         """Run a plan the scheduler has just made (a step's second half) and apply its tokens."""
-        self.runner.apply(*self.scheduler.take_changes())  # the plan's per-slot rows, and slots freed
+        self.runner.apply(self.scheduler.take_changes())  # the plan's per-slot rows, slots freed, forks' blocks
         if not plan:
             return []
-        events = self.scheduler.update(plan, self.runner.execute(plan))
-        if self.scheduler.copies:  # forks' own copies of their prompt's last block, before they next decode
-            self.runner.copy_blocks(self.scheduler.copies)
-            self.scheduler.copies.clear()
-        return events
+        return self.scheduler.update(plan, self.runner.execute(plan))
 
     def run(self, requests: list[Request]) -> list[Request]:
         """Add `requests` and step until every one has finished (tests, `kiln generate`)."""

@@ -27,7 +27,7 @@ from kiln.pipeline.serve.kv_cache import PagedKVCache, Segment
 from kiln.pipeline.serve.input_batch import InputBatch
 from kiln.pipeline.serve.request import Request, RequestStatus
 from kiln.pipeline.serve.sampler import sample
-from kiln.pipeline.serve.scheduler import ScheduledSequence, StepResult
+from kiln.pipeline.serve.step import Changes, ScheduledSequence, StepResult
 from kiln.pipeline.serve.speculative import accept, accept_greedy
 
 
@@ -168,7 +168,7 @@ class ModelRunner:
         # the requests of a step that verified drafts: their rows are rewritten before the next step
         self.stale: list[Request] = []
         # the slots of the last step when it was plain decodes, in its plan's order, and of this step when its
-        # plan is that one less a few sequences (`Scheduler.dropped`): found without a pass over the requests
+        # plan is that one less a few sequences (`Changes.dropped`): found without a pass over the requests
         self.decoded: np.ndarray | None = None
         self.follows: np.ndarray | None = None
 
@@ -176,25 +176,24 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self.cache.device
 
-    def apply(self, released: list[Request], retabled: list[Request], dropped: list[int] | None = None) -> None:
+    def apply(self, changes: Changes) -> None:
         """The scheduler's changes since the last step (`Scheduler.take_changes`) into the per-slot rows, and the
-        rows of a verified draft's step (which `advance` does not follow) rewritten from their requests.
-        `dropped`: the next plan is the last step's plain decodes less the sequences at these places."""
+        rows of a verified draft's step (which `advance` does not follow) rewritten from their requests; then the
+        forks' copies of their prompt's partly filled last block, in the cache: device work, as vLLM's workers
+        run a step's blocks_to_copy, timed with the forward (they stand in for the prompt each fork would
+        otherwise compute itself)."""
+        dropped = changes.dropped  # the plan is the last step's plain decodes less the sequences at these places
         self.follows = None if dropped is None or self.decoded is None else np.delete(self.decoded, dropped)
-        self.batch.release(released)
+        self.batch.release(changes.released)
         running = RequestStatus.RUNNING  # not finished or preempted since
-        self.batch.write(list({r: None for r in retabled if r.status is running}), self._key)  # once each
+        self.batch.write(list({r: None for r in changes.retabled if r.status is running}), self._key)  # once each
         self.batch.stand([r for r in self.stale if r.status is running])
         self.stale = []
-
-    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
-        """The forks' copies of their prompt's partly filled last block (`Scheduler.copies`), in the cache: device
-        work, as vLLM's workers run a step's blocks_to_copy, timed with the forward. (They stand in for the prompt
-        each fork would otherwise compute itself.)"""
-        started = self._clock()
-        self.cache.copy_blocks(copies)
-        if self.timing:
-            self.device_seconds += self._clock() - started
+        if changes.copies:
+            started = self._clock()
+            self.cache.copy_blocks(changes.copies)
+            if self.timing:
+                self.device_seconds += self._clock() - started
 
     @torch.no_grad()
     def execute(self, plan: list[ScheduledSequence]) -> StepResult:
@@ -282,7 +281,7 @@ class ModelRunner:
         b, n, rows, fork_rows = self.batch, len(step.slots), step.rows, step.fork_rows
         if new is None and not values:  # prompt chunks only, none at its end: each applied on its own
             b.advance(step.slots, step.counts, rows, np.zeros(0, np.int64))
-            return StepResult(None, None, decoded=[-1] * n, special=list(range(n)))
+            return StepResult([-1] * n, special=list(range(n)))
         self.reads += 1
         count = len(rows) + len(fork_rows)
         if values:  # the tokens and the log-probabilities in one copy (ids exact in float64)
@@ -309,8 +308,8 @@ class ModelRunner:
                     forked[i] = []
                 forked[i].append(token)
         logprobs, fork_logprobs, prompt_logprobs = step.asked.unpack(read[count:], rows.tolist(), fork_rows)
-        return StepResult(None, None, forked, logprobs, fork_logprobs, prompt_logprobs,
-                          decoded=decoded.tolist(), flagged=flagged, special=np.flatnonzero(~plain).tolist())
+        return StepResult(decoded.tolist(), flagged, np.flatnonzero(~plain).tolist(), forked, logprobs=logprobs,
+                          fork_logprobs=fork_logprobs, prompt_logprobs=prompt_logprobs)
 
     def _decode(self, slots: np.ndarray) -> StepResult:
         """A step of plain decodes (the steady state: every sequence feeds its last token and samples one, nothing
@@ -333,7 +332,7 @@ class ModelRunner:
         flagged = b.flagged(slots, sampled, self.cache.block_size).tolist()
         b.advance(slots, 1, None, sampled)
         self.decoded = slots
-        return StepResult(None, None, decoded=tokens, flagged=flagged)
+        return StepResult(tokens, flagged)
 
     def _forward(self, starts: np.ndarray, tables: np.ndarray, extra: dict[str, np.ndarray],
                  rows: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[dict, torch.Tensor, float]:
@@ -455,4 +454,6 @@ class ModelRunner:
             else:
                 target = sampling_probs(row, s.temperature, s.top_k, s.top_p)
                 tokens.append(accept(target, torch.stack(draft_probs), drafted, self._generator(r)))
-        return StepResult(tokens, counts, forked)
+        # every sequence applied on its own (`special`): a step of drafts is not the steady state of plain decodes
+        return StepResult([t[0] if t else -1 for t in tokens], special=list(range(len(plan))), forked=forked,
+                          more=[t[1:] for t in tokens], drafted=counts)

@@ -2,9 +2,10 @@
 
 The scheduler decides and keeps the books; it touches no tensor. `schedule()` returns the plan of a step (which
 requests feed which of their tokens, and how many draft tokens each decode verifies), the model runner
-(serve/runner.py) runs it, and `update()` applies the tokens that came back. What changed for the runner's
-per-slot rows (requests whose blocks went back, block tables that changed) is kept as a diff that the engine
-hands it before each step (`take_changes`), so the runner never rereads every running request's table.
+(serve/runner.py) runs it, and `update()` applies the tokens that came back (serve/step.py holds what passes
+between them). What changed for the runner since the last step (requests whose blocks went back, block tables
+that changed, forks' block copies) is kept as a diff that the engine hands it before each step
+(`take_changes`), so the runner never rereads every running request's table.
 
 A request's state is its tokens (prompt, then what it generated) and how many of them have keys and values in
 the cache (`computed`). What it needs next is always tokens[computed:]: the rest of its prompt while it
@@ -33,52 +34,9 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
-
 from kiln.pipeline.serve.blocks import BlockPool
-from kiln.pipeline.serve.request import Logprob, Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    """One request's share of a step: tokens[computed:computed + count] fed, then `lookahead` draft tokens
-    proposed and verified after them (a decode with a draft model)."""
-
-    request: Request
-    count: int
-    lookahead: int = 0
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step yields tokens for it: its chunk reaches the end of its tokens."""
-        return self.request.computed + self.count == self.request.length
-
-
-@dataclass
-class StepResult:
-    """What the runner gives back for a step's plan, per sequence in its order: the first tokens of its forks (a
-    request whose prompt ended this step: `Request.forks`, in their order; None when no sequence forks, and in
-    the flat form below for each sequence without forks), and with log-probabilities asked for each new token's
-    (`logprobs`), each fork's first token's (`fork_logprobs`) and the prompt positions' this step computed
-    (`prompt_logprobs`, from the chunk's first position); None where none was asked.
-
-    The tokens come back flat: `decoded`, sequence i's token (-1 for a chunk short of its end); `special`, the
-    sequences that are not plain decodes (prompt chunks, rows with log-probabilities), applied one by one; and
-    `flagged`, the plain decodes whose token may end their request or that filled a block (a superset, found
-    with array operations), the only others the scheduler looks at. A step of plain decodes only (GRPO's and a
-    loaded server's steady state) has no special sequence. A step that verified a draft model's tokens comes
-    back per sequence instead (`decoded` None): `tokens`, its new tokens, and `drafted`, how many of them were
-    drafts (log-probabilities are not reported with a draft model)."""
-
-    tokens: list[list[int]] | None
-    drafted: list[int] | None
-    forked: list[list[int] | None] | None = None
-    logprobs: list[list[Logprob] | None] | None = None
-    fork_logprobs: list[list[Logprob | None]] | None = None
-    prompt_logprobs: list[list[Logprob] | None] | None = None
-    decoded: list[int] | None = None
-    flagged: list[int] = ()
-    special: list[int] = ()
+from kiln.pipeline.serve.request import Request, RequestStatus
+from kiln.pipeline.serve.step import Changes, ScheduledSequence, StepResult
 
 
 class Scheduler:
@@ -97,11 +55,7 @@ class Scheduler:
         self.aborted = 0
         self.drafted = self.accepted = 0  # draft tokens verified and kept: the acceptance rate
         self.parents: dict[Request, Request] = {}  # a fork not yet started -> the request it forks from
-        self.copies: list[tuple[int, int, int]] = []  # (block, copy, filled slots) for the cache: this step's forks
-        # what changed for the model runner's per-slot rows since it last asked (`take_changes`): requests whose
-        # blocks went back, and requests whose block table changed
-        self.released: list[Request] = []
-        self.retabled: list[Request] = []
+        self.changes = Changes()  # for the runner, since it last asked (`take_changes`)
         self.unsorted = False  # requests were added to `running` out of arrival order
         # The steady state (GRPO's, a loaded server's between arrivals): a step of plain decodes of every running
         # request leaves the next step's plan known, the same less the requests that finished, after blocks for
@@ -110,9 +64,6 @@ class Scheduler:
         self.decoding: tuple[list[ScheduledSequence], list[Request], list[Request], list[int]] | None = None
         # a reused plan and its requests, which its update need not gather again
         self.planned: tuple[list[ScheduledSequence], list[Request]] = ([], [])
-        # for the runner (`take_changes`): this step's plan is the last step's less the sequences at these places,
-        # so its per-slot arrays follow from the last step's; None when it was planned afresh
-        self.dropped: list[int] | None = None
 
     def add(self, request: Request) -> Request:
         """Queue a request and its forks (checked: each must fit the model's context and, alone, the pool; the
@@ -166,22 +117,20 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def take_changes(self) -> tuple[list[Request], list[Request], list[int] | None]:
-        """(requests whose blocks went back, requests whose block table changed) since the last call, in the
-        order it happened, and `dropped`: the runner's per-slot rows follow them (serve/input_batch.py)."""
-        changes = self.released, self.retabled, self.dropped
-        self.released, self.retabled, self.dropped = [], [], None
+    def take_changes(self) -> Changes:
+        """What changed for the runner since the last call (serve/step.py)."""
+        changes, self.changes = self.changes, Changes()
         return changes
 
     def _release(self, request: Request) -> None:
         del self.running[request]
         self.pool.release(request.table)
-        self.released.append(request)
+        self.changes.released.append(request)
 
     def schedule(self) -> list[ScheduledSequence]:
         """This step's plan: decodes, then the chunks of the prompts being computed (oldest first), then newly
         admitted requests, within the token budget; blocks made ready for all of it."""
-        self.dropped, self.planned = None, ([], [])  # (not holding finished requests past their step)
+        self.changes.dropped, self.planned = None, ([], [])  # (not holding finished requests past their step)
         if self.decoding is not None:
             steady, self.decoding = self._decode_again(*self.decoding), None
             if steady is not None:
@@ -235,7 +184,7 @@ class Scheduler:
         plan, requests = plan.copy(), requests.copy()
         for i in reversed(finished):  # a few places out of hundreds: no pass over the rest
             del plan[i], requests[i]
-        self.planned, self.dropped = (plan, requests), finished
+        self.planned, self.changes.dropped = (plan, requests), finished
         return plan
 
     def _grow(self, request: Request, tokens: int) -> bool:
@@ -245,7 +194,7 @@ class Scheduler:
             self.preemptions += 1
             if self._preempt() is request:
                 return False
-        self.retabled.append(request)
+        self.changes.retabled.append(request)
         return True
 
     def lookahead(self, request: Request) -> int:
@@ -256,39 +205,17 @@ class Scheduler:
         return max(0, min(self.speculate, room - 1))
 
     def update(self, plan: list[ScheduledSequence], result: StepResult) -> list[tuple[Request, int]]:
-        """Apply a step's tokens; return (request, new token) for each token that came out (finished ones too)."""
-        if result.decoded is not None:
-            return self._decoded(plan, result)
-        events = []
-        if len(result.tokens) != len(plan) or len(result.drafted) != len(plan):
-            raise ValueError(f"a step of {len(plan)} sequences got {len(result.tokens)} results")
-        forked, drafted = result.forked, result.drafted
-        # A decode's one token is applied inline, the rest by `_apply`: a step that verifies drafts or forks for a
-        # few rows still decodes the others the plain way.
-        special = {i for per_row in (drafted, forked) if per_row for i, x in enumerate(per_row) if x}
-        for i, (seq, new) in enumerate(zip(plan, result.tokens)):
-            request = seq.request
-            before = request.computed
-            if seq.count != 1 or len(new) != 1 or before < len(request.prompt) or i in special:
-                self._apply(seq, new, drafted[i], forked[i] if forked else [], None, None, None, events)
-                continue
-            request.output.append(new[0])
-            events.append((request, new[0]))
-            request.computed = before + 1
-            self._decoded_one(request, new[0])
-        self._sort_running()
-        return events
+        """Apply a step's tokens; return (request, new token) for each token that came out (finished ones too).
 
-    def _decoded(self, plan: list[ScheduledSequence], result: StepResult) -> list[tuple[Request, int]]:
-        """Apply a step's flat tokens (`StepResult.decoded`): each plain decode's output grows by its token, and
-        only the flagged ones can have stopped, reached max_tokens or filled a block; the special sequences go
-        through `_apply`. The flagged and the special are applied in the plan's order, as the blocks they free
-        and take must be. At GRPO's width this runs over hundreds of requests a step, so it touches nothing else
-        of the plain decodes."""
+        Each plain decode's output grows by its token, and only the flagged ones can have stopped, reached
+        max_tokens or filled a block; the special sequences go through `_apply`. The flagged and the special are
+        applied in the plan's order, as the blocks they free and take must be. At GRPO's width this runs over
+        hundreds of requests a step, so it touches nothing else of the plain decodes."""
         tokens, n = result.decoded, len(plan)
         if len(tokens) != n:
             raise ValueError(f"a step of {n} sequences got {len(tokens)} results")
         forked, lps, fork_lps, prompt_lps = result.forked, result.logprobs, result.fork_logprobs, result.prompt_logprobs
+        more, drafted = result.more, result.drafted
         requests = self.planned[1] if plan is self.planned[0] else [seq.request for seq in plan]
         B, events, filled, finished = self.pool.block_size, [], [], []
         running = RequestStatus.RUNNING
@@ -309,7 +236,8 @@ class Scheduler:
                     filled.append(request)  # its next token starts a block
                 f = next(flagged, n)
             if end < n:
-                self._apply(plan[end], [tokens[end]] if tokens[end] >= 0 else [], 0, forked and forked[end] or [],
+                new = ([tokens[end]] if tokens[end] >= 0 else []) + (more[end] if more else [])
+                self._apply(plan[end], new, drafted[end] if drafted else 0, forked and forked[end] or [],
                             lps[end] if lps else None, fork_lps[end] if fork_lps else None,
                             prompt_lps[end] if prompt_lps else None, events)
             start = end + 1
@@ -360,7 +288,7 @@ class Scheduler:
         held = len(request.table)
         self.pool.shrink(request.table, max(request.computed, len(request.prompt)))
         if len(request.table) != held:
-            self.retabled.append(request)
+            self.changes.retabled.append(request)
         self._commit(request, before)
 
     def _finish(self, request: Request, tokens: list[int], events: list, logprobs: list | None = None) -> None:
@@ -387,10 +315,10 @@ class Scheduler:
 
     def _fork(self, parent: Request, tokens: list[int], events: list, logprobs: list | None = None) -> None:
         """Start `parent`'s forks, its prompt now computed: each shares the prompt's full blocks, takes a copy of
-        the partly filled last one (queued in `copies` for the cache) and its first token from the parent's last
-        prompt position (`tokens`, drawn by the runner with the fork's own sampling). A fork the pool has no
-        block for waits at the front of the queue with that token, as a preempted request does, and computes
-        the prompt itself."""
+        the partly filled last one (queued in `changes.copies`, made in the cache before the next step's forward)
+        and its first token from the parent's last prompt position (`tokens`, drawn by the runner with the fork's
+        own sampling). A fork the pool has no block for waits at the front of the queue with that token, as a
+        preempted request does, and computes the prompt itself."""
         forks, parent.forks = parent.forks, []
         for i, (fork, token) in enumerate(zip(forks, tokens, strict=True)):
             del self.parents[fork]
@@ -403,7 +331,7 @@ class Scheduler:
                 continue
             fork.table, copy = got
             if copy is not None:
-                self.copies.append(copy)
+                self.changes.copies.append(copy)
             fork.computed, fork.draft_computed = len(fork.prompt), 0  # a draft model computes its own cache
             # the same prompt: the same keys for its full blocks (a fork's first commit would hash them all again)
             fork.block_keys = parent.block_keys[:len(parent.prompt) // self.pool.block_size]
@@ -452,7 +380,7 @@ class Scheduler:
     def _start(self, request: Request) -> None:
         """Add `request`, holding its new block table, to the running ones (`_sort_running` puts it in place)."""
         self.running[request] = None
-        self.retabled.append(request)
+        self.changes.retabled.append(request)
         self.unsorted = True
 
     def _sort_running(self) -> None:
