@@ -75,7 +75,7 @@ def test_items_with_an_answer_longer_than_the_window_are_left_out_and_counted(to
     task = ChoiceTask(tok, eot, [short, long, short], m.config.max_seq_len)
     assert (task.items, task.too_long, len(task.requests)) == ([short, short], 1, 4)
     alone = ChoiceTask(tok, eot, [short], m.config.max_seq_len)
-    assert task.score(m, 8, "fp32")[0] == alone.score(m, 8, "fp32")[0]
+    assert task.score(m, 8)[0] == alone.score(m, 8)[0]
 
 
 def test_acc_norm_divides_by_characters_of_the_choice_as_lm_evaluation_harness():
@@ -112,7 +112,7 @@ def test_multiple_choice_scores_match_a_hand_computation(tok):
     ]
     # Rows of 3: the first item (4 choices) takes a batch alone, the others share theirs.
     task = ChoiceTask(tok, eot, items, m.config.max_seq_len)
-    got, per_item = task.score(m, batch_rows=3, precision="fp32")
+    got, per_item = task.score(m, batch_rows=3)
     hits, norm = [], []
     for item in items:
         scores = [by_hand(m, tok, eot, c, k)[0] for c, k in zip(item.contexts, item.continuations)]
@@ -136,8 +136,7 @@ def test_lambada_accuracy_and_perplexity_match_a_hand_computation(tok):
         word = tok.decode([top])
         items.append(MCItem((context,), (word,), 0))  # the model's own greedy token: a hit if it round-trips
         items.append(MCItem((context,), (" Denmark",), 0))
-    got, per_item = ChoiceTask(tok, eot, items, m.config.max_seq_len, lambada=True).score(m, batch_rows=4,
-                                                                                          precision="fp32")
+    got, per_item = ChoiceTask(tok, eot, items, m.config.max_seq_len, lambada=True).score(m, batch_rows=4)
     hand = [by_hand(m, tok, eot, item.contexts[0], item.continuations[0]) for item in items]
     assert per_item["acc"].tolist() == [float(g) for _, g in hand] and list(per_item) == ["acc"]  # ppl: no items
     assert got["acc"] == pytest.approx(sum(g for _, g in hand) / len(items), abs=1e-12)

@@ -74,7 +74,7 @@ def test_pass_at_k_against_a_count_of_raw_samples(tmp_path, chat):
     task = task_for(tmp_path, chat, [{"prompt": p, "answer": a} for p, a in zip(PROMPTS, answers)],
                     samples=8, temperature=1.0, max_new_tokens=1)
     assert task.chat_ids == prompts
-    got = run_gen_task(task, model, chat, True, rows=64, precision="fp32", seed=11)
+    got = run_gen_task(task, model, chat, True, rows=64, seed=11)
 
     # Sample j of prompt i is answer 8i + j, drawn from the model's next-token distribution by the exponential
     # race with the sampler's noise for key eval seed + 8i + j at the prompt's end.
@@ -91,10 +91,10 @@ def test_pass_at_k_against_a_count_of_raw_samples(tmp_path, chat):
         want[f"sampled/pass@{k}"] = sum(1 - comb(8 - c, k) / comb(8, k) for c in right) / 5
     assert got.metrics == pytest.approx(want, abs=1e-12) and list(got.metrics) == list(want)
     assert got.rewards == [1.0, 1.0, 1.0, 0.0, 0.0] and got.completions[:3] == answers[:3]
-    again = run_gen_task(task, model, chat, True, rows=64, precision="fp32", seed=11)
+    again = run_gen_task(task, model, chat, True, rows=64, seed=11)
     assert again.metrics == got.metrics and again.completions == got.completions
     # Neither greedy answers nor samples depend on how many the engine holds at once.
-    small = run_gen_task(task, model, chat, True, rows=3, precision="fp32", seed=11)
+    small = run_gen_task(task, model, chat, True, rows=3, seed=11)
     assert small.completions == got.completions and small.metrics == got.metrics
 
 
@@ -102,7 +102,7 @@ def test_samples_zero_is_greedy_only(tmp_path, chat):
     model = noisy_model(chat.tokenizer.get_vocab_size())
     task = task_for(tmp_path, chat, [{"prompt": p, "answer": "x"} for p in PROMPTS], samples=0)
     assert task.spec.ks() == [] and GenTaskSpec("a", "b", "exact", samples=5).ks() == [1, 2, 4]
-    assert list(run_gen_task(task, model, chat, True, 64, "fp32", 0).metrics) == ["pass@1", "mean_reward"]
+    assert list(run_gen_task(task, model, chat, True, 64, 0).metrics) == ["pass@1", "mean_reward"]
 
 
 def test_chat_and_plain_renderings(tmp_path, chat):
@@ -125,14 +125,14 @@ def test_chat_and_plain_renderings(tmp_path, chat):
 def test_a_base_model_answers_the_plain_prompt_up_to_the_end_of_its_line(tmp_path, chat):
     model = noisy_model(chat.tokenizer.get_vocab_size(), seed=2)
     task = task_for(tmp_path, chat, [{"prompt": p, "answer": "x"} for p in PROMPTS], max_new_tokens=12, samples=0)
-    got = run_gen_task(task, model, chat, False, rows=2, precision="fp32", seed=0)
+    got = run_gen_task(task, model, chat, False, rows=2, seed=0)
     by_hand = []
     for p in PROMPTS:  # alone, with no stop at all: the text up to the first newline is the same answer
         ids = [chat.eot, *chat.encode(p + "\n\nAnswer:")]
         out = generate(model, [ids], 12, temperature=0.0)[0]
         by_hand.append(chat.text(out).split("<|endoftext|>")[0].split("\n")[0])
     assert got.completions == by_hand
-    chat_answers = run_gen_task(task, model, chat, True, rows=2, precision="fp32", seed=0).completions
+    chat_answers = run_gen_task(task, model, chat, True, rows=2, seed=0).completions
     assert chat_answers != by_hand  # the chat rendering is another prompt
 
 

@@ -121,6 +121,37 @@ def test_shared_prompt_pairs_equal_their_padded_rows_in_float64(arch):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
 
 
+def test_scores_of_uneven_groups_equal_each_row_alone_in_float64():
+    """score_rows over groups of 4, 1, 3 and 2 rows sharing a prompt each (evaluate's items of varying choices),
+    in batches of whole groups: every row's summed log-probability equals its own padded row's (float64), and
+    `greedy` flags exactly the rows whose every target is the argmax, a target made the argmax included."""
+    from kiln.pipeline.scoring.answers import score_rows
+
+    torch.manual_seed(3)
+    model = GPT(ModelConfig(arch="llama", n_layer=2, n_head=2, n_kv_head=1, d_model=32, max_seq_len=24,
+                            vocab_size=64, qk_norm=True)).double().eval()
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.full((10, 20), PAD), torch.full((10, 20), IGNORE)
+    row = 0
+    for size in (4, 1, 3, 2):
+        prompt = torch.randint(1, 64, (int(torch.randint(1, 8, (), generator=gen)),), generator=gen)
+        for _ in range(size):
+            answer = torch.randint(1, 64, (int(torch.randint(1, 10, (), generator=gen)),), generator=gen)
+            ids = torch.cat([prompt, answer])
+            x[row, :len(ids) - 1], y[row, len(prompt) - 1:len(ids) - 1] = ids[:-1], answer
+            row += 1
+    with torch.no_grad():  # row 5's one-token answer is the model's own argmax: a greedy row
+        y[5] = torch.where(y[5] != IGNORE, model(x[5:6])[0].argmax(-1), IGNORE)
+        token = model(x, y, stats=True)
+    want_logp = token.logp.sum(-1)
+    want_greedy = (token.hit | (y == IGNORE)).all(-1)
+    got_logp, got_greedy = score_rows(model, x, y, batch_size=5, pad=PAD, groups=[4, 1, 3, 2], greedy=True)
+    torch.testing.assert_close(got_logp, want_logp, rtol=1e-10, atol=1e-10)
+    assert got_greedy.tolist() == want_greedy.tolist() and got_greedy[5]
+    plain = score_rows(model, x, y, batch_size=5, pad=PAD, groups=[4, 1, 3, 2])
+    torch.testing.assert_close(plain, want_logp, rtol=1e-10, atol=1e-10)
+
+
 def test_shared_rows_gather_back_into_the_separate_layout():
     """shared_rows on a hand-made group: the prefix stops before the first target (that token predicts differently
     for each answer) and at the first input the rows disagree on; `where` finds each separate column."""

@@ -189,8 +189,8 @@ def test_dpo_loss_and_metrics_are_trls(tiny, loss, smoothing, sft_weight):
     policy, reference = (GPT(config).eval() for _ in range(2))  # two random draws: the log-ratios are not 0
     rows = pair_rows(pairs_of_many_lengths(), chat, config.max_seq_len, "test")
     assert len(rows) == 12 and rows.tokens()[0].min() < 10 < 40 < rows.tokens()[0].max()
-    rows.ref_chosen, rows.ref_rejected = logps(reference, rows, 5, "fp32")
-    pc, pr = logps(policy, rows, 5, "fp32")
+    rows.ref_chosen, rows.ref_rejected = logps(reference, rows, 5)
+    pc, pr = logps(policy, rows, 5)
     params = build_section(DPOParams, {"beta": 0.5, "loss": loss, "label_smoothing": smoothing,
                                        "sft_weight": sft_weight})
     ours, our_loss = pair_metrics(params, rows, pc, pr, "val")

@@ -40,7 +40,7 @@ from kiln.pipeline.evaluate.report import report_markdown
 from kiln.pipeline.evaluate.scoring import ChoiceTask
 from kiln.pipeline.outputs import atomic_write_files, metrics_files, sha256_file
 from kiln.pipeline.progress import Progress, console, print_columns
-from kiln.pipeline.runtime import prepare_device
+from kiln.pipeline.runtime import autocast, prepare_device
 from kiln.pipeline.scoring.answers import PostTrainData, logps
 from kiln.pipeline.serve.engine import complete
 from kiln.pipeline.serve.text_model import Sampling, TextModel
@@ -236,17 +236,23 @@ def score_model(plan: Plan, params: EvalParams, train: TrainParams, name: str, m
         raise UserError(f"{model_dir}: max_seq_len {model.config.max_seq_len}, but {plan.dirs[params.models[0]]} "
                         f"has {plan.seq_len}; eval.models must share one context length")
     torch.manual_seed(params.seed)
+    with autocast(plan.device, train.precision):  # once for everything this model computes
+        score_parts(plan, params, name, model_dir, lm, model, meta, scores, progress, quantize)
+
+
+def score_parts(plan: Plan, params: EvalParams, name: str, model_dir: Path, lm: TextModel, model, meta: dict,
+                scores: Scores, progress: Progress, quantize: str | None) -> None:
+    """score_model's measures, one after the other, each its own progress part."""
     out = scores.results[name] = {}
     per_item = scores.per_item[name] = {}
     progress.advance(0, model=name, part="val loss")
-    lm_metrics = evaluate_lm(model, plan.val, plan.bytes_per_token, params.batch_size, plan.seq_len, params.tokens,
-                             train.precision)
+    lm_metrics = evaluate_lm(model, plan.val, plan.bytes_per_token, params.batch_size, plan.seq_len, params.tokens)
     out |= lm_metrics | {"val_ppl": math.exp(lm_metrics["val_loss"])}
     progress.advance(1)
     centred = []
     for task, scorer in zip(plan.tasks.values(), plan.scorers):
         progress.advance(0, part=task.name)
-        values, hits = scorer.score(model, params.batch_size, train.precision)
+        values, hits = scorer.score(model, params.batch_size)
         out |= {f"{task.name}/{k}": v for k, v in values.items()}
         per_item |= {f"{task.name}/{k}": v for k, v in hits.items()}
         if (level := task_chance(scorer)) is not None and level < 1:
@@ -258,13 +264,13 @@ def score_model(plan: Plan, params: EvalParams, train: TrainParams, name: str, m
     for task, by_model in zip(plan.gen_tasks, scores.answers):
         progress.advance(0, part=task.name)
         by_model[name] = run_gen_task(task, model, plan.chat, bool(meta.get("chat_format")), params.gen_batch_size,
-                                      train.precision, params.seed)
+                                      params.seed)
         out |= {f"{task.name}/{k}": v for k, v in by_model[name].metrics.items()}
         per_item |= {f"{task.name}/{k}": v for k, v in by_model[name].per_item.items()}
         progress.advance(1)
     if plan.post is not None:
         progress.advance(0, part="posttrain")
-        per_item |= score_posttrain(plan, params, train, name, model, scores, trained_from=quantize is None)
+        per_item |= score_posttrain(plan, params, name, model, scores, trained_from=quantize is None)
         out |= {k: float(v.mean()) for k, v in per_item.items() if k.startswith("posttrain/")}
         progress.advance(1)
     progress.advance(0, part="samples")
@@ -273,14 +279,14 @@ def score_model(plan: Plan, params: EvalParams, train: TrainParams, name: str, m
     progress.advance(1)
 
 
-def score_posttrain(plan: Plan, params: EvalParams, train: TrainParams, name: str, model, scores: Scores,
+def score_posttrain(plan: Plan, params: EvalParams, name: str, model, scores: Scores,
                     trained_from: bool = True) -> dict[str, np.ndarray]:
     """Per item: the built-in task's held-out accuracy, the preference accuracy on DPO's held-out pairs and,
     against the model this one was trained from when that one is evaluated too, DPO's implicit-reward accuracy
     (`trained_from`: not for a quantized copy, which was not trained from its original)."""
     out = {f"posttrain/{k.removeprefix('val_')}": v
-           for k, v in plan.post.scorer.hits(model, params.batch_size, train.precision).items()}
-    pc, pr = logps(model, plan.post.pairs, params.batch_size, train.precision)
+           for k, v in plan.post.scorer.hits(model, params.batch_size).items()}
+    pc, pr = logps(model, plan.post.pairs, params.batch_size)
     scores.pair_logps[name] = (pc, pr)
     out["posttrain/preference_accuracy"] = (pc > pr).double().numpy()
     if trained_from and plan.starts[name] in scores.pair_logps:

@@ -30,7 +30,6 @@ import numpy as np
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.evaluate.params import GenTaskSpec
 from kiln.pipeline.evaluate.pass_at_k import pass_at_k
-from kiln.pipeline.runtime import autocast
 from kiln.pipeline.serve.engine import complete
 from kiln.pipeline.serve.request import Request, SamplingParams, fork_groups
 from kiln.pipeline.tasks.chat_data import load_prompts
@@ -118,20 +117,18 @@ def plain_answer(chat: ChatFormat, ids: list[int]) -> str:
     return chat.text(ids[:end]).split("\n", 1)[0]
 
 
-def run_gen_task(task: GenTask, model, chat: ChatFormat, chat_model: bool, rows: int, precision: str,
-                 seed: int) -> GenResult:
-    """One model's answers: greedy for pass@1 and mean_reward, then `samples` per prompt for pass@k."""
+def run_gen_task(task: GenTask, model, chat: ChatFormat, chat_model: bool, rows: int, seed: int) -> GenResult:
+    """One model's answers (under the caller's autocast): greedy for pass@1 and mean_reward, then `samples` per
+    prompt for pass@k."""
     spec = task.spec
     ids = task.chat_ids if chat_model else task.plain_ids
     stops = [chat.im_end, chat.eot] if chat_model else task.line_ends
 
     def answers(prompts: list[list[int]], temperature: float, n: int = 1) -> list[str]:
         """`n` answers to each prompt, the prompt computed once for them (a request and its forks)."""
-        device = next(model.parameters()).device
         requests = [Request(p, SamplingParams(spec.max_new_tokens, temperature, seed=seed + i, stop_ids=tuple(stops)))
                     for i, p in enumerate(p for p in prompts for _ in range(n))]
-        with autocast(device, precision):
-            complete(model, fork_groups(requests, n), concurrent=rows)
+        complete(model, fork_groups(requests, n), concurrent=rows)
         return [chat.parse_reply(r.output) if chat_model else plain_answer(chat, r.output) for r in requests]
 
     def rewards(completions: list[str], n: int, what: str) -> list[float]:

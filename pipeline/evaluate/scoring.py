@@ -6,8 +6,8 @@ stays one token), the continuation's tokens are those of context + continuation 
 the whole follows `<|endoftext|>`, as every document does in pretraining. A request longer than the context
 window loses the start of its context; an item with a continuation that alone does not fit is left out and
 counted (`too_long`), as the harness refuses such a request rather than score a cut answer. Items are batched
-whole (all choices of an item in one forward), rows right-padded: causal attention keeps the padding out of
-every real position.
+whole (all choices of an item in one forward), their shared context computed once (scoring/answers.py
+`score_rows`): each choice sees what it would in a row of its own.
 
 acc picks the choice with the highest summed log-probability; acc_norm divides it by the length of the choice in
 characters first, the delimiter not counted (lm_eval/api/task.py, ConfigurableTask.process_results:
@@ -23,9 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kiln.model.modes import evaluating
+from kiln.pipeline.scoring.answers import score_rows
 from kiln.pipeline.scoring.rows import IGNORE
-from kiln.pipeline.runtime import autocast
 from kiln.pipeline.tasks.tasks import MCItem
 
 
@@ -50,47 +49,21 @@ def encode_request(tokenizer, eot: int, context: str, continuation: str, max_len
     return ScoringRequest(tuple([eot, *context_ids, *target][-(max_len + 1):]), len(target))
 
 
-@torch.no_grad()
-def score_requests(model, requests: list[ScoringRequest], groups: list[int], batch_rows: int,
-                   precision: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probability (N,) float64, greedy (N,) bool) of each request's continuation; greedy = every
-    continuation token is the model's argmax. `groups` are the sizes of consecutive runs of requests scored in
-    one forward (an item's choices); a batch holds whole groups up to `batch_rows` rows (at least one group)."""
-    device = next(model.parameters()).device
-    logps, greedy = [], []
-    start = 0
-    with evaluating(model):
-        for batch in _batches(groups, batch_rows):
-            rows = requests[start:start + batch]
-            start += batch
-            T = max(len(r.ids) for r in rows) - 1
-            x = torch.zeros(len(rows), T, dtype=torch.long)
-            y = torch.full((len(rows), T), IGNORE, dtype=torch.long)
-            for i, r in enumerate(rows):
-                n = len(r.ids) - 1
-                x[i, :n] = torch.tensor(r.ids[:-1])
-                if r.n_target:
-                    y[i, n - r.n_target:n] = torch.tensor(r.ids[-r.n_target:])
-            x, y = x.to(device), y.to(device)
-            with autocast(device, precision):
-                token = model(x, y, stats=True)  # log p and argmax per token, never the (rows x T x vocab) logits
-            scored = y != IGNORE
-            logps.append(token.logp.sum(-1).double().cpu())
-            greedy.append((token.hit | ~scored).all(-1).cpu())
-    if not logps:
-        return torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.bool)
-    return torch.cat(logps), torch.cat(greedy)
-
-
-def _batches(groups: list[int], batch_rows: int):
-    rows = 0
-    for size in groups:
-        if rows and rows + size > batch_rows:
-            yield rows
-            rows = 0
-        rows += size
-    if rows:
-        yield rows
+def score_requests(model, requests: list[ScoringRequest], groups: list[int],
+                   batch_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability (N,) float64, greedy (N,) bool) of each request's continuation, under the caller's
+    autocast; greedy = every continuation token is the model's argmax. `groups` are the sizes of consecutive runs
+    of requests that share their context, computed once (an item's choices); a batch holds whole groups up to
+    `batch_rows` rows (at least one group)."""
+    width = max((len(r.ids) for r in requests), default=1) - 1
+    x = torch.zeros(len(requests), width, dtype=torch.long)
+    y = torch.full((len(requests), width), IGNORE, dtype=torch.long)
+    for i, r in enumerate(requests):
+        n = len(r.ids) - 1
+        x[i, :n] = torch.tensor(r.ids[:-1])
+        if r.n_target:
+            y[i, n - r.n_target:n] = torch.tensor(r.ids[-r.n_target:])
+    return score_rows(model, x, y, batch_rows, 0, groups, greedy=True)
 
 
 class ChoiceTask:
@@ -106,7 +79,7 @@ class ChoiceTask:
         self.requests = [r for requests, ok in zip(encoded, fits) if ok for r in requests]
         self.too_long = len(items) - len(self.items)
 
-    def score(self, model, batch_rows: int, precision: str) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    def score(self, model, batch_rows: int) -> tuple[dict[str, float], dict[str, np.ndarray]]:
         """Each metric's value, and each item's outcome for the metrics that are a mean over items (their
         intervals resample them): acc and acc_norm; for LAMBADA-style items (one continuation each), acc = the
         continuation is the greedy one, and ppl = exp(-mean summed log-probability), the harness's definitions."""
@@ -114,8 +87,7 @@ class ChoiceTask:
             raise ValueError(f"requests were cut for max_seq_len={self.max_len}, the model has "
                              f"{model.config.max_seq_len}")
         items = self.items
-        logp, greedy = score_requests(model, self.requests, [item.n_choices for item in items], batch_rows,
-                                      precision)
+        logp, greedy = score_requests(model, self.requests, [item.n_choices for item in items], batch_rows)
         hits = {"acc": greedy.double().numpy()} if self.lambada else choice_hits(logp, items)
         values = {k: float(v.mean()) for k, v in hits.items()}
         if self.lambada:

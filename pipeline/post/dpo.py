@@ -29,6 +29,7 @@ from kiln.pipeline.post.common import ExampleBatches, Start, rows_sha256, start
 from kiln.pipeline.post.dpo_loss import batch_loss, dpo_loss
 from kiln.pipeline.post.params import DPOParams
 from kiln.pipeline.post.stage import Stage, run_stage
+from kiln.pipeline.runtime import autocast
 from kiln.pipeline.scoring.answers import (ChoiceScorer, PairRows, answer_tokens, logps, pair_logps, pair_rows,
                                            shared_pairs)
 from kiln.pipeline.train.curves import Panel
@@ -70,18 +71,19 @@ def dpo_stage(params: DPOParams, s: Start, sft_dir: Path) -> Stage:
     model, loop, chat, data, seq_len, world = s.model, s.loop, s.chat, s.data, s.model.config.max_seq_len, s.world
     train_rows = pair_rows(data.train, chat, seq_len, "dpo train")
     val_rows = pair_rows(data.val, chat, seq_len, "dpo held-out")
-    for rows in (train_rows, val_rows):  # the reference, once: the model is still the SFT model here
-        rows.ref_chosen, rows.ref_rejected = logps(model, rows, params.batch_size, loop.precision)
+    with autocast(next(model.parameters()).device, loop.precision):
+        for rows in (train_rows, val_rows):  # the reference, once: the model is still the SFT model here
+            rows.ref_chosen, rows.ref_rejected = logps(model, rows, params.batch_size)
     sample = train_rows.head(max(len(val_rows), 1))
     scorer = ChoiceScorer(data.items, chat, seq_len)
 
     def evaluate(m) -> dict:
-        out = scorer.accuracy(m, params.batch_size, loop.precision)
+        out = scorer.accuracy(m, params.batch_size)
         if len(sample):
-            pc, pr = logps(m, sample, params.batch_size, loop.precision)
+            pc, pr = logps(m, sample, params.batch_size)
             out |= pair_metrics(params, sample, pc, pr, "train")[0]
         if len(val_rows):
-            pc, pr = logps(m, val_rows, params.batch_size, loop.precision)
+            pc, pr = logps(m, val_rows, params.batch_size)
             metrics, loss = pair_metrics(params, val_rows, pc, pr, "val")
             out |= metrics | {"val_loss": loss, "val/preference_accuracy": (pc > pr).double().mean().item()}
         return out

@@ -356,12 +356,10 @@ def completion_rows(prompt_ids: list[list[int]], completions: list[list[int]],
 
 
 def greedy_rewards(model, prompts: Prompts, chat: ChatFormat, reward: NamedReward, max_new_tokens: int,
-                   precision: str, what: str) -> list[float]:
-    """Each prompt's reward for its greedy completion."""
-    device = next(model.parameters()).device
+                   what: str) -> list[float]:
+    """Each prompt's reward for its greedy completion (under the caller's autocast)."""
     requests = [Request(ids, SamplingParams(max_new_tokens, stop_ids=(chat.im_end, chat.eot))) for ids in prompts.ids]
-    with autocast(device, precision):
-        completions = [r.output for r in complete(model, requests)]
+    completions = [r.output for r in complete(model, requests)]
     rows = [(t, chat.parse_reply(c), a) for t, c, a in zip(prompts.texts, completions, prompts.answers)]
     return score(reward, rows, what)
 
@@ -390,8 +388,7 @@ def grpo_stage(params: GRPOParams, s: Start, reward: NamedReward, start_dir: Pat
     def evaluate(m) -> dict:
         if not len(val):
             return {}
-        rewards = np.array(greedy_rewards(m, val, chat, reward, params.max_new_tokens, loop.precision,
-                                          "grpo held-out"))
+        rewards = np.array(greedy_rewards(m, val, chat, reward, params.max_new_tokens, "grpo held-out"))
         return {"val/reward": float(rewards.mean()), "val/pass@1": float((rewards >= 1).mean())}
 
     def metrics(result: dict, before: dict) -> dict:

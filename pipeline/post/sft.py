@@ -90,10 +90,9 @@ def sft_stage(params: SFTParams, s: Start, base_dir: Path, corpus_dir: Path) -> 
     val_targets = int((val_y != -100).sum())
 
     def evaluate(m) -> dict:
-        out = scorer.accuracy(m, params.batch_size, loop.precision)
+        out = scorer.accuracy(m, params.batch_size)
         if val_targets:
-            out["val_loss"] = -score_rows(m, val_x, val_y, params.batch_size, loop.precision,
-                                            chat.pad).sum().item() / val_targets
+            out["val_loss"] = -score_rows(m, val_x, val_y, params.batch_size, chat.pad).sum().item() / val_targets
         return out
 
     packed = f" packed into {len(x) - n_text:,} rows" if params.packing else ""

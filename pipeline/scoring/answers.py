@@ -20,7 +20,6 @@ from kiln.model.modes import evaluating
 from kiln.model.packed import Packed
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.progress import console
-from kiln.pipeline.runtime import autocast
 from kiln.pipeline.scoring.rows import IGNORE, fits, separate, shared_rows, to_rows
 from kiln.pipeline.tasks.chat_data import Pair
 from kiln.pipeline.tasks.chat_format import ChatFormat
@@ -45,25 +44,46 @@ def shared_answer_logps(model, shared: list[torch.Tensor], y: torch.Tensor) -> t
 
 
 @torch.no_grad()
-def score_rows(model, x: torch.Tensor, y: torch.Tensor, batch_size: int, precision: str, pad: int,
-               group: int = 1) -> torch.Tensor:
-    """answer_logps of every row, on CPU in float64, about batch_size rows a forward in eval mode. Each `group`
-    consecutive rows (a question's choices, a pair's answers) share their common prompt, computed once, and every
-    row is cut to its last target: the forward runs on real tokens (`shared_rows`)."""
+def score_rows(model, x: torch.Tensor, y: torch.Tensor, batch_size: int, pad: int, groups: int | list[int] = 1,
+               greedy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """answer_logps of every row, on CPU in float64, about batch_size rows a forward in eval mode, under the
+    caller's autocast. `groups` are consecutive rows that share their common prompt, computed once (a question's
+    choices, a pair's answers): one size for all, or each group's; a forward takes whole groups (at least one).
+    Every row is cut to its last target: the forward runs on real tokens (`shared_rows`). With `greedy`, also
+    whether each row's every target is the model's argmax (N,) bool."""
     device = next(model.parameters()).device
-    step = max(1, batch_size // group) * group
-    out = []
+    sizes = [groups] * (len(x) // groups) + [len(x) % groups] * bool(len(x) % groups) \
+        if isinstance(groups, int) else groups
+    logps, hits = [], []
     with evaluating(model):
-        for i in range(0, len(x), step):
-            rows = slice(i, i + step)
-            n = len(x[rows])
-            shared = shared_rows(x[rows], y[rows], [list(range(j, min(j + group, n))) for j in range(0, n, group)],
-                                 pad)
-            with autocast(device, precision):
-                out.append(shared_answer_logps(model, [t.to(device) for t in (*shared[:2], shared[2].segments,
-                                                                              shared[2].shares, shared[3])],
-                                               y[rows].to(device)))
-    return torch.cat(out).double().cpu() if out else torch.zeros(0, dtype=torch.float64)
+        for batch in group_batches(sizes, batch_size):
+            lo, hi = batch[0][0], batch[-1][-1] + 1
+            x_b, y_b, packed, where = shared_rows(x[lo:hi], y[lo:hi], [[i - lo for i in g] for g in batch], pad)
+            shared = [t.to(device) for t in (x_b, y_b, packed.segments, packed.shares, where)]
+            y_sep = y[lo:hi].to(device)
+            if not greedy:
+                logps.append(shared_answer_logps(model, shared, y_sep))
+                continue
+            x_b, y_b, segments, shares, where = shared
+            # log p and argmax per token, never the logits
+            token = model(x_b, y_b, stats=True, packed=Packed(segments, shares))
+            logps.append(separate(token.logp, where, y_sep).sum(-1))
+            hits.append((separate(token.hit, where, y_sep) | (y_sep == IGNORE)).all(-1).cpu())
+    logp = torch.cat(logps).double().cpu() if logps else torch.zeros(0, dtype=torch.float64)
+    return (logp, torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool)) if greedy else logp
+
+
+def group_batches(sizes: list[int], batch_rows: int):
+    """Consecutive groups of rows (their indices), whole groups a batch, up to batch_rows rows (at least one)."""
+    batch, rows, start = [], 0, 0
+    for size in sizes:
+        if batch and rows + size > batch_rows:
+            yield batch
+            batch, rows = [], 0
+        batch.append(list(range(start, start + size)))
+        start, rows = start + size, rows + size
+    if batch:
+        yield batch
 
 
 class ChoiceScorer:
@@ -77,14 +97,14 @@ class ChoiceScorer:
                     for item in items for choice in item.choices]
         self.x, self.y = to_rows(rendered, seq_len, chat.pad, "held-out choices")
 
-    def accuracy(self, model, batch_size: int, precision: str) -> dict[str, float]:
-        return {k: float(v.mean()) for k, v in self.hits(model, batch_size, precision).items()}
+    def accuracy(self, model, batch_size: int) -> dict[str, float]:
+        return {k: float(v.mean()) for k, v in self.hits(model, batch_size).items()}
 
-    def hits(self, model, batch_size: int, precision: str) -> dict[str, np.ndarray]:
+    def hits(self, model, batch_size: int) -> dict[str, np.ndarray]:
         """Each item's outcome (1.0 picked, 0.0 not) behind `val_accuracy` and each kind's `val_accuracy_<kind>`."""
         if not self.kinds:
             return {}
-        scores = score_rows(model, self.x, self.y, batch_size, precision, self.pad, self.n_choices)
+        scores = score_rows(model, self.x, self.y, batch_size, self.pad, self.n_choices)
         scores = scores.view(-1, self.n_choices)
         hits = (scores[:, 0] > scores[:, 1:].max(dim=1).values).double().numpy()
         kinds = np.array(self.kinds)
@@ -156,10 +176,10 @@ def pair_logps(model, shared: list[torch.Tensor], yc: torch.Tensor,
     return shared_answer_logps(model, shared, torch.cat([yc, yr])).split(len(yc))
 
 
-def logps(model, rows: PairRows, batch_size: int, precision: str) -> tuple[torch.Tensor, torch.Tensor]:
+def logps(model, rows: PairRows, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed log-probabilities of the chosen and rejected answers, no gradients, on CPU in float64, each pair's
-    prompt computed once."""
+    prompt computed once, under the caller's autocast."""
     x = torch.stack([rows.chosen[0], rows.rejected[0]], dim=1).flatten(0, 1)  # chosen, rejected, chosen, ...
     y = torch.stack([rows.chosen[1], rows.rejected[1]], dim=1).flatten(0, 1)
-    scores = score_rows(model, x, y, batch_size, precision, rows.pad, group=2).view(-1, 2)
+    scores = score_rows(model, x, y, batch_size, rows.pad, groups=2).view(-1, 2)
     return scores[:, 0].contiguous(), scores[:, 1].contiguous()

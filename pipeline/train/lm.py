@@ -98,7 +98,7 @@ def train_lm(config: ModelConfig, params: TrainParams, data: LMData, checkpoint_
                              world_size=world.size, documents=params.batching == "documents",
                              segments=params.doc_mask),
         evaluate=lambda m: evaluate_lm(m, data.val, data.bytes_per_token, params.batch_size, seq_len,
-                                       params.eval_tokens, params.precision, world),
+                                       params.eval_tokens, world),
         checkpoints=Checkpoints(checkpoint_dir, fingerprint, params.keep_checkpoints, world, resume_from, command),
         curves_dir=curves_dir, flops_per_token=model.flops_per_token(seq_len), name=name, world=world,
         section="train" if stage == "pretrain" else "scaling",

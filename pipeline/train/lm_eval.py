@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.pipeline.runtime import SINGLE, World, autocast
+from kiln.pipeline.runtime import SINGLE, World
 from kiln.pipeline.text.loader import ShardSet, TokenBatches
 from kiln.pipeline.train import distributed
 
@@ -26,8 +26,9 @@ def byte_lengths(tokenizer_path: Path) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_lm(model, shards: ShardSet, bytes_per_token: torch.Tensor, batch_size: int, seq_len: int,
-                max_tokens: int, precision: str, world: World = SINGLE) -> dict:
-    """Loss over every target token; bpb = nats over non-special targets / (ln 2 * their UTF-8 bytes).
+                max_tokens: int, world: World = SINGLE) -> dict:
+    """Loss over every target token, under the caller's autocast; bpb = nats over non-special targets / (ln 2 *
+    their UTF-8 bytes).
 
     The same val prefix whatever the world size: its batches are dealt out to the ranks and the sums added up.
     Every rank runs as many forwards as the busiest one (an FSDP forward is collective); the spare ones count
@@ -44,8 +45,7 @@ def evaluate_lm(model, shards: ShardSet, bytes_per_token: torch.Tensor, batch_si
         if mine or i == 0:  # a rank left without a batch forwards the split's first one
             x, y = (t.to(device) for t in next(batches if mine else TokenBatches(shards, batch_size, seq_len,
                                                                                  random=False)))
-        with autocast(device, precision):
-            losses = model(x, y, reduction="none").double()
+        losses = model(x, y, reduction="none").double()
         if mine:
             b = lengths[y]
             sums += torch.stack([losses.sum(), (losses * (b > 0)).sum(), losses.new_tensor(y.numel()),

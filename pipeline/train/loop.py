@@ -348,8 +348,10 @@ class Training:
 
 
 def evaluate(run: Run, model: torch.nn.Module, step: int) -> dict:
-    """run.evaluate, refusing a non-finite result: a NaN validation loss means the model is broken, not a metric."""
-    result = run.evaluate(model)
+    """run.evaluate under the run's precision (entered once for all it measures), refusing a non-finite result: a
+    NaN validation loss means the model is broken, not a metric."""
+    with autocast(next(model.parameters()).device, run.params.precision):
+        result = run.evaluate(model)
     bad = [k for k, v in result.items() if not math.isfinite(v)]
     if bad:
         raise StageError(f"{run.name}: {bad[0]} is {result[bad[0]]} at step {step}; stopped. "
