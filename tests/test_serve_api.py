@@ -494,10 +494,16 @@ def test_openapi_lists_both_routes_with_their_fields(server):
             "stream", "user"} <= set(completion)
     assert {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "tools"} <= set(chat)
     assert completion["temperature"]["maximum"] == 2.0 and completion["n"]["maximum"] == 128
-    assert completion["presence_penalty"]["x-kiln-unsupported"] == [None, 0]
+    assert {"logit_bias", "presence_penalty", "frequency_penalty", "response_format", "structured_outputs",
+            "repetition_penalty", "min_tokens", "stop_token_ids"} <= set(completion) & set(chat)
+    assert "x-kiln-unsupported" not in str(completion["presence_penalty"]) and "maximum" in str(
+        completion["presence_penalty"])
+    assert completion["min_p"]["x-kiln-unsupported"] == [None, 0]
+    assert {"JSONSchemaFormat", "JSONObjectFormat", "TextFormat", "StructuredOutputs"} <= set(schemas)
     assert chat["tools"]["x-kiln-unsupported"] == [None, []] and "tools" not in completion
     assert all(schemas[name]["additionalProperties"] is False for name in
-               ("CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextPart", "StreamOptions"))
+               ("CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TextPart", "StreamOptions",
+                "JSONSchemaFormat", "JSONSchema", "StructuredOutputs"))
     assert schemas["ChatMessage"]["properties"]["role"]["enum"] == ["system", "developer", "user", "assistant"]
     assert httpx.get(f"{base}/docs").status_code == 404
 
@@ -513,16 +519,31 @@ def test_openapi_lists_both_routes_with_their_fields(server):
      "Unrecognized"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": "ann"}]}, "messages[0].name",
      "not supported by kiln serve"),
-    ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty", "presence_penalty=0.5: not supported"),
-    ("/v1/completions", {"frequency_penalty": -1}, "frequency_penalty", "not supported by kiln serve"),
-    ("/v1/completions", {"logit_bias": {"50": 100}}, "logit_bias", "not supported by kiln serve"),
+    ("/v1/completions", {"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ("/v1/completions", {"frequency_penalty": "1"}, "frequency_penalty", "valid number"),
+    ("/v1/completions", {"logit_bias": {"50": 101}}, 'logit_bias["50"]', "less than or equal to 100"),
+    ("/v1/completions", {"logit_bias": {"x": 1}}, "logit_bias", '"x" is not a token id'),
+    ("/v1/chat/completions", {"logit_bias": {"99999": -100}}, "logit_bias", "0 to 299"),
+    ("/v1/completions", {"stop_token_ids": [300]}, "stop_token_ids", "is not a token id"),
+    ("/v1/completions", {"min_tokens": 5}, "min_tokens", "more than max_tokens=1"),
+    ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
     ("/v1/completions", {"suffix": "end"}, "suffix", "not supported by kiln serve"),
     ("/v1/completions", {"best_of": 3}, "best_of", "not supported by kiln serve"),
-    ("/v1/completions", {"presence_penalty": False}, "presence_penalty", "not supported"),  # false is not 0
+    ("/v1/completions", {"presence_penalty": False}, "presence_penalty", "valid number"),  # false is not 0
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "not supported by kiln serve"),
     ("/v1/chat/completions", {"tool_choice": "auto"}, "tool_choice", "not supported by kiln serve"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ("/v1/chat/completions", {"response_format": {"type": "yaml"}}, "response_format", "does not match"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "frobnicate"}}}}, "response_format.json_schema.schema", "frobnicate"),
+    ("/v1/completions", {"structured_outputs": {"regex": "([a-"}}, "structured_outputs.regex", "regex"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs",
+     "exactly one of"),
+    ("/v1/chat/completions", {"structured_outputs": {"json_object": True}, "response_format": {
+        "type": "json_object"}}, "structured_outputs", "not both"),
+    ("/v1/completions", {"structured_outputs": {"choice": ["a"], "whitespace_pattern": " +"}},
+     "structured_outputs.whitespace_pattern", "not supported by kiln serve"),
+    ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json", "Unrecognized"),
     ("/v1/chat/completions", {"min_p": 0.1}, "min_p", "not supported by kiln serve"),
 ])
 def test_unknown_and_unsupported_fields_are_400s_naming_them(server, path, extra, param, words):

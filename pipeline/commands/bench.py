@@ -164,6 +164,30 @@ def bench_post(data: Annotated[list[str], typer.Option(
         max_examples, device, out, group_size, completion_tokens, repeats)
 
 
+@app.command("structured")
+@reports_errors
+@writes(layout.BENCH, out=False)
+def bench_structured(model: Annotated[Path, typer.Option(help="A chat model folder (SFT, DPO or GRPO).")] =
+                     layout.SFT_MODEL, tokenizer: TokenizerOpt = layout.TOKENIZER,
+                     schemas: Annotated[int, typer.Option(help="Random JSON schemas asked for.")] = 50,
+                     n: Annotated[int, typer.Option(help="Samples of each, at temperature 1.")] = 4,
+                     concurrent: Annotated[int, typer.Option(help="Requests at once in the load rows.")] = 64,
+                     constrained: Annotated[int, typer.Option(help="Of them, following a schema.")] = 16,
+                     max_tokens: Annotated[int | None, typer.Option(
+                         help="A request's most tokens (default and at most: the context's room).")] = None,
+                     repeats: Annotated[int, typer.Option(help="Times each load row runs, taking turns.")] = 3,
+                     seed: Annotated[int, typer.Option(help="Schemas and sampling.")] = 0,
+                     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+                     out: Annotated[Path, typer.Option(help="Where to write the JSON results.")] =
+                     layout.BENCH / "structured.json"):
+    """Structured outputs on a trained chat model: the share of outputs that parse and validate over random JSON
+    schemas at temperature 1, compile times, and loaded throughput with a share of the requests constrained
+    against none, in one run."""
+    from kiln.pipeline.tools.bench_structured import bench_structured as run
+
+    run(model, tokenizer, schemas, n, concurrent, constrained, max_tokens, repeats, seed, device, out)
+
+
 @app.command("generate")
 @reports_errors
 @writes(layout.BENCH, out=False)

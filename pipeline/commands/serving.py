@@ -32,17 +32,40 @@ def generate_command(
         top_k: SamplingOpt("Sample among the k likeliest tokens.", TOOLS_TOP_K, int) = None,
         top_p: SamplingOpt("Sample among the likeliest tokens holding this mass.", TOOLS_TOP_P) = None,
         seed: Annotated[int | None, typer.Option(help="Make sampling reproducible.")] = None,
-        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto", quantize: QuantizeOpt = None):
-    """Continue each --prompt with a trained model, stopping at <|endoftext|>."""
+        device: Annotated[str, typer.Option(help="auto | cpu | cuda | mps")] = "auto", quantize: QuantizeOpt = None,
+        json_schema: Annotated[Path | None, typer.Option(help="A JSON Schema file: each completion is JSON that "
+                                                              "follows it.")] = None,
+        regex: Annotated[str | None, typer.Option(help="Each completion matches this regular expression.")] = None):
+    """Continue each --prompt with a trained model, stopping at <|endoftext|> (or where --json-schema's or
+    --regex's grammar ends)."""
     from kiln.pipeline.runtime import pick_device
     from kiln.pipeline.serve.text_model import Sampling, TextModel
 
+    structure = grammar_option(json_schema, regex)
     lm = TextModel(model, tokenizer, pick_device(device), quantize)
-    outs = lm.complete(prompt, Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed))
+    outs = lm.complete(prompt, Sampling.with_defaults(max_new_tokens, temperature, top_k, top_p, seed), structure)
     for text, out in zip(prompt, outs, strict=True):
         typer.echo(text + out)
         if len(prompt) > 1:
             typer.echo("-" * 40)
+
+
+def grammar_option(json_schema: Path | None, regex: str | None) -> tuple[str, str, object] | None:
+    """(the option, the grammar's kind, its spec) of --json-schema or --regex; None for neither."""
+    import json
+
+    if json_schema is not None and regex is not None:
+        raise UserError("--json-schema and --regex: give one of them")
+    if regex is not None:
+        return "--regex", "regex", regex
+    if json_schema is None:
+        return None
+    try:
+        return f"--json-schema {json_schema}", "json", json.loads(json_schema.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--json-schema {json_schema}: cannot be read ({e.__class__.__name__})") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"--json-schema {json_schema}: not JSON (line {e.lineno}: {e.msg})") from None
 
 
 @app.command("chat")

@@ -183,6 +183,7 @@ def add_completion_routes(app, service: Service) -> None:
     async def completions(http: HTTPRequest):
         body = validated(CompletionRequest, await parse_body(service, http))
         prompts = await asyncio.to_thread(service.completion_prompts, body)  # a long prompt never stalls the others
+        grammar = await asyncio.to_thread(service.grammar, body)  # nor a large schema's compiling
         k, echo = service.completion_logprobs(body)
         stops = service.stops(body)
         # every prompt checked before any starts
@@ -191,7 +192,7 @@ def add_completion_routes(app, service: Service) -> None:
         service.check_work(body, prompts, samplings[0][0].max_tokens, echo, "logprobs")
         hidden = echo and body.get("max_completion_tokens", body.get("max_tokens")) == 0
         jobs = [job for ids, sampling in zip(prompts, samplings)
-                for job in service.start_jobs(ids, sampling, stops, echo=echo, hidden=hidden)]
+                for job in service.start_jobs(ids, sampling, stops, echo=echo, hidden=hidden, grammar=grammar)]
         return await respond(service, http, body, jobs, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=[key_check(service)],
@@ -199,11 +200,12 @@ def add_completion_routes(app, service: Service) -> None:
     async def chat_completions(http: HTTPRequest):
         body = validated(ChatCompletionRequest, await parse_body(service, http))
         ids = await asyncio.to_thread(service.chat_prompt, body)
+        grammar = await asyncio.to_thread(service.grammar, body)
         chat = service.chat
         sampling = service.sampling(body, len(ids), (chat.im_end, chat.eot), default_max=None,
                                     logprobs=service.chat_logprobs(body))
         service.check_work(body, [ids], sampling[0].max_tokens, False, "top_logprobs")
-        jobs = service.start_jobs(ids, sampling, service.stops(body), chat=True)
+        jobs = service.start_jobs(ids, sampling, service.stops(body), chat=True, grammar=grammar)
         return await respond(service, http, body, jobs, chat=True)
 
 

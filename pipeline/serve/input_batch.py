@@ -62,6 +62,7 @@ class InputBatch:
     # each slot's row: (name, dtype, columns; 0 for one value a slot)
     ROWS = (("tables", np.int64, "max_blocks"), ("table_len", np.int64, 0), ("temperature", np.float32, 0),
             ("top_k", np.int64, 0), ("top_p", np.float32, 0), ("keys", np.int64, 0), ("logprobs", bool, 0),
+            ("processed", bool, 0),
             ("length", np.int64, 0), ("computed", np.int64, 0), ("last", np.int64, 0), ("prompt_len", np.int64, 0),
             ("limit", np.int64, 0))
 
@@ -101,6 +102,7 @@ class InputBatch:
             self.top_p[slots] = [1.0 if s.top_p is None else s.top_p for s in params]
             self.keys[slots] = [key(r) for r in new]
             self.logprobs[slots] = [s.logprobs is not None or s.prompt_logprobs is not None for s in params]
+            self.processed[slots] = [r.processed for r in new]
             self.prompt_len[slots] = [len(r.prompt) for r in new]
             self.limit[slots] = self.prompt_len[slots] + [s.max_tokens for s in params]
             arrays = {s: self._stop_array(s) for s in {p.stop_ids for p in params}}  # one per distinct set

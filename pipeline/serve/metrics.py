@@ -50,6 +50,9 @@ class ServeMetrics:
                                          registry=self.registry)
         self.request_success = Counter(PREFIX + "request_success", "Choices finished, by finish reason",
                                        ["finished_reason"], registry=self.registry)
+        self.grammars = Counter(PREFIX + "structured_output_grammars", "Grammars requests asked for: compiled "
+                                "(cache miss) or copied from the compiled (cache hit)", ["cache"],
+                                registry=self.registry)
         self.time_to_first_token = Histogram(PREFIX + "time_to_first_token_seconds",
                                              "From a request's start to its choice's first token",
                                              buckets=TTFT_BUCKETS, registry=self.registry)

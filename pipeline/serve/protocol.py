@@ -5,8 +5,8 @@ checks every value passes before it costs anything.
 
 A field the models do not declare is refused as OpenAI's API refuses it ("Unrecognized request argument
 supplied: X"): a misspelt key must not be answered as if it had been honoured. A field OpenAI or vLLM define
-that kiln does not implement (penalties, logit_bias, tools, ...) is declared `unsupported`: accepted with a
-value that asks for nothing (null, a penalty of 0: what clients send as defaults), a 400 naming it otherwise.
+that kiln does not implement (tools, min_p, beam search, ...) is declared `unsupported`: accepted with a value
+that asks for nothing (null, false, an empty list: what clients send as defaults), a 400 naming it otherwise.
 
 A body is read and bounded by http.py first (size, nesting, surrogates), then validated against its model in
 strict mode (no "1" for 1, no true for 1, no NaN); what depends on the model served (the context's room, the
@@ -29,6 +29,8 @@ MAX_STOP_CHARS = 256  # a stop string's length: each is looked for in the text a
 INT64 = 2**63  # integer fields beyond int64 are refused (numpy and torch take nothing wider)
 MAX_LOGPROBS = 20  # alternatives a token's log-probabilities may list (`logprobs`, `top_logprobs`), as vLLM's
 MAX_PROMPTS = 128  # prompts of one /v1/completions request (a list: a choice block each)
+MAX_TOKEN_LIST = 1024  # entries of `logit_bias` and `stop_token_ids`
+MAX_BIAS = 100.0  # a logit_bias value's bound, OpenAI's: -100 bans a token in effect, 100 all but forces it
 # Token entries one answer may hold: every choice's tokens (its echoed prompt's too), each with its alternatives.
 # A small body can ask for a huge answer (128 prompts x n=128 x echo x 20 alternatives: 35M entries, 67 s and
 # 1.1 GB before this bound); 2M entries are about 35 MB of JSON, seconds to build.
@@ -96,15 +98,21 @@ class Request(BaseModel):
     seed: Int64 | None = Field(None, description="Choice i draws with seed + i")
     stop: str | list[str] | None = Field(None, description=f"Up to 4 strings of 1 to {MAX_STOP_CHARS} characters")
     user: str | None = Field(None, description="The end user's id: accepted, not used")
-    presence_penalty: Any = unsupported(0)
-    frequency_penalty: Any = unsupported(0)
-    logit_bias: Any = unsupported({})
-    response_format: Any = unsupported({"type": "text"})
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, description="Less each token already in the "
+                                                                               "output (null: 0)")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0,
+                                            description="Less each token times its count in the output (null: 0)")
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_BIAS, le=MAX_BIAS)]] | None = Field(
+        None, max_length=MAX_TOKEN_LIST, description="Token id (a string) -> a value added to its logit")
+    response_format: ResponseFormat | None = Field(None, discriminator="type")
     # vLLM's sampling extensions
+    structured_outputs: StructuredOutputs | None = None
     min_p: Any = unsupported(0)
-    repetition_penalty: Any = unsupported(1)
-    min_tokens: Any = unsupported(0)
-    stop_token_ids: Any = unsupported([])
+    repetition_penalty: float | None = Field(None, gt=0.0, description="vLLM's: a seen token's logit divided by it "
+                                                                       "where positive, multiplied where negative")
+    min_tokens: int | None = Field(None, ge=0, le=INT64 - 1, description="The stop ids held back until this many "
+                                                                         "tokens")
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_TOKEN_LIST, description="Token ids that end a choice")
     ignore_eos: Any = unsupported(False)
     include_stop_str_in_output: Any = unsupported(False)
     use_beam_search: Any = unsupported(False)
@@ -113,6 +121,50 @@ class Request(BaseModel):
 class StreamOptions(BaseModel):
     model_config = STRICT
     include_usage: bool = False
+
+
+class TextFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+
+
+class JSONObjectFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["json_object"]
+
+
+class JSONSchema(BaseModel):
+    model_config = STRICT
+    name: str = Field(max_length=64)
+    description: str | None = None
+    # `schema` is a BaseModel method: the field's own name is its alias
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="A JSON Schema; none: any JSON object")
+    strict: bool | None = Field(None, description="Always: the output follows the schema")
+
+
+class JSONSchemaFormat(BaseModel):
+    model_config = STRICT
+    type: Literal["json_schema"]
+    json_schema: JSONSchema
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat, Field(discriminator="type")]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (through the openai client's extra_body): exactly one of these."""
+
+    model_config = STRICT
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="A JSON Schema (or its text)")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, max_length=MAX_TOKEN_LIST)
+    grammar: str | None = Field(None, description="A Lark grammar (llguidance's dialect)")
+    json_object: bool | None = None
+    disable_fallback: Any = unsupported(False)
+    disable_any_whitespace: Any = unsupported(True, False)  # kiln's JSON has no free whitespace either way
+    disable_additional_properties: Any = unsupported(False)
+    whitespace_pattern: Any = unsupported()
+    structural_tag: Any = unsupported()
 
 
 class CompletionRequest(Request):
@@ -169,8 +221,10 @@ class ChatCompletionRequest(Request):
 Request.model_rebuild()
 CompletionRequest.model_rebuild()
 ChatCompletionRequest.model_rebuild()
-FIELDS = {name for kind in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
-          for name in kind.model_fields}
+FIELDS = {info.alias or name
+          for kind in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions, TextFormat,
+                       JSONObjectFormat, JSONSchemaFormat, JSONSchema, StructuredOutputs)
+          for name, info in kind.model_fields.items()}
 
 
 def validated(kind: type[BaseModel], body: dict) -> dict:
@@ -181,9 +235,14 @@ def validated(kind: type[BaseModel], body: dict) -> dict:
     except ValidationError as e:
         error = e.errors()[0]
         where = ""
-        for part in error["loc"][:-1] if error["type"] == "extra_forbidden" else error["loc"]:
+        loc = error["loc"][:-1] if error["type"] == "extra_forbidden" else error["loc"]
+        for i, part in enumerate(loc):
             if isinstance(part, int):  # a union's member names (`str`, `list[int]`) are not part of the path
                 where += f"[{part}]"
+            elif i and loc[i - 1] == "response_format":  # the format's type, which picked the member
+                continue
+            elif i and loc[i - 1] == "logit_bias":  # a token id, as the client wrote it
+                where += f"[{json.dumps(part)}]"
             elif part in FIELDS:
                 where += f".{part}" if where else part
         if error["type"] == "extra_forbidden":
@@ -193,7 +252,7 @@ def validated(kind: type[BaseModel], body: dict) -> dict:
         given = f"={shown(error['input'])}" if error["type"] != "missing" else ""
         raise BadRequest(f"{where or 'the request body'}{given}: {error['msg']}", where or None) from None
     refuse_unsupported(request, "")
-    return request.model_dump(exclude_unset=True)
+    return request.model_dump(exclude_unset=True, by_alias=True)
 
 
 def refuse_unsupported(model: BaseModel, where: str) -> None:
@@ -205,6 +264,8 @@ def refuse_unsupported(model: BaseModel, where: str) -> None:
         if accepted is not None and not any(asks_nothing(value, a) for a in accepted):
             raise BadRequest(f"{path}={shown(value)}: not supported by kiln serve (accepted only as "
                              f"{' or '.join(json.dumps(a) for a in accepted)})", path)
+        if isinstance(value, BaseModel):
+            refuse_unsupported(value, path)
         for i, item in enumerate(value if isinstance(value, list) else []):
             if isinstance(item, BaseModel):
                 refuse_unsupported(item, f"{path}[{i}]")

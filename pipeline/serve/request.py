@@ -5,6 +5,10 @@ from __future__ import annotations
 import enum
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kiln.pipeline.serve.grammar import Grammar
 
 # What `kiln generate` and `kiln chat` sample with unless told otherwise (serve/text_model.py's Sampling; their
 # --help quotes these). evaluate's samples are greedy, set by the eval section, so its report is the same every run.
@@ -27,6 +31,20 @@ class SamplingParams:
     # first (`prompt_logprobs`: the prompt is then computed whole, never taken from the prefix cache). None: none.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # what the logits get before the draw (serve/logits_processors.py): (token id, bias) pairs added, OpenAI's
+    # penalties over the output's tokens, vLLM's over the prompt's and the output's, and the stop ids held back
+    # until the output has min_tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+
+    @property
+    def processes(self) -> bool:
+        """Whether its logits are processed before the draw."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or self.min_tokens
+                    or self.repetition_penalty != 1)
 
     def __post_init__(self):
         # a set: every sampled token is looked up in it (GRPO's and the bench's hold hundreds). Equal sets are one
@@ -86,6 +104,12 @@ class Request:
     # draw (an attribute: a dictionary keyed on requests cost a lookup per request every step)
     noise_key: int | None = None
     slot: int = -1  # its row in the runner's InputBatch while it runs (serve/input_batch.py)
+    grammar: Grammar | None = None  # structured output: the tokens allowed next (serve/grammar.py)
+
+    @property
+    def processed(self) -> bool:
+        """Whether its logits are processed before each draw (a grammar, or its sampling's asks)."""
+        return self.grammar is not None or self.sampling.processes
 
     @property
     def tokens(self) -> list[int]:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kiln.model.generate import sampling_probs
+from kiln.pipeline.serve import logits_processors
 from kiln.pipeline.serve.graphs import DecodeGraphs
 from kiln.pipeline.serve.kv_cache import PagedKVCache, Segment
 from kiln.pipeline.serve.input_batch import InputBatch
@@ -227,9 +228,10 @@ class ModelRunner:
         fork_rows = [(i, fork) for i in ending if requests[i].forks for fork in requests[i].forks]
         forks = [fork for _, fork in fork_rows]
         asks = bool(b.logprobs[slots].any()) or any(f.sampling.logprobs is not None for f in forks)
+        processed = bool(b.processed[slots[rows]].any()) or any(f.processed for f in forks)
         decodes_only = n == 0 or counts.max() == 1
         step = PackedStep(slots, counts, starts, lengths, rows, fork_rows, decodes_only)
-        if n and decodes_only and len(rows) == n and not ending and not asks:
+        if n and decodes_only and len(rows) == n and not ending and not asks and not processed:
             return step
         step.plain_decodes = False
         step.tables = b.block_tables(slots, starts + counts, self.cache.block_size)
@@ -255,9 +257,11 @@ class ModelRunner:
         step.settings = self._settings(slots[rows], lengths[rows], forks)
         if step.settings is not None:  # an all-greedy step needs no sampling settings on the device
             step.extra |= step.settings
+        sampled = [*(requests[i] for i in rows), *forks]  # the sampler's rows, in its order
+        if processed:
+            step.extra |= logits_processors.pack(sampled, self.vocab_size)
         if asks:
-            params = [r.sampling for r in [*(requests[i] for i in rows), *forks]]
-            step.asked = LogprobsAsked(plan, logit_counts, last, params)
+            step.asked = LogprobsAsked(plan, logit_counts, last, [r.sampling for r in sampled])
             step.extra |= step.asked.indices()
         return step
 
@@ -269,6 +273,8 @@ class ModelRunner:
         new = None
         if len(step.rows):  # (forks draw only beside their request's row)
             chosen = logits[on_device["sample_rows"]] if "sample_rows" in on_device else logits
+            if "processed_rows" in on_device:  # (the model's own logits stay for the log-probabilities)
+                chosen = logits_processors.process(chosen, on_device)
             new = sample(chosen, step.settings, on_device)
         values = step.asked.compute(logits, new, on_device)
         if self.timing:
@@ -292,11 +298,12 @@ class ModelRunner:
         sampled = np.array(new_tokens[:len(rows)], dtype=np.int64)
         decoded = np.full(n, -1, np.int64)  # each sequence's token, -1 for a chunk short of its end
         decoded[rows] = sampled
-        # the rows the scheduler applies one by one: prompt chunks (the ones ending here start their forks) and
-        # rows with log-probabilities; the rest are plain decodes, applied together and flagged as a decode
-        # step's are
+        # the rows the scheduler applies one by one: prompt chunks (the ones ending here start their forks), rows
+        # with log-probabilities and processed rows (a grammar fed each token, min_tokens counted); the rest are
+        # plain decodes, applied together and flagged as a decode step's are
         slots = step.slots
-        plain = (decoded >= 0) & (step.counts == 1) & (step.starts >= b.prompt_len[slots]) & ~b.logprobs[slots]
+        plain = (decoded >= 0) & (step.counts == 1) & (step.starts >= b.prompt_len[slots]) & ~b.logprobs[slots] \
+            & ~b.processed[slots]
         decodes = np.flatnonzero(plain)
         flagged = decodes[b.flagged(slots[decodes], decoded[decodes], self.cache.block_size)].tolist()
         b.advance(slots, step.counts, rows, sampled)

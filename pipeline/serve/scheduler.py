@@ -90,6 +90,9 @@ class Scheduler:
             raise ValueError(f"prompt + max_tokens need more than the cache's {self.pool.num_blocks} blocks")
         if self.speculate and (s.logprobs is not None or s.prompt_logprobs is not None):
             raise ValueError("logprobs: not reported with speculative decoding (a draft model)")
+        if self.speculate and request.processed:
+            raise ValueError("structured outputs, logit_bias, penalties and min_tokens: not applied with speculative "
+                             "decoding (a draft model)")
 
     def abort(self, request: Request) -> None:
         """Stop a request now (a client that went away): its blocks go back at once. A fork not started yet
@@ -307,6 +310,8 @@ class Scheduler:
             events.append((request, token))
             if token in s.stop_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
+            elif request.grammar is not None and request.grammar.advance(token):
+                request.status = RequestStatus.FINISHED_STOPPED  # its grammar has ended: nothing more may follow
             elif len(request.output) >= s.max_tokens:
                 request.status = RequestStatus.FINISHED_LENGTH
             if request.status.finished:

@@ -96,7 +96,8 @@ def serve(model_dir: Path, tokenizer_path: Path, host: str, port: int, device: s
         chat = None
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key: expected a non-empty key")
-    service = Service(name or Path(model_dir).name, engine, lm.tokenizer, chat, lm.eot, api_key, max_body)
+    service = Service(name or Path(model_dir).name, engine, lm.tokenizer, chat, lm.eot, api_key, max_body,
+                      tokenizer_path)
     config = uvicorn.Config(create_app(service, log_requests=not quiet, docs=docs), log_level="warning",
                             limit_concurrency=max_connections, timeout_keep_alive=keep_alive)
     listener.listen(config.backlog)  # from here a client that read the address below waits for uvicorn

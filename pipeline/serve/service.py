@@ -15,12 +15,16 @@ however long the output.
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
 import uuid
+from pathlib import Path
 
 from kiln.pipeline.serve.detokenizer import Job
 from kiln.pipeline.serve.engine import Engine
 from kiln.pipeline.serve.engine_thread import EngineThread, call_each
+from kiln.pipeline.serve.grammar import Grammar, GrammarError, Grammars
 from kiln.pipeline.serve.metrics import ServeMetrics
 from kiln.pipeline.serve.protocol import (
     MAX_BODY_BYTES,
@@ -37,9 +41,11 @@ class Service:
     """What the HTTP handlers need: the model's name and limits, the tokenizer and chat format, the engine."""
 
     def __init__(self, name: str, engine: Engine, tokenizer, chat, eot: int, api_key: str | None = None,
-                 max_body: int = MAX_BODY_BYTES):
+                 max_body: int = MAX_BODY_BYTES, tokenizer_path: Path | None = None):
         self.name, self.engine, self.tokenizer, self.chat, self.eot = name, engine, tokenizer, chat, eot
-        self.api_key, self.max_body = api_key, max_body
+        self.api_key, self.max_body, self.tokenizer_path = api_key, max_body, tokenizer_path
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self.context = engine.model.config.max_seq_len
         self.worker = EngineThread(engine)
         self.metrics = ServeMetrics(engine)
@@ -77,10 +83,66 @@ class Service:
             top_k = min(top_k, self.tokenizer.get_vocab_size())  # beyond the vocabulary cuts nothing
         if (logprobs is not None or prompt_logprobs is not None) and self.engine.runner.draft is not None:
             raise BadRequest("logprobs: not reported by a server decoding speculatively (--draft)", "logprobs")
+        processing = self.processing(body, max_tokens)
+        stop_ids = (*stop_ids, *self.token_ids(body.get("stop_token_ids") or [], "stop_token_ids"))
         return [SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p if top_p < 1 else None,
                                top_k=None if top_k in (None, -1) else top_k, seed=None if seed is None else seed + i,
-                               stop_ids=stop_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                               stop_ids=stop_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **processing)
                 for i in range(n)]
+
+    def processing(self, body: dict, max_tokens: int) -> dict:
+        """SamplingParams' logits processing (serve/logits_processors.py) as the body asks for it."""
+        bias = body.get("logit_bias") or {}
+        ids = self.token_ids(bias, "logit_bias")
+        asks = {"logit_bias": tuple(zip(ids, bias.values()))}
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+            if (value := body.get(name)) is not None:  # null: the default
+                asks[name] = value
+        if asks.get("min_tokens", 0) > max_tokens:
+            raise BadRequest(f"min_tokens={asks['min_tokens']}: more than max_tokens={max_tokens}", "min_tokens")
+        if self.engine.runner.draft is not None:
+            for name, value in asks.items():
+                if value != SamplingParams.__dataclass_fields__[name].default:  # what asks for nothing passes
+                    raise BadRequest(f"{name}: not applied by a server decoding speculatively (--draft)", name)
+        return asks
+
+    def token_ids(self, keys, field: str) -> list[int]:
+        """Token ids as a field lists them (ints, or a dict's decimal string keys), each within the vocabulary."""
+        vocab = self.tokenizer.get_vocab_size()
+        ids = []
+        for key in keys:
+            token = int(key) if isinstance(key, int) or key.isdecimal() else -1
+            if not 0 <= token < vocab:
+                raise BadRequest(f"{field}: {json.dumps(key)} is not a token id of this model's vocabulary (0 to "
+                                 f"{vocab - 1})", field)
+            ids.append(token)
+        return ids
+
+    def grammar(self, body: dict) -> Grammar | None:
+        """The grammar the body's output must follow (`response_format`, or vLLM's `structured_outputs`), compiled
+        (or found in the cache); None when it asks for none. Run on a thread: compiling a large schema takes
+        milliseconds."""
+        asked = structured(body)
+        if asked is None:
+            return None
+        where, kind, spec = asked
+        if self.engine.runner.draft is not None:
+            raise BadRequest(f"{where}: structured outputs are not applied by a server decoding speculatively "
+                             "(--draft)", where)
+        try:
+            grammar, hit = self.grammars().compile(kind, spec)
+        except GrammarError as e:
+            raise BadRequest(f"{where}: {e}", where) from None
+        self.metrics.grammars.labels("hit" if hit else "miss").inc()
+        return grammar
+
+    def grammars(self) -> Grammars:
+        """The compiler for this server's tokenizer, made at the first request that asks for a grammar."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                ends = [self.eot] + ([self.chat.im_end] if self.chat is not None else [])
+                self._grammars = Grammars(self.tokenizer_path, ends, self.engine.runner.vocab_size)
+            return self._grammars
 
     def check_work(self, body: dict, prompts: list[list[int]], max_tokens: int, echo: bool, alternatives: str) -> None:
         """Refuse (400) a request whose answer would hold more than MAX_WORK token entries: each choice's tokens
@@ -166,14 +228,17 @@ class Service:
         self.worker.deliver = lambda notifications: loop.call_soon_threadsafe(call_each, notifications)
 
     def start_jobs(self, ids: list[int], samplings: list[SamplingParams], stops: list[str], chat: bool = False,
-                   echo: bool = False, hidden: bool = False) -> list[Job]:
+                   echo: bool = False, hidden: bool = False, grammar: Grammar | None = None) -> list[Job]:
         """One job per choice, all on the same prompt: the first choice's request, the others its forks, so the
-        engine computes the prompt once."""
+        engine computes the prompt once; with a `grammar`, each its own copy of it."""
         # a chat's answer ends at <|im_end|> and keeps special tokens' text (ChatFormat.parse_reply); a completion's
         # special tokens decode to nothing
         ends = frozenset((self.chat.im_end, self.chat.eot)) if chat else frozenset((self.eot,))
         jobs = [Job(Request(ids, sampling, id=uuid.uuid4().hex), stops, self.tokenizer, ends, keep_special=chat,
                     echo=echo, hidden=hidden, fork=i > 0) for i, sampling in enumerate(samplings)]
+        if grammar is not None:
+            for job in jobs:
+                job.request.grammar = grammar.copy()
 
         def listener(job: Job):  # called on the event loop (`bind`), a step's tokens at once
             return lambda request, token: job.queue.put_nowait((request, token))
@@ -211,3 +276,28 @@ class Service:
             if piece:
                 yield piece
 
+
+
+STRUCTURED = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs, one of them
+
+
+def structured(body: dict) -> tuple[str, str, object] | None:
+    """(the field, the grammar's kind, its spec) of what a validated body's output must follow: OpenAI's
+    `response_format` (json_object, or json_schema: its schema, any JSON object without one) or vLLM's
+    `structured_outputs` (exactly one of STRUCTURED); None for neither (or a text format)."""
+    asked = []
+    fmt = body.get("response_format") or {"type": "text"}
+    if fmt["type"] == "json_object":
+        asked.append(("response_format", "json_object", None))
+    elif fmt["type"] == "json_schema":
+        schema = fmt["json_schema"].get("schema")
+        asked.append(("response_format.json_schema.schema", "json_object" if schema is None else "json", schema))
+    if (outputs := body.get("structured_outputs")) is not None:
+        named = [k for k in STRUCTURED if outputs.get(k) not in (None, False)]
+        if len(named) != 1:
+            raise BadRequest(f"structured_outputs: expected exactly one of {', '.join(STRUCTURED)}; got "
+                             f"{', '.join(named) or 'none'}", "structured_outputs")
+        asked.append((f"structured_outputs.{named[0]}", named[0], outputs[named[0]]))
+    if len(asked) > 1:
+        raise BadRequest("response_format and structured_outputs: expected one of them, not both", "structured_outputs")
+    return asked[0] if asked else None

@@ -24,6 +24,7 @@ from kiln.model.quantize import quantize as quantize_model
 from kiln.pipeline.errors import UserError
 from kiln.pipeline.outputs import sha256_file
 from kiln.pipeline.serve.engine import Engine, complete
+from kiln.pipeline.serve.grammar import GrammarError, Grammars
 from kiln.pipeline.serve.request import (
     MAX_TEMPERATURE,
     TOOLS_TEMPERATURE,
@@ -88,11 +89,21 @@ class TextModel:
         self.meta = meta  # config.json beside the model config: tokenizer_sha256, chat_format, init, ...
         quantize_model(self.model, quantize)
         self.tokenizer = load_tokenizer(tokenizer_path, ordinary=True)
+        self.tokenizer_path = tokenizer_path
         self.eot = self.tokenizer.token_to_id(EOT)
 
-    def complete(self, prompts: list[str], sampling: Sampling) -> list[str]:
-        """The continuation of each prompt, up to `<|endoftext|>` (not included) or max_new_tokens."""
+    def complete(self, prompts: list[str], sampling: Sampling,
+                 structure: tuple[str, str, object] | None = None) -> list[str]:
+        """The continuation of each prompt, up to `<|endoftext|>` (not included) or max_new_tokens; with a
+        `structure` (the option that asked, a grammar's kind and spec: serve/grammar.py), one that follows it."""
         sampling.check()
+        grammar = None
+        if structure is not None:
+            where, kind, spec = structure
+            try:
+                grammar = Grammars(self.tokenizer_path, [self.eot], self.model.config.vocab_size).compile(kind, spec)[0]
+            except GrammarError as e:
+                raise UserError(f"{where}: {e}") from None
         for prompt in prompts:
             check_text(prompt, "--prompt")
         # A prompt starts a document, and in the shards every document follows <|endoftext|>.
@@ -104,7 +115,10 @@ class TextModel:
         if longest + new - 1 > context:
             raise UserError(f"--prompt: {longest - 1} tokens + --max-new-tokens={new} do not fit the model's "
                             f"max_seq_len={context}")
-        requests = complete(self.model, [sampling.request(p, new, [self.eot], i) for i, p in enumerate(ids)])
+        requests = [sampling.request(p, new, [self.eot], i) for i, p in enumerate(ids)]
+        for r in requests if grammar is not None else ():
+            r.grammar = grammar.copy()
+        complete(self.model, requests)
         return [self.tokenizer.decode([t for t in r.output if t != self.eot]) for r in requests]
 
 

