@@ -544,6 +544,10 @@ def test_openapi_lists_both_routes_with_their_fields(server):
     ("/v1/completions", {"structured_outputs": {"choice": ["a"], "whitespace_pattern": " +"}},
      "structured_outputs.whitespace_pattern", "not supported by kiln serve"),
     ("/v1/completions", {"guided_json": {"type": "object"}}, "guided_json", "Unrecognized"),
+    ("/v1/chat/completions", {"verbosity": "low"}, "verbosity", "not supported by kiln serve"),
+    ("/v1/chat/completions", {"service_tier": "flex"}, "service_tier", "not supported by kiln serve"),
+    ("/v1/completions", {"allowed_token_ids": [1, 2]}, "allowed_token_ids", "not supported by kiln serve"),
+    ("/v1/chat/completions", {"chat_template": "{{x}}"}, "chat_template", "not supported by kiln serve"),
     ("/v1/chat/completions", {"min_p": 0.1}, "min_p", "not supported by kiln serve"),
 ])
 def test_unknown_and_unsupported_fields_are_400s_naming_them(server, path, extra, param, words):
@@ -573,7 +577,9 @@ def test_the_values_clients_send_as_defaults_are_accepted(server):
     again = client.chat.completions.create(model="tiny", messages=history, max_tokens=2)
     assert again.choices[0].message.role == "assistant"
     response = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1,
-                                                           "presence_penalty": None, "seed": None, "n": 1})
+                                                           "presence_penalty": None, "seed": None, "n": 1,
+                                                           "prompt_cache_key": "k", "safety_identifier": "s",
+                                                           "metadata": {}, "service_tier": "auto"})
     assert response.status_code == 200, response.text
 
 

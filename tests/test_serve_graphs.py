@@ -47,6 +47,22 @@ def test_decode_steps_padded_to_graph_buckets_give_the_eager_tokens(backend):
     assert engine.cache.k[:, engine.cache.scratch].abs().sum() > 0  # where the padding rows wrote
 
 
+def test_processed_rows_are_processed_outside_the_graph():
+    """Rows with logit_bias and penalties beside plain ones: decode steps still replay their bucket's graph (the
+    processing runs on the logits it returns), and every request gets the eager engine's tokens."""
+    model = tiny().to(DEVICE)
+    texts = prompts(4, seed=5)
+
+    def requests() -> list[Request]:
+        return [Request(p, SamplingParams(max_tokens=6, temperature=0.8 * (i % 2), seed=i, frequency_penalty=1.5 * (
+            i < 2), logit_bias=((7, -100.0),) if i == 3 else ())) for i, p in enumerate(texts)]
+    expected = [r.output for r in Engine(model, 64, 4, max_batch_tokens=16).run(requests())]
+    engine = Engine(model, 64, 4, max_batch_tokens=16)
+    engine.runner.graphs = graphs = DecodeGraphs(model, engine.cache, 4, capture=lambda forward, pool: forward)
+    assert [r.output for r in engine.run(requests())] == expected and graphs.steps > 0
+    assert all(7 not in r.output for r in engine.run(requests()[3:]))
+
+
 def test_every_bucket_captured_up_front_writes_only_the_scratch_block():
     """capture_all (the engine's start on CUDA) makes every bucket's graph before any request, from padding rows
     that write into the scratch block alone; the engine's steps then capture nothing and give the eager tokens."""

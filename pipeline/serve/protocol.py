@@ -116,6 +116,22 @@ class Request(BaseModel):
     ignore_eos: Any = unsupported(False)
     include_stop_str_in_output: Any = unsupported(False)
     use_beam_search: Any = unsupported(False)
+    length_penalty: Any = unsupported(1)
+    bad_words: Any = unsupported([])
+    allowed_token_ids: Any = unsupported()
+    skip_special_tokens: Any = unsupported(True)
+    spaces_between_special_tokens: Any = unsupported(True)
+    truncate_prompt_tokens: Any = unsupported()
+    prompt_logprobs: Any = unsupported()
+    return_tokens_as_token_ids: Any = unsupported(False)
+    priority: Any = unsupported(0)
+    logits_processors: Any = unsupported()
+    # OpenAI's: what the request is for, never what it answers
+    safety_identifier: str | None = Field(None, description="The end user's id: accepted, not used")
+    prompt_cache_key: str | None = Field(None, description="A caching hint: accepted, not needed (kiln caches "
+                                                           "every prompt's blocks by their tokens)")
+    metadata: Any = unsupported({})
+    service_tier: Any = unsupported("auto", "default")
 
 
 class StreamOptions(BaseModel):
@@ -211,11 +227,16 @@ class ChatCompletionRequest(Request):
     audio: Any = unsupported()
     prediction: Any = unsupported()
     reasoning_effort: Any = unsupported()
+    verbosity: Any = unsupported()
+    web_search_options: Any = unsupported()
     store: Any = unsupported(False)
     # vLLM's: the template is always applied with the assistant's turn opened, never continuing the last message
     echo: Any = unsupported(False)
     add_generation_prompt: Any = unsupported(True)
     continue_final_message: Any = unsupported(False)
+    chat_template: Any = unsupported()
+    chat_template_kwargs: Any = unsupported({})
+    documents: Any = unsupported([])
 
 
 Request.model_rebuild()
