@@ -169,14 +169,21 @@ def test_min_tokens_holds_the_stop_ids_back():
 
 
 def test_steps_without_a_processed_row_carry_nothing_for_it():
-    """A plain step packs no processing array; the step that has a processed row packs that row alone."""
+    """A plain step packs no processing array; a step with a processed row packs that row alone, its decodes still
+    on the plain decodes' path (no row applied one by one)."""
+    import kiln.pipeline.serve.logits_processors as processors
+
     model = tiny_model()
     engine = Engine(model, num_blocks=64, block_size=8)
-    packed = []
-    original = engine.runner._pack
-    engine.runner._pack = lambda plan: packed.append(original(plan)) or packed[-1]
-    engine.run([Request([1, 2], SamplingParams(4)), Request([3, 4], SamplingParams(4))])
-    assert packed and all("processed_rows" not in step.extra for step in packed)
-    packed.clear()
-    engine.run([Request([1, 2], SamplingParams(4)), Request([3, 4], SamplingParams(4, presence_penalty=1.0))])
-    assert all(step.extra["processed_rows"].tolist() == [1] for step in packed if len(step.rows) == 2)
+    packed, results = [], []
+    pack, execute = processors.pack, engine.runner.execute
+    processors.pack = lambda requests, vocab: packed.append(pack(requests, vocab)) or packed[-1]
+    engine.runner.execute = lambda plan: results.append(execute(plan)) or results[-1]
+    try:
+        engine.run([Request([1, 2], SamplingParams(4)), Request([3, 4], SamplingParams(4))])
+        assert not packed and len(results) == 4
+        engine.run([Request([1, 2], SamplingParams(4)), Request([3, 4], SamplingParams(4, presence_penalty=1.0))])
+    finally:
+        processors.pack = pack
+    assert len(packed) == 4 and all(arrays["processed_rows"].tolist() == [1] for arrays in packed)
+    assert [list(r.special) for r in results[4:]] == [[0, 1], [], [], []]  # the prompts' step, then plain decodes

@@ -55,6 +55,7 @@ class InputBatch:
         # how many held slots' requests stop at each token id (ids outside the vocabulary are never sampled)
         self.stop_count = np.zeros(vocab_size, np.int64)
         self.stop_ids: list[np.ndarray | None] = []  # each slot's, as counted
+        self.holders: list[Request | None] = []  # each slot's request: the processed rows' asks are read from it
         # one array per distinct stop set while a slot holds it (GRPO's hundreds of requests share one)
         self._stop_arrays: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._grow(capacity)
@@ -62,7 +63,7 @@ class InputBatch:
     # each slot's row: (name, dtype, columns; 0 for one value a slot)
     ROWS = (("tables", np.int64, "max_blocks"), ("table_len", np.int64, 0), ("temperature", np.float32, 0),
             ("top_k", np.int64, 0), ("top_p", np.float32, 0), ("keys", np.int64, 0), ("logprobs", bool, 0),
-            ("processed", bool, 0),
+            ("processed", bool, 0), ("grammar", bool, 0),
             ("length", np.int64, 0), ("computed", np.int64, 0), ("last", np.int64, 0), ("prompt_len", np.int64, 0),
             ("limit", np.int64, 0))
 
@@ -76,13 +77,14 @@ class InputBatch:
             setattr(self, name, array)
         self.free = list(range(self.capacity - 1, old - 1, -1)) + self.free
         self.stop_ids += [None] * (self.capacity - old)
+        self.holders += [None] * (self.capacity - old)
 
     def release(self, requests: list[Request]) -> None:
         """Free the slots of `requests` (their blocks went back); a request without one is left as it is."""
         held = [r for r in requests if r.slot >= 0]
         self._count_stops([self.stop_ids[r.slot] for r in held], -1)
         for r in held:
-            self.stop_ids[r.slot] = None
+            self.stop_ids[r.slot] = self.holders[r.slot] = None
             self.free.append(r.slot)
             r.slot = -1
 
@@ -103,6 +105,9 @@ class InputBatch:
             self.keys[slots] = [key(r) for r in new]
             self.logprobs[slots] = [s.logprobs is not None or s.prompt_logprobs is not None for s in params]
             self.processed[slots] = [r.processed for r in new]
+            self.grammar[slots] = [r.grammar is not None for r in new]
+            for slot, r in zip(slots.tolist(), new):
+                self.holders[slot] = r
             self.prompt_len[slots] = [len(r.prompt) for r in new]
             self.limit[slots] = self.prompt_len[slots] + [s.max_tokens for s in params]
             arrays = {s: self._stop_array(s) for s in {p.stop_ids for p in params}}  # one per distinct set
@@ -151,11 +156,11 @@ class InputBatch:
 
     def flagged(self, slots: np.ndarray, tokens: np.ndarray, block_size: int) -> np.ndarray:
         """Which of `slots`, each a decode that sampled tokens[i] after its last token, may be done by it (a stop
-        id of some running request, or max_tokens) or fill a block by feeding it: the only rows whose request
-        a step of plain decodes changes beyond its output."""
+        id of some running request, max_tokens, or its grammar, fed every token) or fill a block by feeding it:
+        the only rows whose request a step of plain decodes changes beyond its output."""
         lengths = self.length[slots]  # before the token
         return np.flatnonzero((self.stop_count[tokens] > 0) | (lengths + 1 >= self.limit[slots])
-                              | (lengths % block_size == 0))
+                              | (lengths % block_size == 0) | self.grammar[slots])
 
     def slots(self, requests: list[Request]) -> np.ndarray:
         """The slots of `requests` (each must hold one), in order."""

@@ -69,18 +69,23 @@ def process(logits: torch.Tensor, on_device: dict[str, torch.Tensor]) -> torch.T
     in float32; a new tensor, `logits` untouched."""
     out = logits.float().clone()
     rows = on_device["processed_rows"]
+    inf = torch.tensor(float("-inf"), device=out.device)
+    if "grammar_rows" in on_device and "ban_rows" not in on_device:  # the common case: a mask alone
+        g = rows[on_device["grammar_rows"]]
+        out[g] = out[g].masked_fill(~allowed(on_device["grammar_mask"], out.size(-1)), inf)
+        if not any(name in on_device for name in ("bias_rows", "seen_rows", "counted_rows")):
+            return out
     x = out[rows]
-    inf = torch.tensor(float("-inf"), device=x.device)
-    grammar = None
-    if "grammar_rows" in on_device:
-        g = on_device["grammar_rows"]
-        grammar = x[g].masked_fill(~allowed(on_device["grammar_mask"], x.size(-1)), inf)
     if "ban_rows" in on_device:
+        grammar = None
+        if "grammar_rows" in on_device:
+            g = on_device["grammar_rows"]
+            grammar = x[g].masked_fill(~allowed(on_device["grammar_mask"], x.size(-1)), inf)
         x[on_device["ban_rows"], on_device["ban_tokens"]] = inf
-    if grammar is not None:
-        # the grammar's mask over the ban; a row the two leave without a token keeps the grammar's alone
-        both = torch.where(torch.isneginf(grammar), inf, x[g])
-        x[g] = torch.where(torch.isneginf(both).all(-1, keepdim=True), grammar, both)
+        if grammar is not None:
+            # the grammar's mask over the ban; a row the two leave without a token keeps the grammar's alone
+            both = torch.where(torch.isneginf(grammar), inf, x[g])
+            x[g] = torch.where(torch.isneginf(both).all(-1, keepdim=True), grammar, both)
     if "bias_rows" in on_device:
         x.index_put_((on_device["bias_rows"], on_device["bias_tokens"]), on_device["bias_values"], accumulate=True)
     if "seen_rows" in on_device:

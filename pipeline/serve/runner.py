@@ -231,7 +231,7 @@ class ModelRunner:
         processed = bool(b.processed[slots[rows]].any()) or any(f.processed for f in forks)
         decodes_only = n == 0 or counts.max() == 1
         step = PackedStep(slots, counts, starts, lengths, rows, fork_rows, decodes_only)
-        if n and decodes_only and len(rows) == n and not ending and not asks and not processed:
+        if n and decodes_only and len(rows) == n and not ending and not asks:
             return step
         step.plain_decodes = False
         step.tables = b.block_tables(slots, starts + counts, self.cache.block_size)
@@ -298,12 +298,11 @@ class ModelRunner:
         sampled = np.array(new_tokens[:len(rows)], dtype=np.int64)
         decoded = np.full(n, -1, np.int64)  # each sequence's token, -1 for a chunk short of its end
         decoded[rows] = sampled
-        # the rows the scheduler applies one by one: prompt chunks (the ones ending here start their forks), rows
-        # with log-probabilities and processed rows (a grammar fed each token, min_tokens counted); the rest are
-        # plain decodes, applied together and flagged as a decode step's are
+        # the rows the scheduler applies one by one: prompt chunks (the ones ending here start their forks) and
+        # rows with log-probabilities; the rest are plain decodes, applied together and flagged as a decode
+        # step's are (a grammar's row always: it is fed each token)
         slots = step.slots
-        plain = (decoded >= 0) & (step.counts == 1) & (step.starts >= b.prompt_len[slots]) & ~b.logprobs[slots] \
-            & ~b.processed[slots]
+        plain = (decoded >= 0) & (step.counts == 1) & (step.starts >= b.prompt_len[slots]) & ~b.logprobs[slots]
         decodes = np.flatnonzero(plain)
         flagged = decodes[b.flagged(slots[decodes], decoded[decodes], self.cache.block_size)].tolist()
         b.advance(slots, step.counts, rows, sampled)
@@ -329,7 +328,11 @@ class ModelRunner:
         settings = self._settings(slots, lengths, [])
         if settings is not None:
             extra |= settings
+        if b.processed[slots].any():
+            extra |= logits_processors.pack([b.holders[s] for s in slots.tolist()], self.vocab_size)
         on_device, logits, started = self._forward(starts, tables, extra)
+        if "processed_rows" in on_device:
+            logits = logits_processors.process(logits, on_device)
         new = sample(logits, settings, on_device)
         if self.timing:
             self.device_seconds += self._clock() - started

@@ -253,8 +253,8 @@ class Scheduler:
         """After a decode appended `token`: finish the request at a stop id or max_tokens, else offer the block
         it filled for sharing."""
         s = request.sampling
-        if token in s.stop_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
+        if token in s.stop_ids or request.grammar is not None and request.grammar.advance(token):
+            request.status = RequestStatus.FINISHED_STOPPED  # a stop id, or its grammar ended
             self._release(request)
         elif len(request.output) >= s.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH

@@ -7,10 +7,10 @@ output must parse and validate (the `jsonschema` package, which the bench needs)
 how the others ended, and each schema's compile time, first and from the cache.
 
 Load: `--concurrent` requests at once, the same prompts and seeds, with none constrained and with `--constrained`
-of them following the schemas, taking turns `--repeats` times: output tokens/s of each, and their ratio (the
-median of the repeats', each kept). The work is made equal: no request stops before max_tokens, an unconstrained
-one having no stop id and a constrained one following a JSON array of its schema's objects, longer than
-max_tokens allows.
+of them following the schemas, taking turns `--repeats` times after one untimed pair: output tokens/s of each,
+and their ratio (the median of the repeats', each kept). The work is made equal: no request stops before
+max_tokens, an unconstrained one having no stop id and a constrained one following a JSON array of its schema's
+objects, longer than max_tokens allows.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import random
 import statistics
 import time
+from decimal import Decimal
 from pathlib import Path
 
 import torch
@@ -40,25 +41,28 @@ WORDS = ["name", "king", "queen", "age", "lord", "city", "act", "scene", "line",
 
 
 def make_schema(rng: random.Random, depth: int = 0) -> dict:
-    """A random schema: an object at the top, its values any of the kinds below, nested at most three deep."""
+    """A random schema: an object at the top, its values any of the kinds below, nested at most three deep, small
+    enough that its longest output fits the DAG's models' 128-token context."""
     kinds = ["integer", "number", "boolean", "enum", "string", "array"] + (["object"] * 2 if depth < 2 else [])
     kind = "object" if depth == 0 else rng.choice(kinds)
     if kind == "object":
-        keys = rng.sample(WORDS, rng.randint(1, 4))
+        keys = rng.sample(WORDS, rng.randint(1, 3 if depth == 0 else 2))
         return {"type": "object", "properties": {k: make_schema(rng, depth + 1) for k in keys},
                 "required": sorted(rng.sample(keys, rng.randint(0, len(keys)))), "additionalProperties": False}
     if kind == "integer":
         low = rng.randint(-50, 50)
         return {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 500)}
     if kind == "number":
-        return {"type": "number", "minimum": -10, "maximum": rng.choice([1, 10, 100])}
+        # in hundredths: a number's digits are bounded as a string's characters are (below), else a small model at
+        # temperature 1 may write digits until max_tokens
+        return {"type": "number", "minimum": -10, "maximum": rng.choice([1, 10, 100]), "multipleOf": 0.01}
     if kind == "boolean":
         return {"type": "boolean"}
     if kind == "enum":
         return {"enum": rng.sample(WORDS, rng.randint(1, 4))}
     if kind == "string":
-        return {"type": "string", "maxLength": rng.randint(1, 12)}
-    return {"type": "array", "items": make_schema(rng, depth + 1), "minItems": rng.randint(0, 1),
+        return {"type": "string", "maxLength": rng.randint(1, 8)}
+    return {"type": "array", "items": make_schema(rng, depth + 2), "minItems": rng.randint(0, 1),
             "maxItems": rng.randint(1, 3)}
 
 
@@ -68,10 +72,13 @@ def prompt_ids(chat: ChatFormat, schema: dict) -> list[int]:
 
 
 def valid(text: str, schema: dict) -> bool:
+    """Whether `text` is JSON that follows `schema`, its numbers read as decimals (in floats 1.12 is no multiple
+    of 0.01, and jsonschema would say so)."""
     import jsonschema
 
     try:
-        jsonschema.validate(json.loads(text), schema)
+        jsonschema.validate(json.loads(text, parse_float=Decimal),
+                            json.loads(json.dumps(schema), parse_float=Decimal))
     except (ValueError, jsonschema.ValidationError):
         return False
     return True
@@ -118,7 +125,8 @@ def bench_structured(model_dir: Path, tokenizer: Path, schemas: int, n: int, con
     validity = {"schemas": schemas, "n": n, "outputs": len(requests), "valid": sum(ok),
                 "valid_share": round(sum(ok) / len(ok), 4), "finish_reasons": endings,
                 "output_tokens_mean": round(statistics.mean(len(r.output) for r in requests), 1),
-                "compile_ms_median": round(statistics.median(compile_ms), 2), "compile_ms_max": round(max(compile_ms), 2),
+                "compile_ms_median": round(statistics.median(compile_ms), 2),
+                "compile_ms_max": round(max(compile_ms), 2),
                 "cached_ms_median": round(statistics.median(cached_ms), 3),
                 "invalid_examples": [{"schema": made[k // n], "text": texts[k][:300]}
                                      for k, good in enumerate(ok) if not good][:5]}
@@ -134,7 +142,7 @@ def bench_structured(model_dir: Path, tokenizer: Path, schemas: int, n: int, con
                                                        f"{validity['compile_ms_max']}; {validity['cached_ms_median']}")
     for row in load["rows"]:
         table.add_row(f"{row['variant']} tokens/s", f"{row['output_tokens_per_s']:,}")
-    table.add_row(f"{constrained} of {concurrent} constrained / none (median)", f"{load['ratio_median']:.3f} "
+    table.add_row(f"{constrained} of {concurrent} constrained / none (median)", f"{load['ratio_median']:.3f}\n"
                   f"({', '.join(f'{r:.3f}' for r in load['ratios'])})")
     console.print(table)
     write_json(out, result)
@@ -167,6 +175,7 @@ def loaded_throughput(model, chat: ChatFormat, grammars: Grammars, schemas: list
                 "output_tokens_per_s": round(tokens / seconds, 1)}
 
     rows, ratios = [], []
+    run(False), run(True)  # untimed: the first runs pay for allocations and the grammars' first compiles
     for k in range(repeats):
         pair = [run(False), run(True)] if k % 2 == 0 else [run(True), run(False)][::-1]
         rows += pair
