@@ -27,7 +27,7 @@ from tests.test_protected import app, git, project, snapshot  # noqa: F401  (pro
 # must be put in one of them (test_every_path_option_is_known), and every output is tried against the rule.
 OUTPUTS = {"out", "checkpoints", "profile", "work", "pack", "plots", "metrics"}
 INPUTS = {"params", "shards", "tokenizer", "corpus", "path", "fit", "runs", "size", "base", "sft_model", "start",
-          "resume_from", "models", "model", "draft", "folders"}
+          "resume_from", "models", "model", "draft", "folders", "json_schema"}
 # What a command needs besides the option tried (its arguments, its required options)
 NEEDS = {("seeds",): ["pretrain"], ("compare",): ["a", "b"], ("scaling", "fit"): ["--runs", "x.csv", "--out", "../fit.json"],
          ("convert", "to-hf"): ["data/models/sft"], ("convert", "from-hf"): ["data/models/sft"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Annotated
 
 import jsonschema
@@ -201,3 +202,45 @@ def test_a_steps_masks_are_each_grammars_allowed_tokens(tiny):
     for row, grammar in zip(got, rows):
         want = np.frombuffer(grammar.matcher.compute_logit_bias(), np.uint8)[:303] > 0
         assert row.tolist() == want.tolist() and 0 < row.sum() < 303
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow  # needs the DAG's models (make repro): make test-slow
+@pytest.mark.skipif(not (REPO / "data/models/sft/model.safetensors").is_file(), reason="no DAG models: make repro")
+def test_the_dags_sft_model_answers_in_schema_through_the_real_client(tmp_path):
+    """`kiln serve` on the DAG's SFT model (a trained model, unlike the random one above): the openai client's
+    parse with a pydantic model, JSON mode and vLLM's structured_outputs, n=4 at temperature 1, all valid."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx2 as httpx
+
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "kiln.pipeline.cli", "serve", "--model",
+                                    str(REPO / "data/models/sft"), "--tokenizer",
+                                    str(REPO / "data/tokenizer/tokenizer.json"), "--port", "0", "--device", "cpu",
+                                    "--quiet"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            if said := re.search(r"http://127\.0\.0\.1:(\d+)/v1", log.read_text()):
+                break
+            time.sleep(0.1)
+        base = f"http://127.0.0.1:{said.group(1)}"
+        assert httpx.get(f"{base}/health", timeout=60).status_code == 200
+        api = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        ask = {"model": "sft", "messages": [{"role": "user", "content": "Who speaks?"}], "max_tokens": 90,
+               "temperature": 1.0, "n": 4, "seed": 0}
+        done = api.beta.chat.completions.parse(**ask, response_format=Person)
+        assert all(isinstance(c.message.parsed, Person) for c in done.choices)
+        done = api.chat.completions.create(**ask, response_format={"type": "json_object"})
+        assert all(isinstance(json.loads(c.message.content), dict) for c in done.choices)
+        done = api.chat.completions.create(**ask, extra_body={"structured_outputs": {"json": SCHEMA}})
+        for c in done.choices:
+            jsonschema.validate(json.loads(c.message.content), SCHEMA)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
