@@ -54,8 +54,11 @@ def test_parse_with_a_pydantic_model_returns_the_model(client):
 
 def test_json_mode_and_a_schema_on_both_routes_whole_and_streamed(client):
     _, api = client
-    done = api.chat.completions.create(**chat(response_format={"type": "json_object"}, temperature=1.0, seed=1))
+    done = api.chat.completions.create(**chat(response_format={"type": "json_object"}, temperature=1.0, seed=1,
+                                              logprobs=True, top_logprobs=2))
     assert isinstance(json.loads(done.choices[0].message.content), dict)
+    tokens = done.choices[0].logprobs.content  # the model's own log-probabilities, of the tokens the grammar let out
+    assert "".join(t.token for t in tokens) == done.choices[0].message.content and all(t.logprob <= 0 for t in tokens)
     schema = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
     pieces = [c.choices[0].delta.content or "" for c in api.chat.completions.create(
         **chat(response_format=schema, temperature=1.0, seed=2, stream=True))]
