@@ -98,6 +98,22 @@ def test_resumed_run_equals_straight_run(tiny, tmp_path, optimizer):
     assert json.loads((tmp_path / "b" / "metrics/pretrain.json").read_text())["pretrain"]["steps"] == 8
 
 
+def test_a_finished_run_whose_curves_are_gone_trains_afresh_with_whole_curves(tiny, tmp_path, capsys):
+    """What `dvc repro -f` does: the stage's curves (no longer a persistent output) are deleted, its final
+    checkpoint stays. Resuming it would leave no curves at all: the run starts afresh instead, and the model and
+    curves equal the first run's."""
+    import shutil
+
+    first, weights = run(tiny, tmp_path, max_steps=4)
+    curves = tmp_path / "metrics/pretrain"
+    before = {name: read_metric(path) for name, path in metric_files(curves).items()}
+    shutil.rmtree(curves)
+    again, weights_again = run(tiny, tmp_path, max_steps=4)
+    assert "starting afresh, so that they are whole" in capsys.readouterr().err
+    assert {name: read_metric(path) for name, path in metric_files(curves).items()} == before
+    assert again["val_loss"] == first["val_loss"] and all(torch.equal(weights[k], weights_again[k]) for k in weights)
+
+
 def test_schedule_shapes():
     p = build_section(TrainParams, {"lr": 1.0, "min_lr": 0.1, "warmup_steps": 10})
     assert lr_at(0, 100, p) == pytest.approx(0.1) and lr_at(9, 100, p) == pytest.approx(1.0)

@@ -98,6 +98,12 @@ class Curves:
                     parent.rmdir()
 
 
+def curves_kept(directory: Path) -> bool:
+    """Whether a run resuming into `directory` has the rows logged before it: a stopped run's, staged, or the
+    curves themselves in place (DVC deletes a stage's curves before it reruns the stage: `dvc repro -f`)."""
+    return staging(directory, "results").is_dir() or (Path(directory) / "metrics.json").is_file()
+
+
 def staging(directory: Path, kind: str) -> Path:
     """Where a run logs the `kind` (results or timings) of the curves in `directory` until it ends."""
     return layout.timings(directory).parent / ".partial" / Path(directory).name / kind

@@ -28,7 +28,7 @@ from kiln.pipeline.progress import Progress, console
 from kiln.pipeline.runtime import PRECISIONS, SINGLE, World, autocast, resolve_kernels
 from kiln.pipeline.train import distributed
 from kiln.pipeline.train.checkpoints import Checkpoints
-from kiln.pipeline.train.curves import Curves
+from kiln.pipeline.train.curves import Curves, curves_kept
 from kiln.pipeline.train.float8 import after_optimizer_step, to_float8_training
 from kiln.pipeline.train.memory import Shape, check_run_memory
 from kiln.pipeline.train.muon import Muon, Optimizers, ZeroOptimizers
@@ -255,6 +255,10 @@ class Training:
         run = self.run
         step, seconds_before, loss = 0, 0.0, float("nan")
         latest = run.checkpoints.newest()
+        if latest is not None and not curves_kept(run.curves_dir):
+            console.print(f"{run.name}: {latest.path} is not resumed: the curves up to it are gone from "
+                          f"{run.curves_dir}; starting afresh, so that they are whole", highlight=False)
+            latest = None
         if latest is not None:
             state = run.checkpoints.load(latest, self.model, self.optimizer, self.scaler)
             run.batches.load_state_dict(state["loader"])
