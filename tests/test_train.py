@@ -99,9 +99,9 @@ def test_resumed_run_equals_straight_run(tiny, tmp_path, optimizer):
 
 
 def test_a_finished_run_whose_curves_are_gone_trains_afresh_with_whole_curves(tiny, tmp_path, capsys):
-    """What `dvc repro -f` does: the stage's curves (no longer a persistent output) are deleted, its final
-    checkpoint stays. Resuming it would leave no curves at all: the run starts afresh instead, and the model and
-    curves equal the first run's."""
+    """A stage's curves folder deleted (by hand; DVC keeps it, a persistent output), its final checkpoint kept:
+    resuming it would leave no curves at all. The run starts afresh instead, and the model and curves equal the
+    first run's."""
     import shutil
 
     first, weights = run(tiny, tmp_path, max_steps=4)
