@@ -24,7 +24,7 @@ from pathlib import Path
 from kiln.pipeline.serve.detokenizer import Job
 from kiln.pipeline.serve.engine import Engine
 from kiln.pipeline.serve.engine_thread import EngineThread, call_each
-from kiln.pipeline.serve.grammar import Grammar, GrammarError, Grammars
+from kiln.pipeline.serve.grammar import KINDS, Grammar, GrammarError, Grammars
 from kiln.pipeline.serve.metrics import ServeMetrics
 from kiln.pipeline.serve.protocol import (
     MAX_BODY_BYTES,
@@ -278,13 +278,11 @@ class Service:
 
 
 
-STRUCTURED = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's structured_outputs, one of them
-
 
 def structured(body: dict) -> tuple[str, str, object] | None:
     """(the field, the grammar's kind, its spec) of what a validated body's output must follow: OpenAI's
     `response_format` (json_object, or json_schema: its schema, any JSON object without one) or vLLM's
-    `structured_outputs` (exactly one of STRUCTURED); None for neither (or a text format)."""
+    `structured_outputs` (exactly one of grammar.py's KINDS); None for neither (or a text format)."""
     asked = []
     fmt = body.get("response_format") or {"type": "text"}
     if fmt["type"] == "json_object":
@@ -293,9 +291,9 @@ def structured(body: dict) -> tuple[str, str, object] | None:
         schema = fmt["json_schema"].get("schema")
         asked.append(("response_format.json_schema.schema", "json_object" if schema is None else "json", schema))
     if (outputs := body.get("structured_outputs")) is not None:
-        named = [k for k in STRUCTURED if outputs.get(k) not in (None, False)]
+        named = [k for k in KINDS if outputs.get(k) not in (None, False)]
         if len(named) != 1:
-            raise BadRequest(f"structured_outputs: expected exactly one of {', '.join(STRUCTURED)}; got "
+            raise BadRequest(f"structured_outputs: expected exactly one of {', '.join(KINDS)}; got "
                              f"{', '.join(named) or 'none'}", "structured_outputs")
         asked.append((f"structured_outputs.{named[0]}", named[0], outputs[named[0]]))
     if len(asked) > 1:
