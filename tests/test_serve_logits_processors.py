@@ -111,8 +111,9 @@ def test_a_grammar_that_allows_only_a_held_back_stop_id_keeps_it():
     assert torch.isfinite(out[0]).tolist() == [t == 5 for t in range(VOCAB)]
 
 
-def test_the_mask_layout_is_llguidances():
-    """Token t is bit t % 32 of int32 word t // 32, the sign bit included; ids past the vocabulary are cut."""
+def test_allowed_reads_token_t_from_bit_t_mod_32_of_word_t_div_32():
+    """Token t is bit t % 32 of int32 word t // 32, the sign bit included; ids past the vocabulary are cut
+    (llguidance's own masks read so: test_serve_structured.py)."""
     tokens = [0, 31, 32, 63, 64, 66]
     got = allowed(torch.from_numpy(fixed_masks([FixedMask(tokens)], 3).astype(np.int64)), VOCAB)[0]
     assert torch.nonzero(got).flatten().tolist() == tokens

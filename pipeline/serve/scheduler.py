@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+
 from kiln.pipeline.serve.blocks import BlockPool
 from kiln.pipeline.serve.request import Request, RequestStatus
 from kiln.pipeline.serve.step import Changes, ScheduledSequence, StepResult
@@ -250,13 +251,12 @@ class Scheduler:
         return events
 
     def _decoded_one(self, request: Request, token: int) -> None:
-        """After a decode appended `token`: finish the request at a stop id or max_tokens, else offer the block
-        it filled for sharing."""
-        s = request.sampling
-        if token in s.stop_ids or request.grammar is not None and request.grammar.advance(token):
-            request.status = RequestStatus.FINISHED_STOPPED  # a stop id, or its grammar ended
+        """After a decode appended `token`: finish the request at a stop id, its grammar's end or max_tokens, else
+        offer the block it filled for sharing."""
+        if stops(request, token):
+            request.status = RequestStatus.FINISHED_STOPPED
             self._release(request)
-        elif len(request.output) >= s.max_tokens:
+        elif len(request.output) >= request.sampling.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH
             self._release(request)
         elif request.computed % self.pool.block_size == 0:  # it filled a block
@@ -308,10 +308,8 @@ class Scheduler:
             if logprobs is not None:
                 request.logprobs.append(logprobs[i])
             events.append((request, token))
-            if token in s.stop_ids:
+            if stops(request, token):
                 request.status = RequestStatus.FINISHED_STOPPED
-            elif request.grammar is not None and request.grammar.advance(token):
-                request.status = RequestStatus.FINISHED_STOPPED  # its grammar has ended: nothing more may follow
             elif len(request.output) >= s.max_tokens:
                 request.status = RequestStatus.FINISHED_LENGTH
             if request.status.finished:
@@ -409,3 +407,9 @@ class Scheduler:
         hashed before are (`Request.block_keys`)."""
         if self.prefix_caching and request.computed // self.pool.block_size > before // self.pool.block_size:
             self.pool.commit(request.table, request.token_slice(0, request.computed), request.block_keys)
+
+
+def stops(request: Request, token: int) -> bool:
+    """Whether `token`, just appended, ends `request`: a stop id, or its grammar fed it and has ended (nothing more
+    may follow)."""
+    return token in request.sampling.stop_ids or request.grammar is not None and request.grammar.advance(token)
