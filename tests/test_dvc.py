@@ -216,8 +216,7 @@ def test_experiments_rerun_only_what_they_change(project):
     assert diff["old"] != diff["new"]  # bf16 rounding moves the numbers, a little
     assert abs(diff["new"] - diff["old"]) < 0.1
 
-    # On top of that experiment's workspace (no `exp apply` in between: the stages' resume state and curves
-    # persist outside the cache, so DVC would see them changed), a DPO knob reruns DPO alone.
+    # On top of that experiment's workspace (no `exp apply` in between), a DPO knob reruns DPO alone.
     before = json.loads((project / "metrics/eval.json").read_text())["eval"]
     exp = run(project, "dvc", "exp", "run", "-S", "dpo.beta=0.3")
     assert ran_stages(exp) == {"params_check", "dpo", "evaluate"}

@@ -99,7 +99,7 @@ def test_resumed_run_equals_straight_run(tiny, tmp_path, optimizer):
 
 
 def test_a_finished_run_whose_curves_are_gone_trains_afresh_with_whole_curves(tiny, tmp_path, capsys):
-    """A stage's curves folder deleted (by hand; DVC keeps it, a persistent output), its final checkpoint kept:
+    """A stage's curves folder deleted (DVC deletes it before rerunning the stage), its final checkpoint kept:
     resuming it would leave no curves at all. The run starts afresh instead, and the model and curves equal the
     first run's."""
     import shutil

@@ -1,7 +1,8 @@
 """Stage `pretrain`: token shards -> `data/models/base/` (weights, config, tokenizer hash) + metrics + curves.
 
-Resume is automatic: checkpoints live in `data/checkpoints/pretrain/` (a DVC `persist: true` output), and a
-rerun with the same params continues from the newest one instead of starting again.
+Resume is automatic: checkpoints live in `data/checkpoints/pretrain/` (git-ignored, not a DVC output, so DVC
+neither removes nor caches them), and a rerun with the same params continues from the newest one instead of
+starting again.
 """
 
 from __future__ import annotations
