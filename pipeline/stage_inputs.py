@@ -24,7 +24,9 @@ def check_declared(path: Path, key: str) -> None:
     if not stage:
         return
     dvc_file, _, name = stage.rpartition(":")
-    dvc_file = Path(os.environ.get("DVC_ROOT", ".")) / (dvc_file or "dvc.yaml")
+    # DVC runs a stage in its dvc.yaml's folder. Not DVC_ROOT: in a queued or `--temp` experiment it names the
+    # repository the experiment came from, not the copy under .dvc/tmp/exps/ that the stage runs (and reads) in.
+    dvc_file = Path.cwd() / Path(dvc_file or "dvc.yaml").name
     deps = _deps(dvc_file, name)
     if deps is None:  # not a stage kiln can read back (another dvc.yaml layout): DVC's business, not checked
         return
@@ -43,7 +45,7 @@ def check_declared_module(module: object, key: str) -> None:
     if not file or not os.environ.get("DVC_STAGE"):
         return
     path = Path(file).resolve()
-    root = Path(os.environ.get("DVC_ROOT", ".")).resolve()
+    root = Path.cwd().resolve()  # the running stage's folder (check_declared says why not DVC_ROOT)
     installed = Path(sys.prefix).resolve() in path.parents or "site-packages" in path.parts
     if root in path.parents and not installed:
         check_declared(path, key)

@@ -55,6 +55,17 @@ def test_a_file_outside_them_is_refused_naming_the_param_and_the_folder(dag):
     assert make_reward("posixpath:join")  # a module of the standard library: not the project's
 
 
+def test_a_temp_or_queued_experiment_reads_the_deps_of_the_copy_it_runs_in(dag, monkeypatch, tmp_path_factory):
+    """`dvc exp run --temp` and queued experiments run the stage in a copy of the project (cwd) while DVC_ROOT
+    names the repository they came from, whose dvc.yaml may differ: the copy's deps decide."""
+    origin = tmp_path_factory.mktemp("origin")
+    (origin / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"grpo": {"cmd": "kiln grpo", "deps": ["other"]}}}))
+    monkeypatch.setenv("DVC_ROOT", str(origin))
+    assert list(read_rows("tasks/grpo/rows.jsonl", "train", "grpo.data"))[0]["answer"] == "a"
+    with pytest.raises(UserError, match=r"^params: grpo.data: elsewhere/rows.jsonl is not among .* under tasks/grpo/"):
+        read_rows("elsewhere/rows.jsonl", "train", "grpo.data")
+
+
 def test_evaluate_takes_anything_under_tasks_and_a_hand_run_anything(dag, monkeypatch):
     monkeypatch.setenv("DVC_STAGE", "evaluate")
     assert len(load_task(TaskSpec(name="t", data="tasks/grpo/rows.jsonl"), "eval.tasks[0]").items) == 1
