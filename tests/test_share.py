@@ -51,12 +51,15 @@ def test_a_teammate_pulls_the_models_experiments_and_run_cache_without_training(
     run(project, "git", "tag", "-a", "sft@v1.0.0", "-m", "sft, the first version")
     run(project, "git", "push", "-q", "origin", "HEAD:refs/heads/main", "sft@v1.0.0")
     run(project, "dvc", "push")
-    # an experiment (sft alone, fewer steps), pushed with its outputs; then the run cache, which now holds sft's
-    # run at sft.max_steps=2 beside the baseline's
-    experiment = run(project, "dvc", "exp", "run", "sft", "-S", "sft.max_steps=2", "--name", "short-sft")
+    # an experiment (sft alone, fewer steps) in a copy of the project (`--temp`: the workspace stays as it is),
+    # pushed with its outputs; then the run cache, which now holds sft's run at sft.max_steps=2 beside the baseline's
+    experiment = run(project, "dvc", "exp", "run", "--temp", "sft", "-S", "sft.max_steps=2", "--name", "short-sft")
     assert ran_stages(experiment) == {"params_check", "sft"}
+    assert (project / "data/models/sft/model.safetensors").read_bytes() == models["sft"]
+    run(project, "dvc", "exp", "apply", "short-sft")
     short = {path: md5(project / path) for path in ("data/models/sft/model.safetensors", "metrics/sft.json",
                                                     "metrics/sft/plots/metrics/loss.tsv")}
+    assert short["data/models/sft/model.safetensors"] != hashlib.md5(models["sft"]).hexdigest()  # another model
     run(project, "dvc", "exp", "push", "origin", "short-sft")
     run(project, "dvc", "push", "--run-cache")
     # checkpoints are not outputs (they are what varies between runs): none of their bytes is in the remote
